@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs mlpfuse into the current Python environment (PYTHON, default python3).
+#   bash install.sh        mlpfuse and its runtime needs
+#   bash install.sh test   the same, plus what the test suite needs
+# An installed torch is never replaced: a CUDA build stays as it is. Only where no torch is importable does this
+# install one, pinned (MLPFUSE_TORCH, default torch==2.13.0) so that a CPU machine gets that release's CPU wheel
+# from its package index rather than whatever newest build pip would resolve on its own.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+    echo "install.sh: no torch found; installing ${MLPFUSE_TORCH:-torch==2.13.0}" >&2
+    pip_install "${MLPFUSE_TORCH:-torch==2.13.0}"
+fi
+
+case "${1:-run}" in
+    run) pip_install -e . ;;
+    test)
+        pip_install -e ".[test]"
+        # The CPU suite runs the Triton kernels through Triton's interpreter; CUDA builds of torch ship Triton.
+        if ! "$PY" -c "import triton" >/dev/null 2>&1; then
+            pip_install "triton==3.6.0"
+        fi
+        ;;
+    *) echo "install.sh: unknown target '$1' (expected: run or test)" >&2; exit 2 ;;
+esac

@@ -1,0 +1,5 @@
+import sys
+
+from mlpfuse.cli import main
+
+sys.exit(main())

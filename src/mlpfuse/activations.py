@@ -1,0 +1,140 @@
+"""Every activation mlpfuse knows, defined once.
+
+Each entry carries its name, aliases, a torch forward, a torch derivative (d act / d x, used by the reference and
+the torch backend's fused backward) and an integer id. Triton kernels take that id as a `tl.constexpr` and call
+`act_fwd` / `act_grad` below, so the branch is resolved at compile time and every kernel shares one definition.
+
+Math (x is the pre-activation, in fp32 inside kernels):
+    gelu_tanh(x) = 0.5·x·(1 + tanh(a)),  a = √(2/π)·(x + 0.044715·x³)
+        d/dx     = 0.5·(1 + t) + 0.5·x·(1 − t²)·√(2/π)·(1 + 3·0.044715·x²),  t = tanh(a)
+    gelu(x)      = 0.5·x·(1 + erf(x/√2)),   d/dx = 0.5·(1 + erf(x/√2)) + x·exp(−x²/2)/√(2π)
+    silu(x)      = x·σ(x),                  d/dx = σ(x)·(1 + x·(1 − σ(x)))
+    relu(x)      = max(x, 0),               d/dx = [x > 0]
+    relu2(x)     = max(x, 0)²,              d/dx = 2·max(x, 0)
+NaN propagates through every forward (relu is written so that NaN stays NaN).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mlpfuse.errors import InputError
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+# Ids shared by the Python table and the Triton kernels. 0 means "no activation" (identity).
+IDENTITY, GELU_TANH, GELU, SILU, RELU, RELU2 = 0, 1, 2, 3, 4, 5
+
+
+def _gelu_tanh_grad(x: torch.Tensor) -> torch.Tensor:
+    inner = _SQRT_2_OVER_PI * (x + 0.044715 * x**3)
+    t = torch.tanh(inner)
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * x * x)
+
+
+def _gelu_grad(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (1 + torch.erf(x * _INV_SQRT_2)) + x * torch.exp(-0.5 * x * x) * _INV_SQRT_2PI
+
+
+def _silu_grad(x: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(x)
+    return s * (1 + x * (1 - s))
+
+
+@dataclass(frozen=True)
+class Activation:
+    name: str
+    id: int
+    aliases: tuple[str, ...]
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    grad: Callable[[torch.Tensor], torch.Tensor]
+
+
+_TABLE = (
+    Activation("identity", IDENTITY, ("none", "linear"), lambda x: x, torch.ones_like),
+    Activation(
+        "gelu_tanh",
+        GELU_TANH,
+        ("gelu_pytorch_tanh", "gelu_new"),
+        lambda x: F.gelu(x, approximate="tanh"),
+        _gelu_tanh_grad,
+    ),
+    Activation("gelu", GELU, (), F.gelu, _gelu_grad),
+    Activation("silu", SILU, ("swish",), F.silu, _silu_grad),
+    Activation("relu", RELU, (), torch.relu, lambda x: (x > 0).to(x.dtype)),
+    Activation("relu2", RELU2, (), lambda x: torch.relu(x).square(), lambda x: 2 * torch.relu(x)),
+)
+_BY_NAME = {name: a for a in _TABLE for name in (a.name, *a.aliases)}
+
+NAMES = tuple(a.name for a in _TABLE if a.id != IDENTITY)
+
+
+def get(name: str | None, *, argument: str = "activation") -> Activation:
+    """Look an activation up by name or alias; None means identity. Unknown names raise InputError."""
+    if name is None:
+        return _TABLE[0]
+    if isinstance(name, Activation):
+        return name
+    try:
+        return _BY_NAME[str(name).lower()]
+    except KeyError:
+        valid = ", ".join(sorted(n for n in _BY_NAME if n not in ("identity", "none", "linear")))
+        raise InputError(f"{argument}: unknown activation {name!r}; expected one of {valid} or None") from None
+
+
+try:  # Triton forms: only where Triton is installed (never needed by the profiler or the torch backend).
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without Triton
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _tanh(a):
+        # tanh through exp keeps to core ops (the interpreter and every backend have them); saturates cleanly.
+        return 2.0 / (1.0 + tl.exp(-2.0 * a)) - 1.0
+
+    @triton.jit
+    def act_fwd(x, ACT: tl.constexpr):
+        """act(x) for fp32 x; ACT is one of the ids above."""
+        if ACT == GELU_TANH:
+            a = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+            return 0.5 * x * (1.0 + _tanh(a))
+        elif ACT == GELU:
+            return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+        elif ACT == SILU:
+            return x * tl.sigmoid(x)
+        elif ACT == RELU:
+            return tl.where(x < 0.0, 0.0, x)
+        elif ACT == RELU2:
+            r = tl.where(x < 0.0, 0.0, x)
+            return r * r
+        else:
+            return x
+
+    @triton.jit
+    def act_grad(x, ACT: tl.constexpr):
+        """d act / d x for fp32 x."""
+        if ACT == GELU_TANH:
+            a = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+            t = _tanh(a)
+            return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+        elif ACT == GELU:
+            return 0.5 * (1.0 + tl.erf(x * 0.7071067811865476)) + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
+        elif ACT == SILU:
+            s = tl.sigmoid(x)
+            return s * (1.0 + x * (1.0 - s))
+        elif ACT == RELU:
+            return tl.where(x > 0.0, 1.0, 0.0)
+        elif ACT == RELU2:
+            return 2.0 * tl.where(x > 0.0, x, 0.0)
+        else:
+            return x * 0.0 + 1.0
