@@ -96,6 +96,9 @@ except ImportError:  # pragma: no cover - exercised on machines without Triton
     triton = None
 
 if triton is not None:
+    # Compiled kernels may only read globals that are constexpr; the interpreter does not enforce it.
+    _K_GELU_TANH, _K_GELU, _K_SILU = tl.constexpr(GELU_TANH), tl.constexpr(GELU), tl.constexpr(SILU)
+    _K_RELU, _K_RELU2 = tl.constexpr(RELU), tl.constexpr(RELU2)
 
     @triton.jit
     def _tanh(a):
@@ -105,16 +108,16 @@ if triton is not None:
     @triton.jit
     def act_fwd(x, ACT: tl.constexpr):
         """act(x) for fp32 x; ACT is one of the ids above."""
-        if ACT == GELU_TANH:
+        if ACT == _K_GELU_TANH:
             a = 0.7978845608028654 * (x + 0.044715 * x * x * x)
             return 0.5 * x * (1.0 + _tanh(a))
-        elif ACT == GELU:
+        elif ACT == _K_GELU:
             return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
-        elif ACT == SILU:
+        elif ACT == _K_SILU:
             return x * tl.sigmoid(x)
-        elif ACT == RELU:
+        elif ACT == _K_RELU:
             return tl.where(x < 0.0, 0.0, x)
-        elif ACT == RELU2:
+        elif ACT == _K_RELU2:
             r = tl.where(x < 0.0, 0.0, x)
             return r * r
         else:
@@ -123,18 +126,18 @@ if triton is not None:
     @triton.jit
     def act_grad(x, ACT: tl.constexpr):
         """d act / d x for fp32 x."""
-        if ACT == GELU_TANH:
+        if ACT == _K_GELU_TANH:
             a = 0.7978845608028654 * (x + 0.044715 * x * x * x)
             t = _tanh(a)
             return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
-        elif ACT == GELU:
+        elif ACT == _K_GELU:
             return 0.5 * (1.0 + tl.erf(x * 0.7071067811865476)) + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
-        elif ACT == SILU:
+        elif ACT == _K_SILU:
             s = tl.sigmoid(x)
             return s * (1.0 + x * (1.0 - s))
-        elif ACT == RELU:
+        elif ACT == _K_RELU:
             return tl.where(x > 0.0, 1.0, 0.0)
-        elif ACT == RELU2:
+        elif ACT == _K_RELU2:
             return 2.0 * tl.where(x > 0.0, x, 0.0)
         else:
             return x * 0.0 + 1.0

@@ -1,0 +1,7 @@
+"""The benchmark lab behind `mlpfuse bench`: every peer and every mlpfuse backend on the same weights and inputs.
+
+presets   cases from presets and sweep flags          variants  the contestants and the fp64 check
+timing    CUDA events, wall clock, interleaved rounds  roofline  FLOPs, min bytes, measured peaks (cached)
+sweep     the run: build, check, time, profile         outputs   JSON / CSV / Markdown / terminal table
+plots     speed-up vs tokens, roofline chart           commands  the CLI
+"""

@@ -1,0 +1,193 @@
+"""`mlpfuse bench`: parse the flags, run the grid with a progress bar, print the table, write the files."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import shlex
+from pathlib import Path
+
+from mlpfuse.errors import InputError
+
+EPILOG = """examples:
+  mlpfuse bench --preset blog                          GeGLU 8192x768x3072 bf16 forward, every variant
+  mlpfuse bench --preset llama-8b --mode fwd,fwd+bwd --workload swiglu
+  mlpfuse bench --preset decode                        1..64 tokens x 4096x14336
+  mlpfuse bench --tokens 1,64,512,4096 --dim 768 --hidden 3072 --activation gelu_tanh,silu --workload gated
+  mlpfuse bench --preset small --variants eager,compile,mlpfuse --compile-mode max-autotune
+exit status: 0 ok, 1 a variant disagreed with the fp64 reference, 2 bad input.
+"""
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmark eager, torch.compile, Liger, CUDA graphs and mlpfuse side by side",
+        description="Benchmark every variant of an MLP block on the same weights and inputs: outputs checked "
+        "against fp64 first, then GPU time (CUDA events), wall time per call, kernels and launches per call, "
+        "peak memory and the distance to this device's measured roofline.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--preset", help="blog, llama-8b, gemma-2b, decode, small (default: blog; small on CPU)")
+    p.add_argument("--tokens", help="comma list of token counts; AxB means batch x sequence (e.g. 1,64,4x2048)")
+    p.add_argument("--dim", help="comma list of model dims (D)")
+    p.add_argument("--hidden", help="comma list of hidden sizes (H)")
+    p.add_argument("--dtype", help="comma list of bf16, fp16, fp32 (default bf16; fp32 on CPU)")
+    p.add_argument("--activation", help="comma list for gated/mlp/linear workloads (default gelu_tanh)")
+    p.add_argument("--workload", help="comma list of geglu, swiglu, gated, mlp, linear (default geglu)")
+    p.add_argument("--mode", help="comma list of fwd, fwd+bwd (default fwd)")
+    p.add_argument("--variants", help="comma list of variants or 'all' (see --list)")
+    p.add_argument("--compile-mode", help="mode of the compile variant: default, max-autotune, reduce-overhead")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cuda, cuda:N or cpu")
+    p.add_argument("--rounds", type=int, help="interleaved timing rounds (default 10 on GPU, 3 on CPU)")
+    p.add_argument("--target-ms", type=float, help="time per variant per round (default 20 ms on GPU, 50 on CPU)")
+    p.add_argument("--no-profile", action="store_true", help="skip counting kernels and launches per call")
+    p.add_argument("--no-plots", action="store_true", help="write no PNGs")
+    p.add_argument("--remeasure-peaks", action="store_true", help="measure this device's GEMM peak and bandwidth again")
+    p.add_argument("--out", help="output folder (default ./mlpfuse-results/bench-<device>/<timestamp>)")
+    p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
+    p.add_argument("--list", action="store_true", help="list presets, workloads and variants, then exit")
+    p.set_defaults(func=run_command)
+
+
+def _device(text: str):
+    import torch
+
+    text = (text or "auto").lower()
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise InputError(f"--device: expected auto, cpu, cuda or cuda:N, got {text!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise InputError(f"--device: expected auto, cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device: CUDA was asked for but torch sees no CUDA device")
+    return device
+
+
+def _print_list() -> int:
+    from mlpfuse.bench import presets, variants
+
+    print("presets:")
+    for name, p in presets.PRESETS.items():
+        tokens = ",".join(map(str, p.tokens))
+        print(f"  {name:10s} tokens {tokens} x dim {p.dim} x hidden {p.hidden}: {p.about}")
+    print("workloads:")
+    for name, about in presets.WORKLOAD_HELP.items():
+        print(f"  {name:10s} {about}")
+    print("variants (default: " + ",".join(variants.DEFAULT_VARIANTS) + "):")
+    for v in variants.VARIANTS.values():
+        tag = "peer" if v.peer else "mlpfuse"
+        print(f"  {v.name:24s} [{tag}{', CUDA' if v.needs_cuda else ''}] {v.about}")
+    return 0
+
+
+def run_command(args) -> int:
+    if args.list:
+        return _print_list()
+    from rich.console import Console
+
+    from mlpfuse.bench import outputs, presets, roofline, sweep, variants
+
+    # Validate everything before touching the device.
+    device = _device(args.device)
+    on_cpu = device.type != "cuda"
+    notes: list[str] = []
+    cases = presets.build_cases(
+        preset=args.preset,
+        tokens=args.tokens,
+        dim=args.dim,
+        hidden=args.hidden,
+        dtype=args.dtype,
+        activation=args.activation,
+        workload=args.workload,
+        mode=args.mode,
+        on_cpu=on_cpu,
+        notes=notes,
+    )
+    chosen = variants.parse_variants(args.variants, args.compile_mode)
+    if args.rounds is not None and args.rounds < 1:
+        raise InputError(f"--rounds: expected an integer >= 1, got {args.rounds}")
+    if args.target_ms is not None and args.target_ms <= 0:
+        raise InputError(f"--target-ms: expected a positive number of milliseconds, got {args.target_ms}")
+    settings = sweep.Settings(
+        rounds=args.rounds or (3 if on_cpu else 10),
+        target_ms=args.target_ms or (50.0 if on_cpu else 20.0),
+        profile=not args.no_profile,
+    )
+
+    err = Console(stderr=True)
+    out = Console() if not args.json else None
+    for note in notes:
+        err.print(f"[yellow]note:[/] {note}")
+    peaks = roofline.load_peaks(
+        device, sorted({c.dtype for c in cases}), remeasure=args.remeasure_peaks, log=lambda m: err.print(m)
+    )
+    if args.json:  # otherwise the table prints them
+        err.print(outputs.peaks_line({"peaks": peaks.to_dict()}))
+
+    result = _run_with_progress(sweep, cases, chosen, device, peaks, settings, err, _command_line(args))
+    result.meta["notes"] = notes
+
+    folder = Path(args.out) if args.out else _default_out(device)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = [
+        outputs.write_json(result, folder / "results.json"),
+        outputs.write_csv(result, folder / "results.csv"),
+        outputs.write_markdown(result, folder / "results.md"),
+    ]
+    if not args.no_plots:
+        from mlpfuse.bench import plots
+
+        written += [p for p in (plots.speedup_plot(result, folder / "speedup.png"),
+                                plots.roofline_plot(result, folder / "roofline.png")) if p]
+    if args.json:
+        print(outputs.to_json(result))
+    else:
+        outputs.print_table(result, out)
+    err.print("wrote " + ", ".join(str(p) for p in written))
+    wrong = [f"{r['variant']} on {r['case']}" for r in result.rows if r["status"] == "wrong"]
+    if wrong:
+        err.print("[red]disagreed with the fp64 reference:[/] " + "; ".join(wrong))
+        return 1
+    return 0
+
+
+_OPTIONS = ("preset", "tokens", "dim", "hidden", "dtype", "activation", "workload", "mode", "variants",
+            "compile_mode", "device", "rounds", "target_ms", "no_profile", "no_plots", "remeasure_peaks", "out", "json")
+
+
+def _command_line(args) -> str:
+    """The command that reproduces this run, rebuilt from the parsed flags (however main() was called)."""
+    words = ["mlpfuse", "bench"]
+    for name in _OPTIONS:
+        value = getattr(args, name, None)
+        if value in (None, False) or (name == "device" and value == "auto"):
+            continue
+        words.append("--" + name.replace("_", "-"))
+        if value is not True:
+            words.append(shlex.quote(str(value)))
+    return " ".join(words)
+
+
+def _default_out(device) -> Path:
+    from mlpfuse.bench.roofline import device_slug
+
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("mlpfuse-results") / f"bench-{device_slug(device)}" / stamp
+
+
+def _run_with_progress(sweep, cases, chosen, device, peaks, settings, console, command):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("bench", total=len(cases) * len(chosen))
+
+        def advance(n: int, description: str) -> None:
+            bar.update(task, advance=n, description=description)
+
+        return sweep.run(cases, chosen, device, peaks, settings, progress=advance, command=command)

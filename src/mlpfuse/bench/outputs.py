@@ -1,0 +1,184 @@
+"""Writing a bench result: results.json (everything), results.csv (one flat row per case × variant),
+results.md (the tables the README shows) and the terminal table.
+
+JSON schema: {"meta": {command, timestamp, device, torch, cuda, triton, liger_kernel, mlpfuse, python,
+peaks: {device, gemm_tflops: {dtype: TFLOP/s}, copy_gbps, how}, settings, notes}, "rows": [row, ...]}; a row has
+the case (workload, activation, tokens, dim, hidden, dtype, mode, case), variant, peer, status (ok | wrong |
+skipped | error), error, max_rel_error and errors (per output vs fp64), tolerance, gpu_us, gpu_spread_pct,
+wall_us, wall_spread_pct, kernels, launches, memsets, memcpys, cpu_ops (per call), peak_mem_mb, resident_mb, setup_ms, first_call_ms,
+flops, min_bytes, intensity, floor_us, tflops, gbps, pct_of_floor, speedup (vs best_peer; GPU time, wall time
+on a CPU), speedup_wall (vs best_peer_wall). Times are µs, memory MiB, rates TFLOP/s and GB/s (1e9 bytes).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from itertools import groupby
+from pathlib import Path
+
+from mlpfuse.bench.sweep import BenchResult
+
+CSV_FIELDS = (
+    "workload activation tokens dim hidden dtype mode variant peer status error max_rel_error tolerance gpu_us "
+    "gpu_spread_pct wall_us wall_spread_pct kernels launches memsets memcpys peak_mem_mb resident_mb setup_ms "
+    "first_call_ms flops min_bytes intensity floor_us tflops gbps pct_of_floor speedup best_peer speedup_wall "
+    "best_peer_wall"
+).split()
+
+
+def _clean(value):
+    """JSON has no Infinity/NaN: a non-finite float (an infinite error) is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def to_json(result: BenchResult) -> str:
+    return json.dumps(_clean({"meta": result.meta, "rows": result.rows}), indent=2)
+
+
+def write_json(result: BenchResult, path: Path) -> Path:
+    path.write_text(to_json(result) + "\n")
+    return path
+
+
+def write_csv(result: BenchResult, path: Path) -> Path:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for row in result.rows:
+            writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in CSV_FIELDS})
+    return path
+
+
+# --- formatting shared by the Markdown and the terminal tables -------------------------------------------------
+
+
+def _num(value, fmt: str = "{:.1f}") -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def _time(us, spread) -> str:
+    if us is None:
+        return "–"
+    return f"{us:.1f} ±{spread:.1f}%" if spread is not None else f"{us:.1f}"
+
+
+def _speedup(value) -> str:
+    return "–" if value is None else f"{value:.2f}×"
+
+
+def _status(row: dict) -> str:
+    if row["status"] == "ok":
+        return "ok" if not row.get("error") else f"ok ({row['error']})"
+    if row["status"] == "skipped":
+        return row["error"] or "skipped"
+    return f"{row['status']}: {row['error']}"
+
+
+TABLE_COLUMNS = (
+    ("variant", lambda r: r["variant"] + ("" if r["peer"] else " *")),
+    ("GPU µs", lambda r: _time(r["gpu_us"], r["gpu_spread_pct"])),
+    ("wall µs/call", lambda r: _time(r["wall_us"], r["wall_spread_pct"])),
+    ("vs best peer", lambda r: _speedup(r["speedup"])),
+    ("wall vs best", lambda r: _speedup(r["speedup_wall"])),
+    ("kernels", lambda r: _num(r["kernels"], "{:g}")),
+    ("launches", lambda r: _num(r["launches"], "{:g}")),
+    ("CPU ops", lambda r: _num(r["cpu_ops"], "{:g}") if r["gpu_us"] is None else "–"),
+    ("TFLOP/s", lambda r: _num(r["tflops"])),
+    ("GB/s", lambda r: _num(r["gbps"], "{:.0f}")),
+    ("% floor", lambda r: _num(r["pct_of_floor"], "{:.0f}%")),
+    ("peak MiB", lambda r: _num(r["peak_mem_mb"])),
+    ("1st call ms", lambda r: _num(r["first_call_ms"])),
+    ("rel. err", lambda r: _num(r["max_rel_error"], "{:.1e}")),
+    ("status", _status),
+)
+
+
+def _columns(rows: list[dict]):
+    """The table's columns minus those empty in every row (GPU time on a CPU, counts without the profiler)."""
+    no_gpu = all(r["gpu_us"] is None for r in rows)
+    # Without a GPU the headline speed-up already is the wall-time one, and kernels/launches are all zero.
+    hidden = ("wall vs best", "kernels", "launches") if no_gpu else ()
+    return [
+        (h, fn)
+        for h, fn in TABLE_COLUMNS
+        if h in ("variant", "status") or (h not in hidden and any(fn(r) != "–" for r in rows))
+    ]
+
+
+def _cases(result: BenchResult):
+    return groupby(result.rows, key=lambda r: r["case"])
+
+
+def _case_caption(rows: list[dict]) -> str:
+    r = rows[0]
+    floor = next((x["floor_us"] for x in rows if x.get("floor_us")), None)
+    where = f"floor {floor:.1f} µs" if floor else "floor –"
+    return (
+        f"{r['case']} — {r['flops'] / 1e9:.2f} GFLOP, {r['min_bytes'] / 1e6:.1f} MB min traffic, "
+        f"{r['intensity']:.0f} FLOP/B, {where}"
+    )
+
+
+def peaks_line(meta: dict) -> str:
+    p = meta["peaks"]
+    gemm = ", ".join(f"{dt} GEMM {v:.3g} TFLOP/s" for dt, v in p["gemm_tflops"].items())
+    return f"measured peaks on {p['device']}: {gemm}; copy {p['copy_gbps']:.4g} GB/s"
+
+
+def markdown(result: BenchResult) -> str:
+    meta = result.meta
+    lines = [
+        f"# mlpfuse bench — {meta['device']}",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"{meta['timestamp']}; torch {meta['torch']}, CUDA {meta['cuda']}, Triton {meta['triton']}, "
+        f"liger-kernel {meta['liger_kernel']}, mlpfuse {meta['mlpfuse']}  ",
+        peaks_line(meta) + "  ",
+        f"{meta['settings']['rounds']} interleaved rounds; GPU time: {meta['settings']['gpu_time']}; "
+        f"wall: {meta['settings']['wall_time']}. `*` = mlpfuse; speed-ups are against the best peer "
+        "(eager, torch.compile, Liger, eager in a CUDA graph) of the same run. % floor = max(FLOPs/peak, "
+        "min bytes/bandwidth) / time.",
+    ]
+    for note in meta.get("notes", []):
+        lines.append(f"\nNote: {note}")
+    for _, group in _cases(result):
+        rows = list(group)
+        columns = _columns(rows)
+        heads = [h for h, _ in columns]
+        lines += ["", f"### {_case_caption(rows)}", "", "| " + " | ".join(heads) + " |"]
+        lines.append("|" + "|".join("---" for _ in heads) + "|")
+        for r in rows:
+            cells = [fn(r).replace("|", "\\|") for _, fn in columns]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(result: BenchResult, path: Path) -> Path:
+    path.write_text(markdown(result))
+    return path
+
+
+def print_table(result: BenchResult, console) -> None:
+    from rich.table import Table
+
+    console.print(peaks_line(result.meta))
+    for _, group in _cases(result):
+        rows = list(group)
+        columns = _columns(rows)
+        table = Table(title=_case_caption(rows), title_justify="left", show_lines=False)
+        for head, _ in columns:
+            table.add_column(head, overflow="fold", max_width=60 if head == "status" else None)
+        for r in rows:
+            style = {"wrong": "red", "error": "red", "skipped": "dim"}.get(r["status"])
+            if r["status"] == "ok" and r.get("speedup") and r["speedup"] >= 1.0 and not r["peer"]:
+                style = "green"
+            table.add_row(*(fn(r) for _, fn in columns), style=style)
+        console.print(table)

@@ -1,0 +1,108 @@
+"""PNG charts of a bench result: speed-up vs tokens per variant, and each variant on this device's roofline."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never a window, works headless
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
+
+from mlpfuse.bench.sweep import BenchResult  # noqa: E402
+
+_MARKERS = "osD^vP*Xh<>"
+
+
+def _ok(rows):
+    return [r for r in rows if r["status"] == "ok"]
+
+
+def _style(variants: list[str]) -> dict[str, dict]:
+    cmap = plt.get_cmap("tab10")
+    return {v: {"color": cmap(i % 10), "marker": _MARKERS[i % len(_MARKERS)]} for i, v in enumerate(variants)}
+
+
+def _variants(rows) -> list[str]:
+    seen: list[str] = []
+    for r in rows:
+        if r["variant"] not in seen:
+            seen.append(r["variant"])
+    return seen
+
+
+def speedup_plot(result: BenchResult, path: Path) -> Path | None:
+    """One panel per (workload, shape without tokens, dtype, mode): speed-up vs the best peer against tokens."""
+    rows = [r for r in _ok(result.rows) if r.get("speedup")]
+    if not rows:
+        return None
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["workload"], r["activation"], r["dim"], r["hidden"], r["dtype"], r["mode"]), []).append(r)
+    style = _style(_variants(result.rows))
+    n = len(groups)
+    cols = min(n, 3)
+    nrows = math.ceil(n / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4 * nrows), squeeze=False)
+    metric = "GPU time" if result.meta.get("device_type") == "cuda" else "wall time"
+    for ax, (key, grows) in zip(axes.flat, groups.items()):
+        for variant in _variants(grows):
+            pts = sorted((r["tokens"], r["speedup"]) for r in grows if r["variant"] == variant)
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, label=variant, linestyle="-" if len(xs) > 1 else "none", **style[variant])
+        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.set_xlabel("tokens")
+        ax.set_ylabel(f"speed-up vs best peer ({metric})")
+        wl, act, d, h, dt, md = key
+        ax.set_title(f"{wl}[{act}] D={d} H={h} {dt} {md}", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    fig.suptitle(f"mlpfuse bench on {result.meta['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def roofline_plot(result: BenchResult, path: Path) -> Path | None:
+    """Arithmetic intensity (FLOPs / min bytes) vs achieved TFLOP/s, under the measured compute and memory roofs."""
+    rows = [r for r in _ok(result.rows) if r.get("tflops")]
+    if not rows:
+        return None
+    peaks = result.meta["peaks"]
+    bw_tbs = peaks["copy_gbps"] / 1e3
+    style = _style(_variants(result.rows))
+    fig, ax = plt.subplots(figsize=(7.5, 5.5))
+    lo = min(r["intensity"] for r in rows) / 4
+    hi = max(max(r["intensity"] for r in rows) * 4, 10.0)
+    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    for i, (dtype, tflops) in enumerate(sorted(peaks["gemm_tflops"].items())):
+        if not any(r["dtype"] == dtype for r in rows):
+            continue
+        ax.plot(xs, [min(tflops, x * bw_tbs) for x in xs], color="black", linewidth=1.2 - 0.3 * i,
+                linestyle=["-", "--", ":"][i % 3], label=f"roof: {dtype} GEMM {tflops:.3g} TFLOP/s, copy {bw_tbs:.3g} TB/s")
+    labelled = set()
+    for r in rows:
+        v = r["variant"]
+        ax.scatter(r["intensity"], r["tflops"], label=None if v in labelled else v, s=28, alpha=0.85,
+                   color=style[v]["color"], marker=style[v]["marker"])
+        labelled.add(v)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("arithmetic intensity (FLOP per byte of minimal traffic)")
+    ax.set_ylabel("achieved TFLOP/s")
+    metric = "GPU time" if result.meta.get("device_type") == "cuda" else "wall time"
+    ax.set_title(f"Roofline on {result.meta['device']} ({metric})", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

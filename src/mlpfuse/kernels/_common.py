@@ -1,0 +1,128 @@
+"""Pieces shared by the GEMM-with-epilogue kernels: tile order, TMA eligibility, output buffers.
+
+Every GEMM here runs a persistent grid: at most one program per SM, each looping over output tiles in grouped
+order (GROUP_M row-tiles share one sweep over the columns, so a band of x and the weight columns it meets stay in L2).
+Operands come either through TMA tensor descriptors (Hopper and newer, 16-byte aligned rows, unit inner stride) or
+through masked pointer loads (any GPU, any strides, the interpreter); the two paths share the same kernel body and
+differ only in a constexpr branch at the loads.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+
+@triton.jit
+def tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Map a linear tile index to (pid_m, pid_n) so that consecutive tiles walk GROUP_M row-tiles column by column."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % rows
+    pid_n = (tile % per_group) // rows
+    return pid_m, pid_n
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int) -> tuple[int, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, props.major
+
+
+def num_sms(device: torch.device) -> int:
+    """Programs a persistent grid launches; the interpreter runs one program per tile instead."""
+    if device.type != "cuda":
+        return 1 << 30
+    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())[0]
+
+
+def arch_major(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())[1]
+
+
+def tma_capable(device: torch.device) -> bool:
+    # The interpreter emulates descriptors, so the TMA branch is testable on CPU; on GPUs it needs sm_90+.
+    if device.type != "cuda":
+        return interpreting()
+    return arch_major(device) >= 9
+
+
+def tma_ok(t: torch.Tensor) -> bool:
+    """A 2-D tensor can back a TMA descriptor: unit inner stride, 16-byte aligned base and row pitch, no empty dim."""
+    es = t.element_size()
+    return (
+        t.dim() == 2
+        and t.shape[0] > 0
+        and t.shape[1] > 0
+        and t.stride(1) == 1
+        and (t.stride(0) * es) % 16 == 0
+        and (t.shape[1] * es) % 16 == 0
+        and t.data_ptr() % 16 == 0
+    )
+
+
+def desc(t: torch.Tensor, block: Sequence[int]) -> TensorDescriptor:
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], list(block))
+
+
+def pair_desc(a: torch.Tensor, b: torch.Tensor, block: Sequence[int]) -> tuple[TensorDescriptor, bool] | None:
+    """One 3-D descriptor [2, N, K] whose two slices are `a` and `b`, if their layouts allow (same shape and row
+    pitch, 16-byte aligned distance); also says whether `b` is the first slice. Packed gate_up views always qualify.
+    """
+    if a.shape != b.shape or a.stride() != b.stride() or a.data_ptr() == b.data_ptr():
+        return None
+    es = a.element_size()
+    first, second, swapped = (a, b, False) if a.data_ptr() < b.data_ptr() else (b, a, True)
+    delta = second.data_ptr() - first.data_ptr()
+    if delta % 16:
+        return None
+    if first.device.type != "cuda" and first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr():
+        return None  # the interpreter only reads inside one storage; a GPU's TMA takes any two allocations
+    n, k = a.shape
+    return TensorDescriptor(first, [2, n, k], [delta // es, a.stride(0), 1], list(block)), swapped
+
+
+def grid_size(cfg, sms: int, tiles: int) -> int:
+    if not cfg.persistent:
+        return tiles
+    return min(sms * cfg.programs_per_sm, tiles)
+
+
+def dot_precision(dtype: torch.dtype, allow_tf32: bool) -> str:
+    # Only fp32 operands have a choice; 16-bit operands always run on the tensor cores.
+    if dtype == torch.float32 and not allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def outputs(out, shapes: Sequence[tuple[int, int]], like: torch.Tensor, argument: str = "out") -> list[torch.Tensor]:
+    """Fresh outputs, or the caller's (checked): `out` mirrors the launcher's return (a tensor or a tuple)."""
+    if out is None:
+        return [torch.empty(s, device=like.device, dtype=like.dtype) for s in shapes]
+    outs = [out] if isinstance(out, torch.Tensor) else list(out)
+    if len(outs) != len(shapes):
+        raise ValueError(f"{argument}: expected {len(shapes)} tensor(s), got {len(outs)}")
+    for o, s in zip(outs, shapes):
+        if tuple(o.shape) != tuple(s) or o.dtype != like.dtype or o.device != like.device:
+            raise ValueError(f"{argument}: expected {like.dtype} tensors of shape {tuple(s)} on {like.device}")
+    return outs
+
+
+def check_2d(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
+    if t.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor, got shape {tuple(t.shape)}")
+    if t.dtype != like.dtype or t.device != like.device:
+        raise ValueError(f"{name}: expected {like.dtype} on {like.device}, got {t.dtype} on {t.device}")

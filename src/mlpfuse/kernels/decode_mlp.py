@@ -1,0 +1,380 @@
+"""The whole gated MLP in one launch, for decode-sized batches (M <= DECODE_MAX_M).
+
+    y = down(act(x·Wgᵀ + bg) · (x·Wuᵀ + bu)) + bd        x [M, D], Wg/Wu [H, D], Wd [D, H], y [M, D]
+
+At small M the MLP is bound by streaming its weights (3·H·D elements) once; every extra launch, memset or HBM
+round-trip of an intermediate costs more than the arithmetic. So one program owns a slice of BLOCK_H hidden units:
+
+  phase 1  gᵀ, uᵀ [BLOCK_H, M] = Wg/Wu[slice, :] · xᵀ   (K-loop over D; x is tiny and stays in L2)
+           hᵀ = act(gᵀ + bg) · (uᵀ + bu), in fp32 registers, rounded once to the input dtype
+  phase 2  its partial of y:  yᵀ_p [D, M] = Wd[:, slice] · hᵀ   (loop over D in BLOCK_O row chunks)
+
+The weights are the MMA's left operand ("swap AB"): the tiny M becomes the MMA's N, so tiles stay full at M = 1.
+Each weight element is read by exactly one program. The partials y_p are summed one of three ways (MODE):
+
+  0 atomics      fp32 `red.add` into a cached fp32 scratch; the last program to finish (a ticket counter, taken
+                 after a CTA barrier with acq_rel semantics) adds bd, casts to the output dtype and re-zeroes the
+                 scratch and the counter, so the next call needs no memset: one launch in all.
+  1 deterministic, one launch: partials stored to a [P, M, D] scratch; the last program sums them in program order.
+  2 deterministic, two launches: the same partials, summed by `mlpfuse_decode_reduce_kernel` spread over the GPU.
+  3 atomics, two launches: as 0 without the ticket; `mlpfuse_decode_reduce_kernel` casts and re-zeroes.
+
+Scratch buffers are cached per (device, stream): two streams running this kernel at once must not share them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from mlpfuse.activations import act_fwd
+from mlpfuse.errors import InputError
+
+# Largest M for which `auto` dispatch should use this kernel; measured on an H200 by benchmarks/bench_decode.py
+# (see benchmarks/results/decode-h200.md). The kernel itself accepts up to MAX_M rows.
+DECODE_MAX_M = 64
+MAX_M = 128
+
+# Which reduction `deterministic=True` uses (1: last program reduces; 2: second launch). Measured, see the results.
+DETERMINISTIC_MODE = 2
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _reduce_tile(src_ptr, n_parts, stride_part, out_ptr, bd_ptr, offs_m, mask_m, offs_o, mask_o, D,
+                 stride_om, stride_od, ZERO_SRC: tl.constexpr, HAS_BD: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_F: tl.constexpr):
+    """out[m, o] = sum_p src[p, m, o] (+ bd[o]), summed in p order; optionally re-zero src (n_parts == 1)."""
+    mask = mask_m[:, None] & mask_o[None, :]
+    src = src_ptr + offs_m[:, None] * D + offs_o[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_F), tl.float32)
+    for p in range(n_parts):
+        # .cg: other programs wrote this through L2; never trust a stale L1 line.
+        acc += tl.load(src + p * stride_part, mask=mask, other=0.0, cache_modifier=".cg")
+    if HAS_BD:
+        acc += tl.load(bd_ptr + offs_o, mask=mask_o, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_o[None, :] * stride_od,
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if ZERO_SRC:
+        tl.store(src, tl.zeros((BLOCK_M, BLOCK_F), tl.float32), mask=mask)
+
+
+@triton.jit
+def _fence_gpu(like):
+    """fence.acq_rel.gpu in every thread. The CTA barrier orders threads only within the CTA, and a fence orders
+    only its own thread's accesses: each thread must fence its own fire-and-forget atomics before the barrier
+    that precedes the ticket (the classic threadfence-reduction pattern)."""
+    tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [like], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=["M"])
+def mlpfuse_decode_mlp_kernel(
+    x_ptr, wg_ptr, wu_ptr, wd_ptr, bg_ptr, bu_ptr, bd_ptr, out_ptr, acc_ptr, part_ptr, cnt_ptr,
+    M, D, H,
+    stride_xm, stride_xd, stride_gh, stride_gd, stride_uh, stride_ud, stride_dd, stride_dh, stride_om, stride_od,
+    ACT: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr, MODE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr, FENCE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_progs = tl.num_programs(0)
+    offs_h = pid * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    offs_k = tl.arange(0, BLOCK_D)
+
+    # Phase 1: this program's slice of g and u, transposed ([BLOCK_H, BLOCK_M]).
+    acc_g = tl.zeros((BLOCK_H, BLOCK_M), tl.float32)
+    acc_u = tl.zeros((BLOCK_H, BLOCK_M), tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        dk = d0 + offs_k
+        mask_k = dk < D
+        w_mask = mask_h[:, None] & mask_k[None, :]
+        wg = tl.load(wg_ptr + offs_h[:, None] * stride_gh + dk[None, :] * stride_gd, mask=w_mask, other=0.0)
+        wu = tl.load(wu_ptr + offs_h[:, None] * stride_uh + dk[None, :] * stride_ud, mask=w_mask, other=0.0)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + dk[:, None] * stride_xd,
+                     mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+        acc_g = tl.dot(wg, xt, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(wu, xt, acc_u, input_precision=DOT_PRECISION)
+    if HAS_BG:
+        acc_g += tl.load(bg_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)[:, None]
+    if HAS_BU:
+        acc_u += tl.load(bu_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)[:, None]
+    # Rows past H saw zero weights and zero bias: act(0)·0 = 0 for every activation, so they add nothing below.
+    h_t = (act_fwd(acc_g, ACT) * acc_u).to(wd_ptr.dtype.element_ty)
+
+    # Phase 2: partial y for this slice, D in chunks. Programs start at different chunks so that their
+    # atomics do not all hit the same L2 lines at once.
+    n_chunks = tl.cdiv(D, BLOCK_O)
+    for i in range(0, n_chunks):
+        c = (i + pid) % n_chunks
+        offs_o = c * BLOCK_O + tl.arange(0, BLOCK_O)
+        mask_o = offs_o < D
+        wd = tl.load(wd_ptr + offs_o[:, None] * stride_dd + offs_h[None, :] * stride_dh,
+                     mask=mask_o[:, None] & mask_h[None, :], other=0.0)
+        y_t = tl.dot(wd, h_t, input_precision=DOT_PRECISION)  # [BLOCK_O, BLOCK_M]
+        y_off = offs_m[None, :] * D + offs_o[:, None]
+        y_mask = mask_o[:, None] & mask_m[None, :]
+        if MODE == 0 or MODE == 3:
+            tl.atomic_add(acc_ptr + y_off, y_t, mask=y_mask, sem="relaxed")
+        else:
+            tl.store(part_ptr + pid * M * D + y_off, y_t, mask=y_mask)
+
+    if MODE == 0 or MODE == 1:
+        # Each thread fences its own partial writes, the barrier gathers the CTA, then one acq_rel ticket
+        # publishes them GPU-wide and, for the last program, acquires everyone else's. (The interpreter runs
+        # programs one after another and has no inline asm: FENCE is off there.)
+        if FENCE:
+            _fence_gpu(offs_m)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+        if ticket == n_progs - 1:
+            if FENCE:
+                _fence_gpu(offs_m)
+            offs_f = tl.arange(0, BLOCK_F)
+            for o0 in range(0, D, BLOCK_F):
+                offs_o = o0 + offs_f
+                if MODE == 0:
+                    _reduce_tile(acc_ptr, 1, 0, out_ptr, bd_ptr, offs_m, mask_m, offs_o, offs_o < D, D,
+                                 stride_om, stride_od, True, HAS_BD, BLOCK_M, BLOCK_F)
+                else:
+                    _reduce_tile(part_ptr, n_progs, M * D, out_ptr, bd_ptr, offs_m, mask_m, offs_o, offs_o < D, D,
+                                 stride_om, stride_od, False, HAS_BD, BLOCK_M, BLOCK_F)
+            tl.store(cnt_ptr, 0)  # ready for the next launch: the scratch is all zeros again
+
+
+@triton.jit(do_not_specialize=["M", "n_parts"])
+def mlpfuse_decode_reduce_kernel(part_ptr, out_ptr, bd_ptr, M, D, n_parts, stride_om, stride_od,
+                                 HAS_BD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_F: tl.constexpr,
+                                 ZERO_SRC: tl.constexpr):
+    """Deterministic second launch: y[m, cols] = sum over programs of the partials (+ bd). One row and BLOCK_F
+    columns per program, BLOCK_P partials per step: many programs and few dependent steps, since the
+    partials sit in L2 and the cost is latency. The summation order depends only on the compiled kernel."""
+    offs_o = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask_o = offs_o < D
+    m = tl.program_id(1)
+    offs_p = tl.arange(0, BLOCK_P)
+    acc = tl.zeros((BLOCK_F,), tl.float32)
+    for p0 in range(0, n_parts, BLOCK_P):
+        p = p0 + offs_p
+        tile = tl.load(part_ptr + p[:, None] * M * D + m * D + offs_o[None, :],
+                       mask=(p[:, None] < n_parts) & mask_o[None, :], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(tile, axis=0)
+    if HAS_BD:
+        acc += tl.load(bd_ptr + offs_o, mask=mask_o, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs_o * stride_od, acc.to(out_ptr.dtype.element_ty), mask=mask_o)
+    if ZERO_SRC:  # mode 3: the source is the atomic accumulator, which must be left zeroed (n_parts == 1)
+        tl.store(part_ptr + m * D + offs_o, tl.zeros((BLOCK_F,), tl.float32), mask=mask_o)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configs: (BLOCK_H, BLOCK_D, BLOCK_O, num_warps, num_stages), looked up from the layer's size class, the row
+# bucket and the reduction family; no autotuning at call time.
+
+def _bucket(m: int) -> int:
+    return 4 if m <= 4 else 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+
+
+def _block_m(bucket: int) -> int:
+    return max(16, bucket)  # tl.dot needs N >= 16; rows past M are masked
+
+
+# Measured on an H200 with benchmarks/bench_decode.py --sweep (best GPU time per call in a 20-call CUDA graph).
+# "small": H·D <= 4M weights per matrix (e.g. 768×3072), "large": bigger (e.g. 4096×14336).
+_CONFIGS = {
+    # (size class, bucket, deterministic): config
+    ("small", 4, False): (64, 128, 128, 8, 3),
+    ("small", 16, False): (64, 128, 128, 8, 3),
+    ("small", 32, False): (64, 128, 128, 8, 3),
+    ("small", 64, False): (64, 64, 64, 4, 4),
+    ("small", 128, False): (64, 64, 32, 8, 4),
+    ("large", 4, False): (64, 128, 128, 8, 3),
+    ("large", 16, False): (128, 128, 64, 8, 3),
+    ("large", 32, False): (128, 64, 32, 8, 4),
+    ("large", 64, False): (128, 64, 32, 8, 4),
+    ("large", 128, False): (128, 64, 32, 8, 4),
+    ("small", 4, True): (128, 128, 64, 8, 3),
+    ("small", 16, True): (128, 128, 64, 8, 3),
+    ("small", 32, True): (128, 128, 64, 8, 3),
+    ("small", 64, True): (64, 128, 64, 4, 3),
+    ("small", 128, True): (64, 64, 32, 8, 3),
+    ("large", 4, True): (128, 128, 64, 8, 3),
+    ("large", 16, True): (128, 128, 64, 8, 3),
+    ("large", 32, True): (128, 128, 64, 8, 3),
+    ("large", 64, True): (64, 128, 64, 4, 3),
+    ("large", 128, True): (64, 64, 32, 8, 3),
+}
+
+
+def default_config(d: int, h: int, bucket: int, elem_size: int, mode: int) -> tuple[int, int, int, int, int]:
+    block_h, block_d, block_o, num_warps, num_stages = _CONFIGS[("small" if h * d <= 4 * 1024 * 1024 else "large",
+                                                                 bucket, mode in (1, 2))]
+    if elem_size == 4:  # fp32 tiles are twice the bytes: halve the K step to keep the pipeline in shared memory
+        block_d = max(32, block_d // 2)
+    # Tiny layers: never larger tiles than the (power-of-two padded) dimension.
+    block_h = max(16, min(block_h, triton.next_power_of_2(h)))
+    block_d = max(16, min(block_d, triton.next_power_of_2(d)))
+    block_o = max(16, min(block_o, triton.next_power_of_2(d)))
+    return block_h, block_d, block_o, num_warps, num_stages
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host side. Everything that can be derived once per (shape, dtype, layout) is cached: a call that hits the cache
+# costs one key tuple, one output allocation and one direct launch of the compiled kernel.
+
+_DIRECT_LAUNCH = not _INTERPRET  # benchmarks switch it off to measure Triton's own launch path
+_scratch: dict = {}  # (device index, stream) -> [acc fp32, counter int32, partials fp32]
+_graveyard: list = []  # outgrown buffers: a CUDA graph captured earlier may still point at them
+_plans: dict = {}  # call key -> _Plan
+
+
+class _Plan:
+    __slots__ = ("n_progs", "cfg", "consts", "w_strides", "compiled", "reduce_grid_x", "reduce_consts",
+                 "reduce_compiled")
+
+    def __init__(self, **kw):
+        self.compiled = self.reduce_compiled = None
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+def _get_scratch(x: torch.Tensor, acc_numel: int, part_numel: int):
+    key = (x.get_device(), torch._C._cuda_getCurrentRawStream(x.get_device())) if x.is_cuda else (-1, 0)
+    s = _scratch.get(key)
+    if s is None or s[0].numel() < acc_numel or s[2].numel() < part_numel:
+        if s is not None:
+            _graveyard.append(s)
+        old_acc = s[0].numel() if s is not None else 0
+        old_part = s[2].numel() if s is not None else 0
+        # The atomic path relies on acc and the counter being zero at entry; every launch leaves them so.
+        s = [torch.zeros(max(acc_numel, old_acc, 1), dtype=torch.float32, device=x.device),
+             torch.zeros(1, dtype=torch.int32, device=x.device),
+             torch.empty(max(part_numel, old_part, 1), dtype=torch.float32, device=x.device)]
+        _scratch[key] = s
+    return s
+
+
+def _tensor_key(t):
+    # Everything about a tensor that validation or Triton's specialization depends on (16-byte alignment).
+    return None if t is None else (t.dtype, t.shape, t.stride(), t.data_ptr() & 15, t.get_device())
+
+
+def _check(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation):
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise InputError("x: expected a 2-D tensor [M, D]")
+    m, d = x.shape
+    if x.dtype not in _DTYPES:
+        raise InputError(f"x: expected dtype bfloat16, float16 or float32, got {x.dtype}")
+    if m > MAX_M:
+        raise InputError(f"x: the decode kernel takes at most {MAX_M} rows, got {m}")
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            raise InputError(f"{name}: expected a 2-D tensor")
+        if w.dtype != x.dtype or w.device != x.device:
+            raise InputError(f"{name}: expected dtype {x.dtype} on {x.device}, got {w.dtype} on {w.device}")
+    h = w_gate.shape[0]
+    if w_gate.shape[1] != d or tuple(w_up.shape) != (h, d) or tuple(w_down.shape) != (d, h):
+        raise InputError(f"w_gate/w_up/w_down: expected [H, {d}], [H, {d}], [{d}, H] with one H; got "
+                         f"{tuple(w_gate.shape)}, {tuple(w_up.shape)}, {tuple(w_down.shape)}")
+    for name, b, n in (("b_gate", b_gate, h), ("b_up", b_up, h), ("b_down", b_down, d)):
+        if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (n,) or b.dtype != x.dtype
+                              or b.device != x.device):
+            raise InputError(f"{name}: expected a [{n}] tensor of dtype {x.dtype} on {x.device} or None")
+    if not isinstance(activation, int) or isinstance(activation, bool) or not 0 <= activation <= 5:
+        raise InputError(f"activation: expected an activation id from mlpfuse.activations, got {activation!r}")
+
+
+def _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow_tf32, bucket, config):
+    d, h = x.shape[1], w_gate.shape[0]
+    block_m = _block_m(bucket)
+    cfg = config or default_config(d, h, bucket, x.element_size(), mode)
+    block_h, block_d, block_o = cfg[:3]
+    fp32 = x.dtype == torch.float32
+    consts = (activation, b_gate is not None, b_up is not None, b_down is not None, mode,
+              "tf32" if (not fp32 or allow_tf32) else "ieee", block_m, block_h, block_d, block_o,
+              64 if block_m <= 32 else 32, not _INTERPRET)
+    block_f = 128
+    return _Plan(n_progs=triton.cdiv(h, block_h), cfg=cfg, consts=consts,
+                 w_strides=(w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1), w_down.stride(0),
+                            w_down.stride(1), d, 1),
+                 reduce_grid_x=triton.cdiv(d, block_f), reduce_consts=(b_down is not None, 32, block_f, mode == 3))
+
+
+def _launch(plan, reduce, grid, args, stream):
+    """Launch the compiled kernel directly once Triton has compiled it for this plan (skips Triton's per-call
+    argument binding and specialization); the first call, and every call under the interpreter, goes through
+    Triton."""
+    compiled = plan.reduce_compiled if reduce else plan.compiled
+    consts = plan.reduce_consts if reduce else plan.consts
+    if compiled is not None:
+        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     *args, *consts)
+        return
+    if reduce:
+        compiled = mlpfuse_decode_reduce_kernel[grid](*args, *consts, num_warps=4)
+    else:
+        compiled = mlpfuse_decode_mlp_kernel[grid](*args, *consts, num_warps=plan.cfg[3], num_stages=plan.cfg[4])
+    if _DIRECT_LAUNCH and stream is not None:
+        if reduce:
+            plan.reduce_compiled = compiled
+        else:
+            plan.compiled = compiled
+
+
+def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, activation: int,
+                     deterministic: bool = False, allow_tf32: bool = True, _mode: int | None = None,
+                     _config: tuple | None = None):
+    """y [M, D] = down(act(x·w_gateᵀ + b_gate) · (x·w_upᵀ + b_up)) + b_down in one kernel launch.
+
+    x [M, D] with M <= MAX_M; w_gate, w_up [H, D]; w_down [D, H]; biases [H], [H], [D] or None; all one dtype
+    (bf16/fp16/fp32) and device, any strides. `deterministic=True` gives bit-identical results run to run
+    (partials summed in a fixed order by a second, small launch). `allow_tf32` selects tf32 for fp32 inputs.
+    `_mode` / `_config` override the reduction scheme and the tile config (benchmarks only).
+    """
+    # Biases are read as contiguous vectors; a strided one (rare) is copied.
+    if b_gate is not None and b_gate.stride(0) != 1:
+        b_gate = b_gate.contiguous()
+    if b_up is not None and b_up.stride(0) != 1:
+        b_up = b_up.contiguous()
+    if b_down is not None and b_down.stride(0) != 1:
+        b_down = b_down.contiguous()
+    mode = _mode if _mode is not None else (DETERMINISTIC_MODE if deterministic else 0)
+    m = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
+    bucket = _bucket(m)
+    xs = x.stride() if m else None
+    # A hit means exactly these dtypes/shapes/strides/alignments/devices were validated and compiled before.
+    key = (bucket, activation, mode, allow_tf32, _config,
+           (x.dtype, x.shape[1], xs, x.data_ptr() & 15, x.get_device()), _tensor_key(w_gate), _tensor_key(w_up),
+           _tensor_key(w_down), _tensor_key(b_gate), _tensor_key(b_up), _tensor_key(b_down)) if m else None
+    plan = _plans.get(key)
+    if plan is None:
+        _check(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation)
+    d = x.shape[1]
+    out = torch.empty((m, d), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    h = w_gate.shape[0]
+    if d == 0 or h == 0:  # nothing to stream: y is just the bias
+        return out.copy_(b_down.expand(m, d)) if b_down is not None else out.zero_()
+    if plan is None:
+        plan = _plans[key] = _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow_tf32,
+                                   bucket, _config)
+    n_progs = plan.n_progs
+    acc, cnt, part = _get_scratch(x, MAX_M * d if mode in (0, 3) else 0, n_progs * m * d if mode in (1, 2) else 0)
+    stream = torch._C._cuda_getCurrentRawStream(x.get_device()) if x.is_cuda else None
+    bd = out if b_down is None else b_down  # `out` stands in for absent biases; never read
+    _launch(plan, False, (n_progs, 1), (
+        x, w_gate, w_up, w_down, out if b_gate is None else b_gate, out if b_up is None else b_up, bd, out, acc,
+        part, cnt, m, d, h, xs[0], xs[1], *plan.w_strides), stream)
+    if mode == 2:
+        _launch(plan, True, (plan.reduce_grid_x, m), (part, out, bd, m, d, n_progs, d, 1), stream)
+    elif mode == 3:
+        _launch(plan, True, (plan.reduce_grid_x, m), (acc, out, bd, m, d, 1, d, 1), stream)
+    return out

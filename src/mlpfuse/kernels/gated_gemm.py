@@ -1,0 +1,156 @@
+"""Gate and up projections in one GEMM, the GLU applied in its epilogue.
+
+    g = x·Wgᵀ + bg,   u = x·Wuᵀ + bu,   h = act(g)·u          x [M,K], Wg/Wu [N,K], h [M,N]
+
+One program owns an (BM, BN) tile of h. Each K step loads one x tile and the matching gate and up weight tiles, and
+feeds two fp32 accumulators, so x is read once for both projections and g, u never reach HBM (unless the caller asks
+for them, e.g. to save them for the backward). The FLOPs are those of two GEMMs; the bytes saved are a write and a
+read of g and u. Gate and up weights stay separate tensors with their own strides (views into a packed [2N, K]
+weight work without a copy).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mlpfuse.activations import act_fwd
+from mlpfuse.kernels import _common as C
+from mlpfuse.kernels._common import tile_coords
+from mlpfuse.kernels.configs import KernelConfig, pick
+
+
+@triton.jit(do_not_specialize=["M"])
+def mlpfuse_gated_gemm_kernel(
+    x, wg, wu,  # pointers, or TMA descriptors when TMA
+    wgu,  # PAIR: one 3-D descriptor [2, N, K] over both weights, so one TMA load and one wide MMA per K step
+    bg, bu, h, g, u, h_desc,
+    M, N, K,
+    sxm, sxk, sgn, sgk, sun, suk, shm, shn, s_gm, s_gn, s_um, s_un,
+    ACT: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, SAVE: tl.constexpr,
+    TMA: tl.constexpr, PAIR: tl.constexpr, UP_FIRST: tl.constexpr, TMA_STORE: tl.constexpr, DOT_PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+    WS: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    out_ty = h.dtype.element_ty
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN,
+                         warp_specialize=WS):
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        rm = off_m + tl.arange(0, BM)
+        rn = off_n + tl.arange(0, BN)
+        if PAIR:
+            # [BM, 2·BN] accumulator = one 128×256-class MMA per K step instead of two narrow ones.
+            acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+            for ki in range(k_tiles):
+                a = x.load([off_m, ki * BK])
+                b = tl.reshape(wgu.load([0, off_n, ki * BK]), (2 * BN, BK))
+                acc = tl.dot(a, b.T, acc, input_precision=DOT_PREC)
+            first, second = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
+            if UP_FIRST:
+                acc_g, acc_u = second, first
+            else:
+                acc_g, acc_u = first, second
+        else:
+            acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+            acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+            for ki in range(k_tiles):
+                k0 = ki * BK
+                if TMA:
+                    # Out-of-range rows/columns come back as zeros, so edges need no masks.
+                    a = x.load([off_m, k0])
+                    bgt = wg.load([off_n, k0])
+                    but = wu.load([off_n, k0])
+                else:
+                    rk = k0 + tl.arange(0, BK)
+                    km = rk[None, :] < K
+                    a = tl.load(x + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & km, other=0.0)
+                    wmask = (rn[:, None] < N) & km
+                    bgt = tl.load(wg + rn[:, None] * sgn + rk[None, :] * sgk, mask=wmask, other=0.0)
+                    but = tl.load(wu + rn[:, None] * sun + rk[None, :] * suk, mask=wmask, other=0.0)
+                acc_g = tl.dot(a, bgt.T, acc_g, input_precision=DOT_PREC)
+                acc_u = tl.dot(a, but.T, acc_u, input_precision=DOT_PREC)
+
+        nmask = rn < N
+        if HAS_BG:
+            acc_g += tl.load(bg + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        if HAS_BU:
+            acc_u += tl.load(bu + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        out = (act_fwd(acc_g, ACT) * acc_u).to(out_ty)
+        mask = (rm[:, None] < M) & nmask[None, :]
+        if TMA_STORE:
+            h_desc.store([off_m, off_n], out)
+        else:
+            tl.store(h + rm[:, None] * shm + rn[None, :] * shn, out, mask=mask)
+        if SAVE:
+            tl.store(g + rm[:, None] * s_gm + rn[None, :] * s_gn, acc_g.to(out_ty), mask=mask)
+            tl.store(u + rm[:, None] * s_um + rn[None, :] * s_un, acc_u.to(out_ty), mask=mask)
+
+
+def gated_gemm(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    b_gate: torch.Tensor | None = None,
+    b_up: torch.Tensor | None = None,
+    *,
+    activation: int,
+    save_preact: bool = False,
+    allow_tf32: bool = True,
+    out=None,
+    config: KernelConfig | None = None,
+):
+    """h = act(x·w_gateᵀ + b_gate)·(x·w_upᵀ + b_up); with save_preact also the pre-activations g and u.
+
+    `out` (optional) receives the results in place: a tensor h, or a tuple (h, g, u) when save_preact.
+    `config` overrides the table (tuning only).
+    """
+    C.check_2d("w_gate", w_gate, x)
+    C.check_2d("w_up", w_up, x)
+    C.check_2d("x", x, x)
+    M, K = x.shape
+    N = w_gate.shape[0]
+    if tuple(w_gate.shape) != (N, K) or tuple(w_up.shape) != (N, K):
+        raise ValueError(f"w_gate, w_up: expected shape ({N}, {K}), got {tuple(w_gate.shape)}, {tuple(w_up.shape)}")
+    for name, b in (("b_gate", b_gate), ("b_up", b_up)):
+        if b is not None and (tuple(b.shape) != (N,) or b.dtype != x.dtype or b.device != x.device):
+            raise ValueError(f"{name}: expected a {x.dtype} tensor of shape ({N},) on {x.device}")
+    outs = C.outputs(out, [(M, N)] * (3 if save_preact else 1), x)
+    if M == 0 or N == 0:
+        return tuple(outs) if save_preact else outs[0]
+    h = outs[0]
+    g, u = (outs[1], outs[2]) if save_preact else (h, h)
+
+    dev = x.device
+    sms = C.num_sms(dev)
+    cfg = config or pick("gated", x.dtype, M, N, device=dev, num_sms=sms, arch=C.arch_major(dev))
+    BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
+    use_tma = cfg.tma and C.tma_capable(dev) and K > 0 and all(C.tma_ok(t) for t in (x, w_gate, w_up))
+    tma_store = use_tma and cfg.tma_store and C.tma_ok(h)
+    pair = None
+    if use_tma:
+        xa, ga, ua = C.desc(x, [BM, BK]), C.desc(w_gate, [BN, BK]), C.desc(w_up, [BN, BK])
+        pair = C.pair_desc(w_gate, w_up, [2, BN, BK]) if cfg.pair else None
+    else:
+        xa, ga, ua = x, w_gate, w_up
+    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    mlpfuse_gated_gemm_kernel[(C.grid_size(cfg, sms, tiles),)](
+        xa, ga, ua, pair[0] if pair else None,
+        b_gate if b_gate is not None else x, b_up if b_up is not None else x,
+        h, g, u, C.desc(h, [BM, BN]) if tma_store else None,
+        M, N, K,
+        x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1),
+        h.stride(0), h.stride(1), g.stride(0), g.stride(1), u.stride(0), u.stride(1),
+        ACT=activation, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, SAVE=save_preact,
+        TMA=use_tma, PAIR=pair is not None, UP_FIRST=bool(pair and pair[1]), TMA_STORE=tma_store, DOT_PREC=C.dot_precision(x.dtype, allow_tf32),
+        BM=BM, BN=BN, BK=BK, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten, WS=cfg.warp_specialize,
+        num_stages=cfg.num_stages, num_warps=cfg.num_warps,
+    )
+    if save_preact:
+        return h, g, u
+    return h

@@ -1,0 +1,115 @@
+"""GEMM with bias and activation in the epilogue: z = x·wᵀ + b, y = act(z).
+
+The bias and activation ride on the accumulator before the single store, so `nn.Linear` + activation becomes one
+kernel instead of a GEMM plus a pointwise pass over [M, N]. With save_preact the pre-activation z is stored too
+(what an autograd backward needs for act'(z)).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mlpfuse.activations import act_fwd
+from mlpfuse.kernels import _common as C
+from mlpfuse.kernels._common import tile_coords
+from mlpfuse.kernels.configs import KernelConfig, pick
+
+
+@triton.jit(do_not_specialize=["M"])
+def mlpfuse_gemm_act_kernel(
+    x, w,  # pointers, or TMA descriptors when TMA
+    b, y, z, y_desc,
+    M, N, K,
+    sxm, sxk, swn, swk, sym, syn, szm, szn,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE: tl.constexpr,
+    TMA: tl.constexpr, TMA_STORE: tl.constexpr, DOT_PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    out_ty = y.dtype.element_ty
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        rm = off_m + tl.arange(0, BM)
+        rn = off_n + tl.arange(0, BN)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            k0 = ki * BK
+            if TMA:
+                a = x.load([off_m, k0])
+                bt = w.load([off_n, k0])
+            else:
+                rk = k0 + tl.arange(0, BK)
+                km = rk[None, :] < K
+                a = tl.load(x + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & km, other=0.0)
+                bt = tl.load(w + rn[:, None] * swn + rk[None, :] * swk, mask=(rn[:, None] < N) & km, other=0.0)
+            acc = tl.dot(a, bt.T, acc, input_precision=DOT_PREC)
+
+        nmask = rn < N
+        if HAS_BIAS:
+            acc += tl.load(b + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        out = act_fwd(acc, ACT).to(out_ty)
+        mask = (rm[:, None] < M) & nmask[None, :]
+        if TMA_STORE:
+            y_desc.store([off_m, off_n], out)
+        else:
+            tl.store(y + rm[:, None] * sym + rn[None, :] * syn, out, mask=mask)
+        if SAVE:
+            tl.store(z + rm[:, None] * szm + rn[None, :] * szn, acc.to(out_ty), mask=mask)
+
+
+def gemm_act(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: int,
+    save_preact: bool = False,
+    allow_tf32: bool = True,
+    out=None,
+    config: KernelConfig | None = None,
+):
+    """y = act(x·wᵀ + bias); with save_preact also z = x·wᵀ + bias.
+
+    `out` (optional) receives the results in place: a tensor y, or a tuple (y, z) when save_preact.
+    `config` overrides the table (tuning only).
+    """
+    C.check_2d("x", x, x)
+    C.check_2d("w", w, x)
+    M, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K:
+        raise ValueError(f"w: expected shape ({N}, {K}), got {tuple(w.shape)}")
+    if bias is not None and (tuple(bias.shape) != (N,) or bias.dtype != x.dtype or bias.device != x.device):
+        raise ValueError(f"bias: expected a {x.dtype} tensor of shape ({N},) on {x.device}")
+    outs = C.outputs(out, [(M, N)] * (2 if save_preact else 1), x)
+    if M == 0 or N == 0:
+        return tuple(outs) if save_preact else outs[0]
+    y = outs[0]
+    z = outs[1] if save_preact else y
+
+    dev = x.device
+    sms = C.num_sms(dev)
+    cfg = config or pick("gemm_act", x.dtype, M, N, device=dev, num_sms=sms, arch=C.arch_major(dev))
+    BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
+    use_tma = cfg.tma and C.tma_capable(dev) and K > 0 and C.tma_ok(x) and C.tma_ok(w)
+    tma_store = use_tma and cfg.tma_store and C.tma_ok(y)
+    xa, wa = (C.desc(x, [BM, BK]), C.desc(w, [BN, BK])) if use_tma else (x, w)
+    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    mlpfuse_gemm_act_kernel[(C.grid_size(cfg, sms, tiles),)](
+        xa, wa, bias if bias is not None else x, y, z, C.desc(y, [BM, BN]) if tma_store else None,
+        M, N, K,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1), z.stride(0), z.stride(1),
+        ACT=activation, HAS_BIAS=bias is not None, SAVE=save_preact,
+        TMA=use_tma, TMA_STORE=tma_store, DOT_PREC=C.dot_precision(x.dtype, allow_tf32),
+        BM=BM, BN=BN, BK=BK, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten,
+        num_stages=cfg.num_stages, num_warps=cfg.num_warps,
+    )
+    if save_preact:
+        return y, z
+    return y

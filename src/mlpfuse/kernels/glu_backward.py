@@ -1,0 +1,109 @@
+"""GLU backward fused into the epilogue of the dh GEMM.
+
+    dh = dy·Wd              dy [M,D], Wd [D,N] (the down projection's nn.Linear weight), dh [M,N]
+    dg = dh·u·act'(g)       du = dh·act(g)       h = act(g)·u
+
+dh never reaches HBM: the epilogue loads the matching g and u tiles and writes dg and du (the inputs of the dx/dWg/dWu
+GEMMs) and h (the input of the dWd GEMM, recomputed here rather than saved by the forward).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mlpfuse.activations import act_fwd, act_grad
+from mlpfuse.kernels import _common as C
+from mlpfuse.kernels._common import tile_coords
+from mlpfuse.kernels.configs import KernelConfig, pick
+
+
+@triton.jit(do_not_specialize=["M"])
+def mlpfuse_glu_backward_kernel(
+    dy, wd,  # pointers, or TMA descriptors when TMA
+    g, u, dg, du, h,
+    M, N, K,  # K is D, the down projection's output width
+    sym, syk, swk, swn, sgm, sgn, sum_, sun, sdgm, sdgn, sdum, sdun, shm, shn,
+    ACT: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    out_ty = dg.dtype.element_ty
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        rm = off_m + tl.arange(0, BM)
+        rn = off_n + tl.arange(0, BN)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            k0 = ki * BK
+            if TMA:
+                a = dy.load([off_m, k0])
+                b = wd.load([k0, off_n])
+            else:
+                rk = k0 + tl.arange(0, BK)
+                a = tl.load(dy + rm[:, None] * sym + rk[None, :] * syk, mask=(rm[:, None] < M) & (rk[None, :] < K),
+                            other=0.0)
+                b = tl.load(wd + rk[:, None] * swk + rn[None, :] * swn, mask=(rk[:, None] < K) & (rn[None, :] < N),
+                            other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        gv = tl.load(g + rm[:, None] * sgm + rn[None, :] * sgn, mask=mask, other=0.0).to(tl.float32)
+        uv = tl.load(u + rm[:, None] * sum_ + rn[None, :] * sun, mask=mask, other=0.0).to(tl.float32)
+        ag = act_fwd(gv, ACT)
+        tl.store(dg + rm[:, None] * sdgm + rn[None, :] * sdgn, (acc * uv * act_grad(gv, ACT)).to(out_ty), mask=mask)
+        tl.store(du + rm[:, None] * sdum + rn[None, :] * sdun, (acc * ag).to(out_ty), mask=mask)
+        tl.store(h + rm[:, None] * shm + rn[None, :] * shn, (ag * uv).to(out_ty), mask=mask)
+
+
+def matmul_glu_backward(
+    dy: torch.Tensor,
+    w_down: torch.Tensor,
+    g: torch.Tensor,
+    u: torch.Tensor,
+    *,
+    activation: int,
+    allow_tf32: bool = True,
+    out=None,
+    config: KernelConfig | None = None,
+):
+    """(dg, du, h) with dh = dy·w_down, dg = dh·u·act'(g), du = dh·act(g), h = act(g)·u.
+
+    `out` (optional) is a tuple (dg, du, h) written in place. `config` overrides the table (tuning only).
+    """
+    C.check_2d("dy", dy, dy)
+    C.check_2d("w_down", w_down, dy)
+    C.check_2d("g", g, dy)
+    C.check_2d("u", u, dy)
+    M, D = dy.shape
+    N = w_down.shape[1]
+    if w_down.shape[0] != D:
+        raise ValueError(f"w_down: expected shape ({D}, N), got {tuple(w_down.shape)}")
+    if tuple(g.shape) != (M, N) or tuple(u.shape) != (M, N):
+        raise ValueError(f"g, u: expected shape ({M}, {N}), got {tuple(g.shape)}, {tuple(u.shape)}")
+    dg, du, h = C.outputs(out, [(M, N)] * 3, dy)
+    if M == 0 or N == 0:
+        return dg, du, h
+
+    dev = dy.device
+    sms = C.num_sms(dev)
+    cfg = config or pick("glu_bwd", dy.dtype, M, N, device=dev, num_sms=sms, arch=C.arch_major(dev))
+    BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
+    use_tma = cfg.tma and C.tma_capable(dev) and D > 0 and C.tma_ok(dy) and C.tma_ok(w_down)
+    ya, wa = (C.desc(dy, [BM, BK]), C.desc(w_down, [BK, BN])) if use_tma else (dy, w_down)
+    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
+    mlpfuse_glu_backward_kernel[(C.grid_size(cfg, sms, tiles),)](
+        ya, wa, g, u, dg, du, h,
+        M, N, D,
+        dy.stride(0), dy.stride(1), w_down.stride(0), w_down.stride(1), g.stride(0), g.stride(1),
+        u.stride(0), u.stride(1), dg.stride(0), dg.stride(1), du.stride(0), du.stride(1), h.stride(0), h.stride(1),
+        ACT=activation, TMA=use_tma, DOT_PREC=C.dot_precision(dy.dtype, allow_tf32),
+        BM=BM, BN=BN, BK=BK, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten,
+        num_stages=cfg.num_stages, num_warps=cfg.num_warps,
+    )
+    return dg, du, h

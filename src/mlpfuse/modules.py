@@ -1,0 +1,369 @@
+"""Drop-in modules: GatedMLP (Llama/Gemma MLP), PackedGatedMLP (Phi-3's gate_up_proj), FusedLinear, MLP.
+
+Parameter names match the modules they replace, so state_dicts load as is: `gate_proj.weight`, `up_proj.weight`,
+`down_proj.weight` (+ `.bias`) for GatedMLP; `gate_up_proj.weight`, `down_proj.weight` for PackedGatedMLP;
+`weight`, `bias` for FusedLinear; `fc1.*`, `fc2.*` for MLP. Each `from_module` reuses the source's Parameter objects
+(same storage, no copies), so a model can be converted in place of its MLPs without growing its memory.
+
+Forwards are TorchScript-compatible: they call the `torch.ops.mlpfuse.*` custom ops through functions with typed
+signatures, and keep the activation and backend as plain strings.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from mlpfuse import activations
+from mlpfuse.errors import InputError
+from mlpfuse.ops import dispatch
+from mlpfuse.ops.gated_mlp import gated_mlp_call
+from mlpfuse.ops.linear_act import linear_act_call
+
+# Activation module classes (torch.nn and transformers' ACT2FN) mapped to our names. GELU (torch.nn) reads its
+# `approximate` attribute instead. Anything else (QuickGELU, ...) is not ours to guess: from_module asks for it.
+_ACTIVATION_CLASSES = {
+    "SiLU": "silu",
+    "SiLUActivation": "silu",
+    "Swish": "silu",
+    "PytorchGELUTanh": "gelu_tanh",
+    "GELUTanh": "gelu_tanh",
+    "NewGELUActivation": "gelu_tanh",
+    "FastGELUActivation": "gelu_tanh",
+    "GELUActivation": "gelu",
+    "ReLU": "relu",
+    "ReLUSquaredActivation": "relu2",
+    "Identity": "identity",
+}
+_ACTIVATION_ATTRS = ("act_fn", "activation_fn", "act", "activation")
+
+
+def _activation_of(module: nn.Module, argument: str = "activation") -> str:
+    """The activation a source module applies: its activation attribute, else its config's hidden_act."""
+    for attr in _ACTIVATION_ATTRS:
+        fn = getattr(module, attr, None)
+        if fn is None:
+            continue
+        if isinstance(fn, str):
+            return activations.get(fn, argument=f"{argument} ({attr})").name
+        if isinstance(fn, nn.GELU):
+            return "gelu_tanh" if fn.approximate == "tanh" else "gelu"
+        name = _ACTIVATION_CLASSES.get(type(fn).__name__)
+        if name is None and callable(fn) and getattr(fn, "__name__", None) in ("silu", "gelu", "relu"):
+            name = fn.__name__  # a plain function such as F.silu
+        if name is None:
+            raise InputError(
+                f"{argument}: cannot tell which activation {type(module).__name__}.{attr} "
+                f"({type(fn).__name__}) computes; pass activation= explicitly"
+            )
+        return name
+    config = getattr(module, "config", None)
+    for key in ("hidden_activation", "hidden_act"):
+        name = getattr(config, key, None)
+        if isinstance(name, str):
+            return activations.get(name, argument=f"{argument} (config.{key})").name
+    raise InputError(f"{argument}: {type(module).__name__} has no act_fn or config.hidden_act; pass activation=")
+
+
+def _weight_of(module: nn.Module, name: str, shape: Optional[tuple] = None) -> tuple[nn.Parameter, Optional[nn.Parameter]]:
+    """(weight, bias) Parameters of a Linear-like child, checked."""
+    child = getattr(module, name, None) if name else module
+    label = name or type(module).__name__
+    weight = getattr(child, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise InputError(f"module: expected {label} to be a Linear-like module with a 2-D weight")
+    if shape is not None and tuple(weight.shape) != tuple(shape):
+        raise InputError(f"module: expected {label}.weight of shape {list(shape)}, got {list(weight.shape)}")
+    return weight, getattr(child, "bias", None)
+
+
+def _linear_using(weight: nn.Parameter, bias: Optional[nn.Parameter]) -> nn.Linear:
+    """An nn.Linear whose parameters ARE the given ones (allocated on meta first, so nothing is copied)."""
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    lin.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=weight.requires_grad)
+    if bias is not None:
+        lin.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=bias.requires_grad)
+    return lin
+
+
+def _same_kind(named: list[tuple[str, Optional[Tensor]]]) -> None:
+    first_name, first = named[0]
+    for name, t in named[1:]:
+        if t is not None and (t.dtype != first.dtype or t.device != first.device):
+            raise InputError(
+                f"module: expected {name} in {first.dtype} on {first.device} like {first_name}, "
+                f"got {t.dtype} on {t.device}"
+            )
+
+
+def _repr_backend(backend: str) -> str:
+    return f", backend={backend}" if backend else ""
+
+
+class GatedMLP(nn.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)): the Llama / Gemma / Mistral / Qwen MLP, gate and up in one kernel.
+
+    backend: "auto" | "triton" | "torch", or None to read MLPFUSE_BACKEND at each call (else "auto").
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        activation: Optional[str] = "gelu_tanh",
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        backend: Optional[str] = None,
+    ):
+        super().__init__()
+        self.dim, self.hidden = dim, hidden
+        self.activation: str = activations.get(activation).name
+        self.backend: str = dispatch.check_backend_name(backend)
+        self.gate_proj = nn.Linear(dim, hidden, bias=bias, device=device, dtype=dtype)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return gated_mlp_call(
+            x,
+            self.gate_proj.weight,
+            self.up_proj.weight,
+            self.down_proj.weight,
+            self.gate_proj.bias,
+            self.up_proj.bias,
+            self.down_proj.bias,
+            self.activation,
+            self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        bias = self.gate_proj.bias is not None
+        return (
+            f"dim={self.dim}, hidden={self.hidden}, activation={self.activation}, bias={bias}"
+            f"{_repr_backend(self.backend)}"
+        )
+
+    @classmethod
+    def from_linears(
+        cls,
+        gate_proj: nn.Module,
+        up_proj: nn.Module,
+        down_proj: nn.Module,
+        activation: Optional[str] = "gelu_tanh",
+        backend: Optional[str] = None,
+    ) -> "GatedMLP":
+        """A GatedMLP whose parameters are those of three Linear-like modules (shared, not copied)."""
+        wg, bg = _weight_of(gate_proj, "")
+        hidden, dim = wg.shape
+        wu, bu = _weight_of(up_proj, "", (hidden, dim))
+        wd, bd = _weight_of(down_proj, "", (dim, hidden))
+        _same_kind([("gate_proj.weight", wg), ("up_proj.weight", wu), ("down_proj.weight", wd),
+                    ("gate_proj.bias", bg), ("up_proj.bias", bu), ("down_proj.bias", bd)])
+        m = cls(dim, hidden, activation, bias=False, device="meta", backend=backend)
+        m.gate_proj, m.up_proj, m.down_proj = _linear_using(wg, bg), _linear_using(wu, bu), _linear_using(wd, bd)
+        return m
+
+    @classmethod
+    def from_module(
+        cls, module: nn.Module, activation: Optional[str] = None, backend: Optional[str] = None
+    ) -> "GatedMLP":
+        """Wrap a transformers-style gated MLP, sharing its parameters.
+
+        Recognised layouts: gate_proj / up_proj / down_proj (Llama, Gemma, Mistral, Qwen), w1 / w3 / w2 (Mixtral
+        experts), and a packed gate_up_proj [2·hidden, dim] with down_proj (Phi-3), which gives a PackedGatedMLP.
+        activation None reads the module's act_fn (or its config's hidden_act).
+        """
+        act = activation if activation is not None else _activation_of(module)
+        if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+            return PackedGatedMLP.from_linears(module.gate_up_proj, module.down_proj, act, backend)
+        for gate, up, down in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
+            if all(hasattr(module, n) for n in (gate, up, down)):
+                return cls.from_linears(getattr(module, gate), getattr(module, up), getattr(module, down), act, backend)
+        raise InputError(
+            f"module: expected gate_proj/up_proj/down_proj, w1/w3/w2 or gate_up_proj/down_proj children in "
+            f"{type(module).__name__}"
+        )
+
+    @classmethod
+    def from_packed(
+        cls,
+        gate_up_proj: nn.Module,
+        down_proj: nn.Module,
+        activation: Optional[str] = "gelu_tanh",
+        backend: Optional[str] = None,
+    ) -> "PackedGatedMLP":
+        """A gated MLP over a packed [2·hidden, dim] gate_up projection (gate rows first), sharing parameters."""
+        return PackedGatedMLP.from_linears(gate_up_proj, down_proj, activation, backend)
+
+
+class PackedGatedMLP(GatedMLP):
+    """GatedMLP with Phi-3's packed `gate_up_proj` ([2·hidden, dim], gate rows first) and `down_proj`.
+
+    The kernels read gate and up as two views of the packed weight: no per-call split, concatenation or copy.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        activation: Optional[str] = "gelu_tanh",
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        backend: Optional[str] = None,
+    ):
+        nn.Module.__init__(self)  # not GatedMLP's: this layout has no separate gate_proj / up_proj
+        self.dim, self.hidden = dim, hidden
+        self.activation: str = activations.get(activation).name
+        self.backend: str = dispatch.check_backend_name(backend)
+        self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=bias, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.gate_up_proj.weight
+        b = self.gate_up_proj.bias
+        gate_bias: Optional[Tensor] = None
+        up_bias: Optional[Tensor] = None
+        if b is not None:
+            gate_bias, up_bias = b[: self.hidden], b[self.hidden :]
+        return gated_mlp_call(
+            x,
+            w[: self.hidden],
+            w[self.hidden :],
+            self.down_proj.weight,
+            gate_bias,
+            up_bias,
+            self.down_proj.bias,
+            self.activation,
+            self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        bias = self.gate_up_proj.bias is not None
+        return (
+            f"dim={self.dim}, hidden={self.hidden}, activation={self.activation}, bias={bias}, packed=True"
+            f"{_repr_backend(self.backend)}"
+        )
+
+    @classmethod
+    def from_linears(  # type: ignore[override]
+        cls,
+        gate_up_proj: nn.Module,
+        down_proj: nn.Module,
+        activation: Optional[str] = "gelu_tanh",
+        backend: Optional[str] = None,
+    ) -> "PackedGatedMLP":
+        w, b = _weight_of(gate_up_proj, "")
+        if w.shape[0] % 2:
+            raise InputError(f"gate_up_proj: expected an even number of rows (gate and up), got {w.shape[0]}")
+        hidden, dim = w.shape[0] // 2, w.shape[1]
+        wd, bd = _weight_of(down_proj, "", (dim, hidden))
+        _same_kind([("gate_up_proj.weight", w), ("down_proj.weight", wd), ("gate_up_proj.bias", b),
+                    ("down_proj.bias", bd)])
+        m = cls(dim, hidden, activation, bias=False, device="meta", backend=backend)
+        m.gate_up_proj, m.down_proj = _linear_using(w, b), _linear_using(wd, bd)
+        return m
+
+
+class FusedLinear(nn.Module):
+    """act(x·weightᵀ + bias) with the bias and activation in the GEMM's epilogue; nn.Linear's parameters and init."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        activation: Optional[str] = None,
+        device=None,
+        dtype=None,
+        backend: Optional[str] = None,
+    ):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.activation: str = activations.get(activation).name
+        self.backend: str = dispatch.check_backend_name(backend)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's own initialisation, so a FusedLinear starts exactly where an nn.Linear would.
+        nn.Linear.reset_parameters(self)  # type: ignore[arg-type]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear_act_call(x, self.weight, self.bias, self.activation, self.backend)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"activation={self.activation}{_repr_backend(self.backend)}"
+        )
+
+    @classmethod
+    def from_module(
+        cls, linear: nn.Module, activation: Optional[str] = None, backend: Optional[str] = None
+    ) -> "FusedLinear":
+        """A FusedLinear sharing an nn.Linear's weight and bias; activation None means none."""
+        w, b = _weight_of(linear, "")
+        _same_kind([("weight", w), ("bias", b)])
+        m = cls(w.shape[1], w.shape[0], bias=False, activation=activation, device="meta", backend=backend)
+        shared = _linear_using(w, b)
+        m.weight = shared.weight
+        m.bias = shared.bias
+        return m
+
+
+class MLP(nn.Module):
+    """fc2(act(fc1(x))): the GPT-style MLP, with fc1's bias and activation fused into its GEMM."""
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        activation: Optional[str] = "gelu_tanh",
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        backend: Optional[str] = None,
+    ):
+        super().__init__()
+        self.dim, self.hidden = dim, hidden
+        self.fc1 = FusedLinear(dim, hidden, bias, activation, device=device, dtype=dtype, backend=backend)
+        self.fc2 = nn.Linear(hidden, dim, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.fc1(x))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, hidden={self.hidden}, activation={self.fc1.activation}"
+
+    @classmethod
+    def from_module(
+        cls,
+        fc1: nn.Module,
+        fc2: Optional[nn.Module] = None,
+        activation: Optional[str] = None,
+        backend: Optional[str] = None,
+    ) -> "MLP":
+        """From a module with fc1 / fc2 children (activation read from it), or from two Linear modules
+        (activation required). Parameters are shared, not copied."""
+        if fc2 is None:
+            module = fc1
+            if not (hasattr(module, "fc1") and hasattr(module, "fc2")):
+                raise InputError(f"fc1: expected a module with fc1 and fc2 children, or pass fc2=; got {type(module).__name__}")
+            activation = activation if activation is not None else _activation_of(module)
+            fc1, fc2 = module.fc1, module.fc2
+        elif activation is None:
+            raise InputError("activation: required when MLP.from_module is given two Linear modules")
+        w1, b1 = _weight_of(fc1, "")
+        w2, b2 = _weight_of(fc2, "", (w1.shape[1], w1.shape[0]))
+        _same_kind([("fc1.weight", w1), ("fc2.weight", w2), ("fc1.bias", b1), ("fc2.bias", b2)])
+        m = cls(w1.shape[1], w1.shape[0], activation, bias=False, device="meta", backend=backend)
+        m.fc1 = FusedLinear.from_module(fc1, activation, backend)
+        m.fc2 = _linear_using(w2, b2)
+        return m

@@ -1,0 +1,91 @@
+"""Argument checks shared by the ops: one InputError line naming the argument and what was expected.
+
+They run in the real implementations and in the fake (tracing) ones, so a bad call fails the same way eagerly, under
+torch.compile and in torch.export.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from mlpfuse.errors import InputError
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _shape(t: Tensor) -> list:
+    return list(t.shape)
+
+
+def check_x(x: Tensor, in_features, source: str) -> None:
+    if not isinstance(x, Tensor):
+        raise InputError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise InputError(f"x: expected at least 1 dimension (..., {in_features}), got a 0-d tensor")
+    if x.dtype not in DTYPES:
+        raise InputError(f"x: expected dtype bfloat16, float16, float32 or float64, got {x.dtype}")
+    if x.shape[-1] != in_features:
+        raise InputError(f"x: expected last dimension {in_features} ({source}), got shape {_shape(x)}")
+
+
+def check_2d(name: str, w: Tensor, shape: Sequence, source: str) -> None:
+    if not isinstance(w, Tensor):
+        raise InputError(f"{name}: expected a torch.Tensor, got {type(w).__name__}")
+    if w.dim() != len(shape) or any(a != b for a, b in zip(w.shape, shape)):
+        raise InputError(f"{name}: expected shape {list(shape)} ({source}), got {_shape(w)}")
+
+
+def check_same(x: Tensor, named: Sequence[tuple[str, Optional[Tensor]]]) -> None:
+    """Every tensor has x's dtype and device."""
+    for name, t in named:
+        if t is None:
+            continue
+        if t.device != x.device:
+            raise InputError(f"{name}: expected a tensor on {x.device} like x, got one on {t.device}")
+        if t.dtype != x.dtype:
+            raise InputError(f"{name}: expected dtype {x.dtype} like x, got {t.dtype}")
+
+
+def tensors(named: Sequence[tuple[str, object]]) -> None:
+    """Type check of the public functions' tensor arguments (the ops check the rest)."""
+    for name, t in named:
+        if t is not None and not isinstance(t, Tensor):
+            raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
+def gated_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias) -> None:
+    if not isinstance(gate_weight, Tensor) or gate_weight.dim() != 2:
+        got = _shape(gate_weight) if isinstance(gate_weight, Tensor) else type(gate_weight).__name__
+        raise InputError(f"gate_weight: expected a 2-D [hidden, dim] tensor, got {got}")
+    hidden, dim = gate_weight.shape
+    check_x(x, dim, "gate_weight is [hidden, dim]")
+    check_2d("up_weight", up_weight, [hidden, dim], "like gate_weight")
+    check_2d("down_weight", down_weight, [dim, hidden], "[dim, hidden] for gate_weight's [hidden, dim]")
+    for name, b, size in (("gate_bias", gate_bias, hidden), ("up_bias", up_bias, hidden), ("down_bias", down_bias, dim)):
+        if b is not None:
+            check_2d(name, b, [size], "one per output feature")
+    check_same(
+        x,
+        [
+            ("gate_weight", gate_weight),
+            ("up_weight", up_weight),
+            ("down_weight", down_weight),
+            ("gate_bias", gate_bias),
+            ("up_bias", up_bias),
+            ("down_bias", down_bias),
+        ],
+    )
+
+
+def linear_act_args(x, weight, bias) -> None:
+    if not isinstance(weight, Tensor) or weight.dim() != 2:
+        got = _shape(weight) if isinstance(weight, Tensor) else type(weight).__name__
+        raise InputError(f"weight: expected a 2-D [out_features, in_features] tensor, got {got}")
+    out_features, in_features = weight.shape
+    check_x(x, in_features, "weight is [out_features, in_features]")
+    if bias is not None:
+        check_2d("bias", bias, [out_features], "out_features")
+    check_same(x, [("weight", weight), ("bias", bias)])

@@ -1,0 +1,159 @@
+"""Which implementation runs a call: backend names, the `auto` policy, and the switches measured on a GPU.
+
+Backends: "torch" (mlpfuse.reference: cuBLAS GEMMs + PyTorch pointwise, runs anywhere), "triton" (mlpfuse.kernels:
+CUDA, or CPU through Triton's interpreter when TRITON_INTERPRET=1), "auto" (the policy below). An empty backend
+string means "not given": the environment variable MLPFUSE_BACKEND, else "auto".
+
+`auto` picks a Triton kernel only on CUDA, only where that kernel was measured to beat eager PyTorch; everywhere
+else it runs the torch backend. The decode kernel (one launch for the whole MLP) never runs when a gradient is
+needed: the training path stays the same whatever the batch size.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+
+from mlpfuse.errors import InputError
+
+BACKENDS = ("auto", "triton", "torch")
+ENV_VAR = "MLPFUSE_BACKEND"
+
+# Under autograd: keep the pre-activations g and u from the forward for the backward (True), or recompute them
+# there with a second gated GEMM (False). Saving costs 2·M·hidden elements of memory and one write; recomputing
+# costs two of the forward's three GEMMs again.
+SAVE_PREACT = True
+
+# The `auto` policy. PROVISIONAL until the benchmark sweep replaces them with measured cut-overs: the only H200
+# measurement so far (DESIGN.md, 8192×768×3072 bf16) has a plain Triton gate+up GEMM with the GeGLU epilogue
+# (168.5 µs) beating cuBLAS gate+up plus eager GELU·mul (119.5 + 70.8 µs); nothing smaller was measured yet.
+GATED_MIN_M = 512  # tokens from which the gated GEMM replaces two cuBLAS GEMMs + GELU·mul
+LINEAR_ACT_MIN_M = 512  # tokens from which GEMM+bias+activation replaces addmm + activation
+MIN_ARCH = 9  # Hopper: the kernels' fast mainloop (TMA, persistent grid) needs sm90
+FAST_DTYPES = (torch.bfloat16, torch.float16)
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Paths a gated MLP call can take.
+TORCH, GATED, DECODE = "torch", "gated", "decode"
+
+
+def resolve_backend(backend: str) -> str:
+    """The backend a call uses: the argument, else MLPFUSE_BACKEND, else auto. Unknown names raise InputError."""
+    argument = "backend"
+    if not backend:
+        backend, argument = os.environ.get(ENV_VAR, "") or "auto", ENV_VAR
+    name = backend.strip().lower()
+    if name not in BACKENDS:
+        raise InputError(f"{argument}: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    return name
+
+
+def check_backend_name(backend: Optional[str]) -> str:
+    """Validate a backend argument given to a function or module ('' when None, resolved per call)."""
+    if backend is None:
+        return ""
+    if not isinstance(backend, str) or backend.strip().lower() not in BACKENDS:
+        raise InputError(f"backend: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)} or None")
+    return backend.strip().lower()
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_module(name: str):
+    """mlpfuse.kernels.<name>, or None where Triton cannot run or the module is missing."""
+    from mlpfuse import kernels
+
+    if not kernels.available():
+        return None
+    import importlib
+
+    try:
+        return importlib.import_module(f"mlpfuse.kernels.{name}")
+    except ImportError:
+        return None
+
+
+def kernel(name: str):
+    """The kernel module, which must exist (the caller checked `triton_unavailable`)."""
+    mod = _kernel_module(name)
+    assert mod is not None, name
+    return mod
+
+
+def decode_max_m() -> int:
+    mod = _kernel_module("decode_mlp")
+    return int(getattr(mod, "DECODE_MAX_M", 0)) if mod is not None else 0
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_unavailable(x: torch.Tensor, module: str) -> Optional[str]:
+    """Why the Triton kernels cannot run this call (None when they can)."""
+    from mlpfuse import kernels
+
+    if not kernels.available():
+        return "Triton is not installed or there is no CUDA device (TRITON_INTERPRET=1 runs the kernels on CPU)"
+    if x.device.type == "cpu" and not _interpreting():
+        return "x is on the CPU; the kernels need CUDA (or TRITON_INTERPRET=1)"
+    if x.device.type not in ("cuda", "cpu"):
+        return f"x is on {x.device.type}; the kernels need CUDA"
+    if x.dtype not in KERNEL_DTYPES:
+        return f"dtype {x.dtype} is not supported by the kernels (bfloat16, float16, float32)"
+    if _kernel_module(module) is None:
+        return f"kernel module mlpfuse.kernels.{module} is not available"
+    return None
+
+
+def _fast_gpu(x: torch.Tensor) -> bool:
+    if x.device.type != "cuda" or x.dtype not in FAST_DTYPES:
+        return False
+    return torch.cuda.get_device_capability(x.device)[0] >= MIN_ARCH
+
+
+def _require_triton(x: torch.Tensor, module: str) -> None:
+    reason = triton_unavailable(x, module)
+    if reason is not None:
+        raise InputError(f"backend: 'triton' cannot run this call: {reason}")
+
+
+def gated_mlp_path(backend: str, x: torch.Tensor, training: bool) -> str:
+    """TORCH, GATED or DECODE for a gated MLP call on 2-D x. `backend` is an argument as given ('' = default)."""
+    name = resolve_backend(backend)
+    m = x.shape[0]
+    if name == "torch":
+        return TORCH
+    use_decode = not training and 0 < m <= decode_max_m()
+    if name == "triton":
+        _require_triton(x, "gated_gemm")
+        if use_decode and triton_unavailable(x, "decode_mlp") is None:
+            return DECODE
+        return GATED
+    if not _fast_gpu(x) or triton_unavailable(x, "gated_gemm") is not None:
+        return TORCH
+    if use_decode:
+        return DECODE
+    return GATED if m >= GATED_MIN_M else TORCH
+
+
+def linear_act_path(backend: str, x: torch.Tensor, activation_id: int) -> str:
+    """"torch" or "triton" for a linear+activation call on 2-D x."""
+    name = resolve_backend(backend)
+    if name == "torch":
+        return "torch"
+    if name == "triton":
+        _require_triton(x, "gemm_act")
+        return "triton"
+    # Without an activation, cuBLAS's addmm already is one kernel with the bias in its epilogue.
+    if activation_id == 0 or not _fast_gpu(x) or triton_unavailable(x, "gemm_act") is not None:
+        return "torch"
+    return "triton" if x.shape[0] >= LINEAR_ACT_MIN_M else "torch"
+
+
+def allow_tf32() -> bool:
+    """The flag fp32 kernels follow, as torch's own fp32 matmuls do."""
+    return bool(torch.backends.cuda.matmul.allow_tf32)

@@ -1,0 +1,256 @@
+"""gated_mlp: y = down(act(x·Wgᵀ + bg) · (x·Wuᵀ + bu)) + bd, as torch.library custom ops with autograd.
+
+Three ops in the `mlpfuse` namespace (the math is in mlpfuse.reference's docstring):
+    gated_mlp(x, Wg, Wu, Wd, bg?, bu?, bd?, activation, backend) -> y
+        Inference, or any caller that only has the op: its backward recomputes g and u. May take the one-launch
+        decode kernel when no gradient is needed.
+    gated_mlp_train(..., save_preact) -> (y, g, u)
+        What `ops.gated_mlp` and the modules call when a gradient is needed; with save_preact the pre-activations
+        come out of the forward kernel's epilogue and the backward reads them instead of recomputing.
+    gated_mlp_backward(dy, x, Wg, Wu, Wd, bg?, bu?, g, u, ...) -> (dx, dWg, dWu, dWd, dbg, dbu, dbd)
+        On the Triton path `dh = dy·Wd` runs in a kernel whose epilogue writes dg and du (and h for dWd); the
+        weight and input gradients are cuBLAS GEMMs. Gradients not asked for come back as empty placeholders.
+Every op has a fake implementation (shapes only), so torch.compile(fullgraph=True) and torch.export see one node.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mlpfuse import activations, reference
+from mlpfuse.ops import _checks, dispatch
+from mlpfuse.ops._util import leading, nothing, rows, wants_grad
+
+
+def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training: bool, save: bool):
+    """(y [..., dim], g, u) with g, u the 2-D pre-activations when `save`, else None."""
+    _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
+    act = activations.get(activation)
+    x2 = rows(x)
+    path = dispatch.gated_mlp_path(backend, x2, training)
+    g = u = None
+    if path == dispatch.TORCH or x2.shape[0] == 0:
+        out = reference.gated_mlp_forward(x2, wg, wu, wd, bg, bu, bd, act, save_preact=save)
+        y, g, u = out if save else (out, None, None)
+    elif path == dispatch.DECODE:
+        y = dispatch.kernel("decode_mlp").decode_gated_mlp(x2, wg, wu, wd, bg, bu, bd, activation=act.id)
+    else:
+        out = dispatch.kernel("gated_gemm").gated_gemm(
+            x2, wg, wu, bg, bu, activation=act.id, save_preact=save, allow_tf32=dispatch.allow_tf32()
+        )
+        h, g, u = out if save else (out, None, None)
+        y = F.linear(h, wd, bd)
+    return y.reshape(*x.shape[:-1], wd.shape[0]), g, u
+
+
+@torch.library.custom_op("mlpfuse::gated_mlp", mutates_args=())
+def _gated_mlp_op(
+    x: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    gate_bias: Optional[Tensor],
+    up_bias: Optional[Tensor],
+    down_bias: Optional[Tensor],
+    activation: str,
+    backend: str,
+) -> Tensor:
+    # Called directly with tensors that require grad, the op still must not take the decode kernel.
+    training = any(t is not None and t.requires_grad for t in (x, gate_weight, up_weight, down_weight))
+    args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    return _forward(*args, activation, backend, training, False)[0]
+
+
+@_gated_mlp_op.register_fake
+def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend):
+    _checks.gated_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    activations.get(activation)
+    return x.new_empty(*x.shape[:-1], down_weight.shape[0])
+
+
+@torch.library.custom_op("mlpfuse::gated_mlp_train", mutates_args=())
+def _gated_mlp_train_op(
+    x: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    gate_bias: Optional[Tensor],
+    up_bias: Optional[Tensor],
+    down_bias: Optional[Tensor],
+    activation: str,
+    backend: str,
+    save_preact: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    y, g, u = _forward(*args, activation, backend, True, save_preact)
+    if g is None:
+        g, u = nothing(x), nothing(x)
+    return y, g, u
+
+
+@_gated_mlp_train_op.register_fake
+def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend, save_preact):
+    _checks.gated_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    activations.get(activation)
+    y = x.new_empty(*x.shape[:-1], down_weight.shape[0])
+    if not save_preact:
+        return y, nothing(x), nothing(x)
+    m, hidden = leading(x), gate_weight.shape[0]
+    return y, x.new_empty(m, hidden), x.new_empty(m, hidden)
+
+
+@torch.library.custom_op("mlpfuse::gated_mlp_backward", mutates_args=())
+def _gated_mlp_backward_op(
+    dy: Tensor,
+    x: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    gate_bias: Optional[Tensor],
+    up_bias: Optional[Tensor],
+    g: Tensor,
+    u: Tensor,
+    activation: str,
+    backend: str,
+    recompute: bool,
+    need_dx: bool,
+    need_dw: bool,
+    need_dgate_bias: bool,
+    need_dup_bias: bool,
+    need_ddown_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    act = activations.get(activation)
+    x2, dy2 = rows(x), rows(dy.to(x.dtype))
+    path = dispatch.gated_mlp_path(backend, x2, True)
+    triton = path != dispatch.TORCH and x2.shape[0] > 0
+    if recompute:
+        if triton:
+            tf32 = dispatch.allow_tf32()
+            gg = dispatch.kernel("gated_gemm").gated_gemm
+            _, g, u = gg(x2, gate_weight, up_weight, gate_bias, up_bias, activation=act.id, save_preact=True, allow_tf32=tf32)
+        else:
+            g, u = reference.gated_preact(x2, gate_weight, up_weight, gate_bias, up_bias)
+    bias_grads = (need_dgate_bias, need_dup_bias, need_ddown_bias)
+    if not triton:
+        grads = reference.gated_mlp_backward(
+            dy2, x2, gate_weight, up_weight, down_weight, g, u, act,
+            need_dx=need_dx, need_dw=need_dw, bias_grads=bias_grads,
+        )
+        dx, dwg, dwu, dwd, dbg, dbu, dbd = grads
+    else:
+        glu_bwd = dispatch.kernel("glu_backward").matmul_glu_backward
+        dg, du, h = glu_bwd(dy2, down_weight, g, u, activation=act.id, allow_tf32=dispatch.allow_tf32())
+        dx = dg.mm(gate_weight).addmm_(du, up_weight) if need_dx else None
+        dwg = dwu = dwd = None
+        if need_dw:
+            dwg, dwu, dwd = dg.t().mm(x2), du.t().mm(x2), dy2.t().mm(h)
+        dbg, dbu, dbd = (
+            t.sum(0, dtype=torch.float32).to(x.dtype) if need else None
+            for t, need in zip((dg, du, dy2), bias_grads)
+        )
+    dx = dx.reshape(x.shape) if dx is not None else None
+    return tuple(t if t is not None else nothing(x) for t in (dx, dwg, dwu, dwd, dbg, dbu, dbd))
+
+
+@_gated_mlp_backward_op.register_fake
+def _(dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, g, u, activation, backend, recompute,
+      need_dx, need_dw, need_dgate_bias, need_dup_bias, need_ddown_bias):
+    def like(t, need):
+        return torch.empty_like(t) if need else nothing(x)
+
+    return (
+        like(x, need_dx),
+        like(gate_weight, need_dw),
+        like(up_weight, need_dw),
+        like(down_weight, need_dw),
+        x.new_empty(gate_weight.shape[0]) if need_dgate_bias else nothing(x),
+        x.new_empty(gate_weight.shape[0]) if need_dup_bias else nothing(x),
+        x.new_empty(down_weight.shape[0]) if need_ddown_bias else nothing(x),
+    )
+
+
+def _backward(ctx, dy, g, u):
+    x, wg, wu, wd, bg, bu, bd = ctx.saved_tensors[:7]
+    need = ctx.needs_input_grad
+    need_dw = need[1] or need[2] or need[3]
+    grads = torch.ops.mlpfuse.gated_mlp_backward(
+        dy, x, wg, wu, wd, bg, bu, g, u, ctx.activation, ctx.backend, ctx.recompute,
+        need[0], need_dw,
+        bg is not None and need[4], bu is not None and need[5], bd is not None and need[6],
+    )
+    return (*(t if need[i] else None for i, t in enumerate(grads)), None, None) + ((None,) if ctx.train else ())
+
+
+def _setup(ctx, inputs, output):
+    x, wg, wu, wd, bg, bu, bd, activation, backend = inputs[:9]
+    ctx.activation, ctx.backend = activation, backend
+    ctx.train = len(inputs) == 10
+    ctx.recompute = not (ctx.train and inputs[9])
+    ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, *((output[1], output[2]) if not ctx.recompute else ()))
+
+
+def _backward_inference(ctx, dy):
+    empty = nothing(dy)
+    return _backward(ctx, dy, empty, empty)
+
+
+def _backward_train(ctx, dy, _dg, _du):
+    if ctx.recompute:
+        empty = nothing(dy)
+        return _backward(ctx, dy, empty, empty)
+    g, u = ctx.saved_tensors[7:]
+    return _backward(ctx, dy, g, u)
+
+
+_gated_mlp_op.register_autograd(_backward_inference, setup_context=_setup)
+_gated_mlp_train_op.register_autograd(_backward_train, setup_context=_setup)
+
+
+def gated_mlp_call(
+    x: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    gate_bias: Optional[Tensor],
+    up_bias: Optional[Tensor],
+    down_bias: Optional[Tensor],
+    activation: str,
+    backend: str,
+) -> Tensor:
+    """The op a module's forward calls: the training op when a gradient is needed. TorchScript-compatible."""
+    if wants_grad([x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias]):
+        return torch.ops.mlpfuse.gated_mlp_train(
+            x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend,
+            dispatch.SAVE_PREACT,
+        )[0]
+    return torch.ops.mlpfuse.gated_mlp(
+        x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend
+    )
+
+
+def gated_mlp(
+    x: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    activation: Optional[str] = "gelu_tanh",
+    gate_bias: Optional[Tensor] = None,
+    up_bias: Optional[Tensor] = None,
+    down_bias: Optional[Tensor] = None,
+    *,
+    backend: Optional[str] = None,
+) -> Tensor:
+    """y = down_proj(act(gate_proj(x)) · up_proj(x)) with nn.Linear-layout weights, for any leading dimensions.
+
+    gate_weight, up_weight: [hidden, dim] (separate tensors; views of one packed [2·hidden, dim] tensor are fine);
+    down_weight: [dim, hidden]; biases optional. activation: a name or alias from mlpfuse.activations (None:
+    identity). backend: "auto" | "triton" | "torch"; None reads MLPFUSE_BACKEND, else "auto".
+    Differentiable in x, every weight and every bias.
+    """
+    name = activations.get(activation).name
+    backend_name = dispatch.check_backend_name(backend)
+    _checks.tensors([("x", x), ("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight", down_weight),
+                     ("gate_bias", gate_bias), ("up_bias", up_bias), ("down_bias", down_bias)])
+    return gated_mlp_call(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, name, backend_name)

@@ -1,0 +1,147 @@
+"""linear_act: y = act(x·Wᵀ + b), bias and activation in the GEMM's epilogue, as torch.library custom ops.
+
+    linear_act(x, W, b?, activation, backend) -> y           inference; its backward recomputes z = x·Wᵀ + b
+    linear_act_train(..., save_preact) -> (y, z)              under autograd; z from the forward kernel's epilogue
+    linear_act_backward(dy, x, W, b?, z, ...) -> (dx, dW, db) dz = dy·act'(z) (PyTorch pointwise), cuBLAS GEMMs
+Without an activation there is nothing to save: dz = dy.
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mlpfuse import activations, reference
+from mlpfuse.ops import _checks, dispatch
+from mlpfuse.ops._util import leading, nothing, rows, wants_grad
+
+
+def _forward(x, weight, bias, activation: str, backend: str, save: bool):
+    """(y [..., out], z) with z the 2-D pre-activation when `save` and an activation needs it, else None."""
+    _checks.linear_act_args(x, weight, bias)
+    act = activations.get(activation)
+    save = save and act.id != activations.IDENTITY
+    x2 = rows(x)
+    path = dispatch.linear_act_path(backend, x2, act.id)
+    if path == "torch" or x2.shape[0] == 0:
+        out = reference.linear_act_forward(x2, weight, bias, act, save_preact=save)
+    else:
+        gemm_act = dispatch.kernel("gemm_act").gemm_act
+        out = gemm_act(x2, weight, bias, activation=act.id, save_preact=save, allow_tf32=dispatch.allow_tf32())
+    y, z = out if save else (out, None)
+    return y.reshape(*x.shape[:-1], weight.shape[0]), z
+
+
+@torch.library.custom_op("mlpfuse::linear_act", mutates_args=())
+def _linear_act_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> Tensor:
+    return _forward(x, weight, bias, activation, backend, False)[0]
+
+
+@_linear_act_op.register_fake
+def _(x, weight, bias, activation, backend):
+    _checks.linear_act_args(x, weight, bias)
+    activations.get(activation)
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("mlpfuse::linear_act_train", mutates_args=())
+def _linear_act_train_op(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str, save_preact: bool
+) -> tuple[Tensor, Tensor]:
+    y, z = _forward(x, weight, bias, activation, backend, save_preact)
+    return y, (z if z is not None else nothing(x))
+
+
+@_linear_act_train_op.register_fake
+def _(x, weight, bias, activation, backend, save_preact):
+    _checks.linear_act_args(x, weight, bias)
+    act = activations.get(activation)
+    y = x.new_empty(*x.shape[:-1], weight.shape[0])
+    if save_preact and act.id != activations.IDENTITY:
+        return y, x.new_empty(leading(x), weight.shape[0])
+    return y, nothing(x)
+
+
+@torch.library.custom_op("mlpfuse::linear_act_backward", mutates_args=())
+def _linear_act_backward_op(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    z: Tensor,
+    activation: str,
+    recompute: bool,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    act = activations.get(activation)
+    x2, dy2 = rows(x), rows(dy.to(x.dtype))
+    if act.id == activations.IDENTITY:
+        z = None
+    elif recompute:
+        # cuBLAS's addmm is the best way to get z back; the activation's epilogue has nothing to add here.
+        z = F.linear(x2, weight, bias)
+    dx, dw, db = reference.linear_act_backward(
+        dy2, x2, weight, z, act, need_dx=need_dx, need_dw=need_dw, need_db=need_db
+    )
+    dx = dx.reshape(x.shape) if dx is not None else None
+    return tuple(t if t is not None else nothing(x) for t in (dx, dw, db))
+
+
+@_linear_act_backward_op.register_fake
+def _(dy, x, weight, bias, z, activation, recompute, need_dx, need_dw, need_db):
+    return (
+        torch.empty_like(x) if need_dx else nothing(x),
+        torch.empty_like(weight) if need_dw else nothing(x),
+        x.new_empty(weight.shape[0]) if need_db else nothing(x),
+    )
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias, activation = inputs[:4]
+    ctx.activation = activation
+    ctx.train = len(inputs) == 6
+    saved = ctx.train and inputs[5] and activations.get(activation).id != activations.IDENTITY
+    ctx.recompute = not saved
+    ctx.save_for_backward(x, weight, bias, *((output[1],) if saved else ()))
+
+
+def _backward(ctx, dy, *_):
+    x, weight, bias = ctx.saved_tensors[:3]
+    z = ctx.saved_tensors[3] if not ctx.recompute else nothing(dy)
+    need = ctx.needs_input_grad
+    grads = torch.ops.mlpfuse.linear_act_backward(
+        dy, x, weight, bias, z, ctx.activation, ctx.recompute, need[0], need[1], bias is not None and need[2]
+    )
+    return (*(t if need[i] else None for i, t in enumerate(grads)), None, None) + ((None,) if ctx.train else ())
+
+
+_linear_act_op.register_autograd(_backward, setup_context=_setup)
+_linear_act_train_op.register_autograd(_backward, setup_context=_setup)
+
+
+def linear_act_call(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> Tensor:
+    """The op a module's forward calls: the training op when a gradient is needed. TorchScript-compatible."""
+    if wants_grad([x, weight, bias]):
+        return torch.ops.mlpfuse.linear_act_train(x, weight, bias, activation, backend, dispatch.SAVE_PREACT)[0]
+    return torch.ops.mlpfuse.linear_act(x, weight, bias, activation, backend)
+
+
+def linear_act(
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    activation: Optional[str] = None,
+    *,
+    backend: Optional[str] = None,
+) -> Tensor:
+    """act(x·weightᵀ + bias) with an nn.Linear-layout weight [out_features, in_features], any leading dimensions.
+
+    activation: a name or alias from mlpfuse.activations, None for none. backend: "auto" | "triton" | "torch";
+    None reads MLPFUSE_BACKEND, else "auto". Differentiable in x, weight and bias.
+    """
+    name = activations.get(activation).name
+    _checks.tensors([("x", x), ("weight", weight), ("bias", bias)])
+    return linear_act_call(x, weight, bias, name, dispatch.check_backend_name(backend))

@@ -1,0 +1,486 @@
+"""Small analyses over the event model, each returning a plain table (list of dicts) or dict.
+
+Pipeline: `find_steps` -> `link` (CPU op nesting, launch -> op attribution, GPU activity -> launch through
+correlation ids) -> per-step counts, kernel table, op table, zero-kernel ops, GPU idle and gaps -> verdict.
+`Analysis` bundles the results; its `to_dict()` is the `analyze --json` schema (README documents every key).
+
+No torch import here: analysis runs wherever the trace file is.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from mlpfuse.errors import InputError
+from mlpfuse.profiling import kernel_names
+from mlpfuse.profiling.trace import KERNEL, MEMCPY, MEMSET, Event, Trace
+
+SCHEMA = "mlpfuse.analysis/1"
+
+# Verdict threshold: share of the step's GPU window during which a kernel, memset or memcpy runs.
+COMPUTE_BOUND_BUSY_SHARE = 0.5
+# A kernel shorter than the CPU time spent launching it means the CPU cannot keep the GPU fed.
+MAX_GAPS = 5
+
+_STEP_NAME = re.compile(r"^ProfilerStep#\d+$")
+
+
+def is_launch(name: str) -> bool:
+    """Runtime/driver calls that put work on the GPU queue (kernels and graphs)."""
+    return "Launch" in name and "Occupancy" not in name
+
+
+def is_occupancy_query(name: str) -> bool:
+    return "Occupancy" in name
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    ts: float
+    end: float
+
+    @property
+    def dur(self) -> float:
+        return self.end - self.ts
+
+
+# ---------------------------------------------------------------- steps
+
+
+def find_steps(trace: Trace, label: str | None = None) -> tuple[list[Step], str]:
+    """Steps and where they came from: `ProfilerStep#N` spans, else spans of the user label."""
+    if label is None:
+        spans = [e for e in (*trace.annotations, *trace.cpu_ops) if _STEP_NAME.match(e.name)]
+        if spans:
+            return _outermost(spans), "ProfilerStep"
+        label = trace.metadata.get("mlpfuse_label")
+        if not isinstance(label, str) or not label:
+            counts = Counter(e.name for e in trace.annotations if not e.name.startswith("## "))
+            label = counts.most_common(1)[0][0] if counts else None
+    if label:
+        spans = [e for e in (*trace.annotations, *trace.cpu_ops) if e.name == label]
+        if spans:
+            return _outermost(spans), f"label {label!r}"
+        raise InputError(f"TRACE {trace.path}: no spans named {label!r} to use as steps")
+    raise InputError(
+        f"TRACE {trace.path}: no steps (no ProfilerStep#N spans and no record_function label); "
+        "capture with a torch.profiler schedule and prof.step(), or pass --label NAME"
+    )
+
+
+def _outermost(spans: list[Event]) -> list[Step]:
+    steps: list[Step] = []
+    for e in sorted(spans, key=lambda e: (e.ts, -e.dur)):
+        if steps and e.ts < steps[-1].end:  # nested or overlapping: the outer span is the step
+            continue
+        steps.append(Step(e.name, e.ts, e.end))
+    return steps
+
+
+# ---------------------------------------------------------------- linking
+
+
+@dataclass
+class Links:
+    op_parent: list[int]  # index of the enclosing CPU op on the same thread, -1 at top level
+    op_self_us: list[float]
+    launcher: list[int]  # runtime event -> innermost enclosing CPU op, -1 if none
+    gpu_runtime: list[int]  # GPU event -> runtime call that issued it (correlation id), -1 if unknown
+    gpu_op: list[int]  # GPU event -> CPU op that launched it, -1 if unknown
+
+
+def link(trace: Trace) -> Links:
+    ops, runtime, gpu = trace.cpu_ops, trace.runtime, trace.gpu
+    op_parent = [-1] * len(ops)
+    op_self = [e.dur for e in ops]
+    launcher = [-1] * len(runtime)
+
+    # One sweep per thread over ops and runtime calls in start order keeps a stack of open ops (with their
+    # end times alongside, so the hot loop touches no attributes).
+    by_thread: dict[Any, list[tuple[float, float, int]]] = defaultdict(list)
+    n_ops = len(ops)
+    for i, e in enumerate(ops):
+        by_thread[(e.pid, e.tid)].append((e.ts, -e.dur, i))
+    for i, e in enumerate(runtime):
+        by_thread[(e.pid, e.tid)].append((e.ts, -e.dur, n_ops + i))  # ops first on ties: they may enclose
+    for items in by_thread.values():
+        items.sort()
+        stack: list[int] = []
+        stack_end: list[float] = []
+        for ts, neg_dur, i in items:
+            end = ts - neg_dur - 1e-6
+            while stack_end and stack_end[-1] < end:
+                stack_end.pop()
+                stack.pop()
+            top = stack[-1] if stack else -1
+            if i < n_ops:
+                op_parent[i] = top
+                if top >= 0:
+                    op_self[top] += neg_dur
+                stack.append(i)
+                stack_end.append(end + 1e-6)
+            else:
+                launcher[i - n_ops] = top
+
+    by_corr = {e.correlation: i for i, e in enumerate(runtime) if e.correlation is not None}
+    by_ext: dict[int, int] = {}
+    for i, e in enumerate(ops):
+        if e.external_id is not None:
+            by_ext.setdefault(e.external_id, i)
+    gpu_runtime = [-1] * len(gpu)
+    gpu_op = [-1] * len(gpu)
+    for g, e in enumerate(gpu):
+        r = by_corr.get(e.correlation, -1) if e.correlation is not None else -1
+        gpu_runtime[g] = r
+        if r >= 0 and launcher[r] >= 0:
+            gpu_op[g] = launcher[r]
+        elif e.external_id is not None:
+            # Kineto also stamps GPU activity with the launching op's External id; use it when the launch is missing.
+            gpu_op[g] = by_ext.get(e.external_id, -1)
+    return Links(op_parent, [max(0.0, s) for s in op_self], launcher, gpu_runtime, gpu_op)
+
+
+def _step_index(starts: list[float], steps: list[Step], ts: float) -> int:
+    k = bisect.bisect_right(starts, ts) - 1
+    if k >= 0 and ts <= steps[k].end:
+        return k
+    return -1
+
+
+# ---------------------------------------------------------------- GPU busy / idle
+
+
+def gpu_timeline(step: Step, intervals: list[tuple[float, float, str]]) -> dict:
+    """Busy = union of the step's GPU intervals; window = step start .. later of step end and last GPU end."""
+    if not intervals:
+        return {"busy_us": 0.0, "window_us": step.dur, "gaps": []}
+    intervals = sorted(intervals)
+    window_end = max(step.end, max(end for _, end, _ in intervals))
+    busy = 0.0
+    gaps = []
+    cursor, before = step.ts, "(step start)"
+    cur_start, cur_end, cur_last = None, None, ""
+    for start, end, name in intervals:
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+                cursor, before = cur_end, cur_last
+            if start > cursor:
+                gaps.append({"start_us": cursor - step.ts, "dur_us": start - cursor, "after": before, "before": name})
+            cur_start, cur_end, cur_last = start, end, name
+        elif end > cur_end:
+            cur_end, cur_last = end, name
+    busy += cur_end - cur_start
+    if window_end > cur_end:
+        gaps.append({"start_us": cur_end - step.ts, "dur_us": window_end - cur_end, "after": cur_last,
+                     "before": "(step end)"})
+    return {"busy_us": busy, "window_us": window_end - step.ts, "gaps": gaps}
+
+
+# ---------------------------------------------------------------- the analysis
+
+
+def analyze_trace(trace: Trace, label: str | None = None) -> "Analysis":
+    steps, step_source = find_steps(trace, label)
+    links = link(trace)
+    n = len(steps)
+    starts = [s.ts for s in steps]
+    ops, runtime, gpu = trace.cpu_ops, trace.runtime, trace.gpu
+
+    op_step = [_step_index(starts, steps, e.ts) for e in ops]
+    rt_step = [_step_index(starts, steps, e.ts) for e in runtime]
+    gpu_step = []
+    for g, e in enumerate(gpu):
+        r = links.gpu_runtime[g]
+        gpu_step.append(rt_step[r] if r >= 0 else _step_index(starts, steps, e.ts))
+
+    # Ops whose subtree launched GPU work (an op "launches" if it or anything under it did).
+    launched_any = bytearray(len(ops))
+    for o in links.gpu_op:
+        while o >= 0 and not launched_any[o]:
+            launched_any[o] = 1
+            o = links.op_parent[o]
+
+    per = [defaultdict(float) for _ in range(n)]
+    launch_names: list[Counter] = [Counter() for _ in range(n)]
+    runtime_names: list[Counter] = [Counter() for _ in range(n)]
+    fam_counts: list[Counter] = [Counter() for _ in range(n)]
+    intervals: list[list[tuple[float, float, str]]] = [[] for _ in range(n)]
+
+    for i, e in enumerate(runtime):
+        k = rt_step[i]
+        if k < 0:
+            continue
+        runtime_names[k][e.name] += 1
+        if is_launch(e.name):
+            launch_names[k][e.name] += 1
+            per[k]["launch_us"] += e.dur
+        elif is_occupancy_query(e.name):
+            per[k]["occupancy_queries"] += 1
+
+    op_rows: dict[str, dict] = {}
+    for i, e in enumerate(ops):
+        k = op_step[i]
+        if k < 0:
+            continue
+        per[k]["cpu_ops"] += 1
+        row = op_rows.get(e.name)
+        if row is None:
+            row = op_rows[e.name] = {"name": e.name, "count": 0, "cpu_total_us": 0.0, "cpu_self_us": 0.0,
+                                     "kernels": 0, "kernel_names": Counter(), "launched_any": 0}
+        row["count"] += 1
+        row["cpu_total_us"] += e.dur
+        row["cpu_self_us"] += links.op_self_us[i]
+        row["launched_any"] += launched_any[i]
+
+    kernel_rows: dict[tuple[str, str], dict] = {}
+    by_op: dict[str, Counter] = defaultdict(Counter)
+    for g, e in enumerate(gpu):
+        k = gpu_step[g]
+        if k < 0:
+            continue
+        family = kernel_names.family_of(e.name, e.cat)
+        fam_counts[k][family] += 1
+        per[k]["gpu_kernels" if e.cat == KERNEL else "gpu_memsets" if e.cat == MEMSET else "gpu_memcpys"] += 1
+        intervals[k].append((e.ts, e.end, e.name))
+        o = links.gpu_op[g]
+        op_name = ops[o].name if o >= 0 else "(no CPU op)"
+        by_op[op_name][e.name] += 1
+        if o >= 0 and op_name in op_rows:
+            op_rows[op_name]["kernels"] += 1
+            op_rows[op_name]["kernel_names"][e.name] += 1
+        key = (e.name, e.cat)
+        row = kernel_rows.get(key)
+        if row is None:
+            row = kernel_rows[key] = {"name": e.name, "category": e.cat, "family": family, "count": 0,
+                                      "total_us": 0.0, "min_us": e.dur, "max_us": e.dur, "ops": Counter()}
+        row["count"] += 1
+        row["total_us"] += e.dur
+        row["min_us"] = min(row["min_us"], e.dur)
+        row["max_us"] = max(row["max_us"], e.dur)
+        row["ops"][op_name] += 1
+
+    step_rows, all_gaps = [], []
+    for k, s in enumerate(steps):
+        tl = gpu_timeline(s, intervals[k])
+        row = {
+            "name": s.name,
+            "step_us": s.dur,
+            "gpu_busy_us": tl["busy_us"],
+            "gpu_window_us": tl["window_us"],
+            "gpu_idle_us": tl["window_us"] - tl["busy_us"] if intervals[k] else 0.0,
+            "gpu_kernels": int(per[k]["gpu_kernels"]),
+            "gpu_memsets": int(per[k]["gpu_memsets"]),
+            "gpu_memcpys": int(per[k]["gpu_memcpys"]),
+            "launch_calls": sum(launch_names[k].values()),
+            "cpu_ops": int(per[k]["cpu_ops"]),
+        }
+        step_rows.append(row)
+        all_gaps.extend({"step": s.name, **gap} for gap in tl["gaps"])
+
+    has_gpu = any(intervals)
+    per_step = _per_step(step_rows, per, launch_names, runtime_names, fam_counts, n)
+    kernels = _kernel_table(kernel_rows, n)
+    op_table = _op_table(op_rows, n)
+    data = {
+        "schema": SCHEMA,
+        "trace": trace.path,
+        "devices": trace.devices,
+        "steps": n,
+        "step_source": step_source,
+        "step_names": [s.name for s in steps],
+        "per_step": per_step,
+        "step_table": step_rows,
+        "kernels": kernels,
+        "ops": op_table,
+        "kernels_by_op": {op: dict(c.most_common()) for op, c in sorted(by_op.items())},
+        "zero_kernel_ops": zero_kernel_ops(op_rows, n) if has_gpu else [],
+        "gpu_gaps": sorted(all_gaps, key=lambda g: -g["dur_us"])[:MAX_GAPS],
+        "verdict": verdict(per_step, has_gpu),
+    }
+    return Analysis(data)
+
+
+def _per_step(step_rows, per, launch_names, runtime_names, fam_counts, n) -> dict:
+    def mean(key):
+        return sum(r[key] for r in step_rows) / n
+
+    def mean_counter(counters: Iterable[Counter]) -> dict:
+        total: Counter = Counter()
+        for c in counters:
+            total.update(c)
+        return {name: v / n for name, v in total.most_common()}
+
+    out = {key: mean(key) for key in ("gpu_kernels", "gpu_memsets", "gpu_memcpys", "launch_calls", "cpu_ops",
+                                       "gpu_busy_us", "step_us", "gpu_idle_us", "gpu_window_us")}
+    out["launch_calls_by_name"] = mean_counter(launch_names)
+    out["runtime_calls"] = mean_counter(runtime_names)
+    out["occupancy_queries"] = sum(p["occupancy_queries"] for p in per) / n
+    out["launch_cpu_us"] = sum(p["launch_us"] for p in per) / n
+    out["families"] = mean_counter(fam_counts)
+    return out
+
+
+def _kernel_table(rows: dict, n: int) -> list[dict]:
+    table = []
+    for row in sorted(rows.values(), key=lambda r: -r["total_us"]):
+        table.append({
+            "name": row["name"],
+            "family": row["family"],
+            "count": row["count"],
+            "per_step": row["count"] / n,
+            "total_us": row["total_us"],
+            "avg_us": row["total_us"] / row["count"],
+            "min_us": row["min_us"],
+            "max_us": row["max_us"],
+            "ops": dict(row["ops"].most_common()),
+            "decoded": kernel_names.decode(row["name"]).to_dict() if row["category"] == KERNEL
+            else {"family": row["family"]},
+        })
+    return table
+
+
+def _op_table(rows: dict, n: int) -> list[dict]:
+    table = []
+    for row in sorted(rows.values(), key=lambda r: -r["cpu_total_us"]):
+        table.append({
+            "name": row["name"],
+            "count": row["count"],
+            "per_step": row["count"] / n,
+            "cpu_total_us": row["cpu_total_us"],
+            "cpu_self_us": row["cpu_self_us"],
+            "kernels": row["kernels"] / n,
+            "kernel_names": dict(row["kernel_names"].most_common()),
+            "launches_gpu_work": row["launched_any"] > 0,
+        })
+    return table
+
+
+def zero_kernel_ops(op_rows: dict, n: int) -> list[dict]:
+    """CPU ops that launched no GPU work (directly or through ops under them) in any step: metadata-only."""
+    return [
+        {"name": r["name"], "count": r["count"], "per_step": r["count"] / n}
+        for r in sorted(op_rows.values(), key=lambda r: (-r["count"], r["name"]))
+        if r["launched_any"] == 0
+    ]
+
+
+def verdict(per_step: dict, has_gpu: bool) -> dict:
+    """overhead-bound / compute-bound / cpu-only, with the numbers that decided it and the threshold used."""
+    if not has_gpu:
+        return {
+            "kind": "cpu-only",
+            "reason": "no GPU kernels, memsets or memcpys in the steps: CPU activity only",
+            "gpu_busy_share": None,
+            "threshold": COMPUTE_BOUND_BUSY_SHARE,
+        }
+    window = per_step["gpu_window_us"]
+    share = per_step["gpu_busy_us"] / window if window > 0 else 0.0
+    launches = per_step["launch_calls"]
+    work = per_step["gpu_kernels"] + per_step["gpu_memsets"] + per_step["gpu_memcpys"]
+    avg_gpu = per_step["gpu_busy_us"] / work if work else 0.0
+    avg_launch = per_step["launch_cpu_us"] / launches if launches else 0.0
+    kind = "compute-bound" if share >= COMPUTE_BOUND_BUSY_SHARE else "overhead-bound"
+    reason = (
+        f"GPU busy {per_step['gpu_busy_us']:.1f} of {window:.1f} us per step ({share:.0%}); "
+        f"{'>=' if share >= COMPUTE_BOUND_BUSY_SHARE else '<'} {COMPUTE_BOUND_BUSY_SHARE:.0%} busy means "
+        + ("the kernels decide the step time" if kind == "compute-bound" else "CPU-side overhead decides it")
+    )
+    launch_bound = kind == "overhead-bound" and launches > 0 and avg_gpu < avg_launch
+    if launch_bound:
+        reason += f"; launch-bound: a GPU activity lasts {avg_gpu:.1f} us on average, a launch call {avg_launch:.1f} us"
+    return {
+        "kind": kind,
+        "reason": reason,
+        "gpu_busy_share": share,
+        "threshold": COMPUTE_BOUND_BUSY_SHARE,
+        "avg_gpu_activity_us": avg_gpu,
+        "avg_launch_call_us": avg_launch,
+        "launch_bound": launch_bound,
+    }
+
+
+class Analysis:
+    """Result of analysing one trace. `to_dict()` is the JSON schema; `check()` tests expectations."""
+
+    def __init__(self, data: dict):
+        self.data = data
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str = "<analysis>") -> "Analysis":
+        required = ("steps", "per_step", "kernels", "ops", "zero_kernel_ops", "verdict")
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA or any(k not in data for k in required):
+            raise InputError(f"{path}: not an mlpfuse analysis JSON (schema {SCHEMA!r})")
+        return cls(data)
+
+    def to_dict(self) -> dict:
+        return self.data
+
+    # Convenience views used by renderers, diff and tests.
+    @property
+    def steps(self) -> int:
+        return self.data["steps"]
+
+    @property
+    def per_step(self) -> dict:
+        return self.data["per_step"]
+
+    @property
+    def kernels(self) -> list[dict]:
+        return self.data["kernels"]
+
+    @property
+    def ops(self) -> list[dict]:
+        return self.data["ops"]
+
+    @property
+    def verdict(self) -> dict:
+        return self.data["verdict"]
+
+    @property
+    def trace_path(self) -> str:
+        return self.data.get("trace", "")
+
+    def op(self, name: str) -> dict | None:
+        return next((o for o in self.ops if o["name"] == name), None)
+
+    def kernel_names(self, family: str | None = None) -> list[str]:
+        return [k["name"] for k in self.kernels if family is None or k["family"] == family]
+
+    def check(self, expectations: Iterable[str]) -> list:
+        from mlpfuse.profiling.expect import check
+
+        return check(self, expectations)
+
+    def __repr__(self) -> str:
+        p = self.per_step
+        return (f"<Analysis {self.steps} steps: {p['gpu_kernels']:g} kernels/step, "
+                f"{self.verdict['kind']}, trace={self.trace_path!r}>")
+
+
+def analyze(source: Any, label: str | None = None) -> Analysis:
+    """Analyse a trace path (.json / .json.gz), parsed trace JSON, a saved analysis JSON, or a Trace."""
+    import os
+
+    from mlpfuse.profiling import trace as trace_mod
+
+    if isinstance(source, Analysis):
+        return source
+    if isinstance(source, Trace):
+        return analyze_trace(source, label)
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        data = trace_mod.load_json(path)
+        if isinstance(data, dict) and "schema" in data and "traceEvents" not in data:
+            return Analysis.from_dict(data, path)
+        return analyze_trace(trace_mod.from_json(data, path), label)
+    if isinstance(source, (dict, list)):
+        if isinstance(source, dict) and "schema" in source and "traceEvents" not in source:
+            return Analysis.from_dict(source)
+        return analyze_trace(trace_mod.from_json(source), label)
+    raise InputError(f"TRACE: expected a path, trace JSON or Analysis, got {type(source).__name__}")

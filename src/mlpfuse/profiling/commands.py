@@ -1,0 +1,130 @@
+"""`mlpfuse profile`, `mlpfuse analyze`, `mlpfuse diff`.
+
+analyze and diff never import torch (they start in well under a second); profile imports it when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from mlpfuse.errors import InputError
+
+_SIZE_OPTIONS = {
+    "linear": ("batch", "in_dim", "out_dim"),
+    "geglu-mlp": ("batch", "seq", "dim", "hidden"),
+}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("analyze", help="analyse a Chrome/Kineto trace (.json or .json.gz)",
+                              description="Per-step kernels, launches, CPU ops, GPU idle time and a verdict.")
+    p.add_argument("trace", metavar="TRACE")
+    p.add_argument("--label", help="record_function label to use as steps when the trace has no ProfilerStep#N")
+    p.add_argument("--json", action="store_true", help="print the analysis as JSON (schema in the README)")
+    p.set_defaults(func=run_analyze)
+
+    p = subparsers.add_parser("diff", help="what changed between two traces (or saved analysis JSON)")
+    p.add_argument("a", metavar="A")
+    p.add_argument("b", metavar="B")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_diff)
+
+    p = subparsers.add_parser("profile", help="profile a built-in workload (linear, geglu-mlp)",
+                              description="Capture a trace of a built-in workload and analyse it.")
+    p.add_argument("workload", metavar="WORKLOAD", help="linear | geglu-mlp")
+    sizes = p.add_argument_group("sizes (defaults: walkthrough shapes on CUDA, small ones on CPU)")
+    sizes.add_argument("--batch", type=int)
+    sizes.add_argument("--in-dim", type=int, help="linear: input features")
+    sizes.add_argument("--out-dim", type=int, help="linear: output features")
+    sizes.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None, help="linear: bias (default on)")
+    sizes.add_argument("--seq", type=int, help="geglu-mlp: tokens per sequence")
+    sizes.add_argument("--dim", type=int, help="geglu-mlp: model width")
+    sizes.add_argument("--hidden", type=int, help="geglu-mlp: hidden width")
+    p.add_argument("--dtype", help="bf16 | fp16 | fp32 (default bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--device", help="cpu | cuda (default cuda when present)")
+    p.add_argument("--compile", action="store_true", help="same as --variant compile")
+    p.add_argument("--variant", default=None, help="eager | compile | mlpfuse (default eager)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--wait", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--active", type=int, default=3)
+    p.add_argument("--out", default=os.path.join("mlpfuse-results", "profile"), help="folder for trace + JSON")
+    p.add_argument("--expect", action="append", default=[], metavar="EXPR",
+                   help="kernels=N, launches=N, FAMILY=N, op=NAME, no-op=NAME, kernel~=TEXT (repeatable)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_profile)
+
+
+def _dump(obj) -> None:
+    json.dump(obj, sys.stdout, indent=1)
+    sys.stdout.write("\n")
+
+
+def run_analyze(args) -> int:
+    from mlpfuse.profiling import render
+    from mlpfuse.profiling.analysis import analyze
+
+    result = analyze(args.trace, label=args.label)
+    if args.json:
+        _dump(result.to_dict())
+    else:
+        render.print_analysis(result.to_dict())
+    return 0
+
+
+def run_diff(args) -> int:
+    from mlpfuse.profiling import render
+    from mlpfuse.profiling.diff import diff
+
+    result = diff(args.a, args.b)
+    if args.json:
+        _dump(result.to_dict())
+    else:
+        render.print_diff(result.to_dict())
+    return 0
+
+
+def run_profile(args) -> int:
+    from mlpfuse.profiling import expect as expect_mod
+
+    for e in args.expect:  # fail on a typo before spending time on capture
+        expect_mod.parse(e)
+    variant = args.variant or ("compile" if args.compile else "eager")
+    if args.compile and variant != "compile":
+        raise InputError(f"--compile conflicts with --variant {variant}")
+    workload = args.workload
+    if workload not in _SIZE_OPTIONS:
+        raise InputError(f"WORKLOAD: expected one of {', '.join(_SIZE_OPTIONS)}, got {workload!r}")
+    all_sizes = {"batch", "in_dim", "out_dim", "seq", "dim", "hidden"}
+    wrong = [k for k in all_sizes - set(_SIZE_OPTIONS[workload]) if getattr(args, k) is not None]
+    if wrong:
+        raise InputError(f"{workload}: option(s) {', '.join('--' + w.replace('_', '-') for w in sorted(wrong))} "
+                         f"do not apply; expected {', '.join('--' + s.replace('_', '-') for s in _SIZE_OPTIONS[workload])}")
+    if args.bias is not None and workload != "linear":
+        raise InputError("--bias/--no-bias: applies to the linear workload only")
+
+    from mlpfuse import workloads
+    from mlpfuse.profiling import profile, render
+
+    sizes = {k: getattr(args, k) for k in _SIZE_OPTIONS[workload]}
+    built = workloads.build(workload, variant=variant, device=args.device, dtype=args.dtype, bias=args.bias, **sizes)
+    os.makedirs(args.out, exist_ok=True)
+    trace_path = os.path.join(args.out, f"{built.label}.pt.trace.json.gz")
+    if not args.json:
+        print(f"profiling {built.describe()}", file=sys.stderr)
+    result = profile(built.fn, built.x, steps=args.steps, wait=args.wait, warmup=args.warmup, active=args.active,
+                     label=built.label, trace_path=trace_path, expect=args.expect)
+    data = result.to_dict()
+    data["workload"] = built.describe()
+    with open(os.path.join(args.out, f"{built.label}.analysis.json"), "w") as fh:
+        json.dump(data, fh, indent=1)
+    if args.json:
+        _dump({**data, "expectations": [r.to_dict() for r in result.expectations]})
+    else:
+        render.print_analysis(data)
+        render.print_expectations(result.expectations)
+        print(f"trace: {trace_path}  (open in https://ui.perfetto.dev)")
+    return 1 if any(not r.ok for r in result.expectations) else 0

@@ -1,0 +1,305 @@
+"""Decode GPU kernel names into a family and the fields the name carries.
+
+Table-driven: `_RULES` maps a name pattern to (family, library, field parser). The first matching rule wins; a
+name no rule knows is family `other` with no fields — decoding never fails. Families (DESIGN.md): gemm, elementwise,
+reduction, triton_pointwise, triton_reduction, triton_persistent, memset, copy, communication, other.
+
+Examples of what the names carry:
+  nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT      arch sm90, tile 256x128, k-tile x stages 64x4,
+                                                           cluster 1x2, schedule coopA, epilogue bias, layout TNT
+  ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5_tn   arch sm80, dtype bf16, tile, stages, layout tn
+  cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8
+  triton_poi_fused__unsafe_view_gelu_mul_0                 Inductor pointwise kernel fusing _unsafe_view, gelu, mul
+  void at::native::vectorized_elementwise_kernel<8, at::native::GeluCUDAKernelImpl(...)...>   functor GeluCUDAKernelImpl
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+FAMILIES = (
+    "gemm",
+    "elementwise",
+    "reduction",
+    "triton_pointwise",
+    "triton_reduction",
+    "triton_persistent",
+    "memset",
+    "copy",
+    "communication",
+    "other",
+)
+
+
+@dataclass(frozen=True)
+class Decoded:
+    family: str
+    library: str | None = None
+    fields: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        out = {"family": self.family}
+        if self.library:
+            out["library"] = self.library
+        out.update(self.fields)
+        return out
+
+
+# ---------------------------------------------------------------- shared token vocabularies
+
+_ARCH_WORDS = {"maxwell": "sm50", "pascal": "sm60", "volta": "sm70", "turing": "sm75", "ampere": "sm80",
+               "ada": "sm89", "hopper": "sm90", "blackwell": "sm100"}
+_EPILOGUES = {"bias", "relu", "gelu", "silu", "swish", "bgrad", "bgrada", "bgradb", "drelu", "dgelu", "aux", "alpha",
+              "beta", "scale", "amax", "sigmoid", "tanh", "clamp", "swiglu", "geglu"}
+_DTYPE_TOKENS = {"bf16": "bf16", "f16": "fp16", "fp16": "fp16", "half": "fp16", "f32": "fp32", "fp32": "fp32",
+                 "tf32": "tf32", "f64": "fp64", "fp8": "fp8", "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2", "i8": "int8",
+                 "s8": "int8", "int8": "int8"}
+# cuBLAS legacy naming: <arch>_<letter>gemm or <letter><mma shape>gemm, e.g. sgemm, h16816gemm, s16816gemm.
+_GEMM_LETTER = {"s": "fp32", "d": "fp64", "h": "fp16", "c": "complex64", "z": "complex128", "i": "int8"}
+_LAYOUT = re.compile(r"^(?:[tn]{2}|[TN]{2,3})$")
+_TILE = re.compile(r"^(\d+x\d+(?:x\d+)?)$")
+
+
+def _gemm_tokens(tokens: list[str]) -> dict:
+    """Fields common to cuBLAS / CUTLASS style names: dtype, tile, stages, layout, epilogue, alignment."""
+    out: dict = {}
+    tiles: list[str] = []
+    epilogue: list[str] = []
+    for i, tok in enumerate(tokens):
+        low = tok.lower()
+        if "dtype" not in out:
+            prefix = re.match(r"^(bf16|tf32|fp16|f16|fp32|f32|e4m3|e5m2)", low)
+            if low in _DTYPE_TOKENS:
+                out["dtype"] = _DTYPE_TOKENS[low]
+            elif prefix:  # cuBLAS xmma names glue operand types together: bf16bf16_bf16f32
+                out["dtype"] = _DTYPE_TOKENS[prefix.group(1)]
+            else:
+                m = re.match(r"^([sdhczi])(\d{3,6})?gemm", low)
+                if m:
+                    out["dtype"] = _GEMM_LETTER[m.group(1)]
+        if low.startswith("tilesize") and "tile" not in out:
+            out["tile"] = low[len("tilesize"):]
+        elif low == "stages" and i + 1 < len(tokens) and _TILE.match(tokens[i + 1]):
+            out["stages"] = tokens[i + 1]
+        elif _TILE.match(tok) and (i == 0 or tokens[i - 1].lower() != "stages"):
+            tiles.append(tok)
+        elif _LAYOUT.match(tok):
+            out["layout"] = tok
+        elif low in _EPILOGUES:
+            epilogue.append(low)
+        elif low.startswith("align") and low[5:].isdigit():
+            out["align"] = int(low[5:])
+        elif low.startswith("warpgroupsize"):
+            out["warpgroups"] = low[len("warpgroupsize"):]
+    if tiles:
+        out.setdefault("tile", tiles[0])
+        if len(tiles) > 1 and "stages" not in out:
+            out["stages"] = tiles[1]  # CUTLASS: <tile>_<k-tile>x<stages>
+    if epilogue:
+        out["epilogue"] = epilogue
+    return out
+
+
+# ---------------------------------------------------------------- per-library parsers
+
+
+def _parse_nvjet(m: re.Match, name: str) -> dict:
+    # nvjet_<arch>_<kind>_<MxN>_<K>x<stages>_<cluster>_<raster>_<flags...>_<layout>
+    tokens = name.split("_")[1:]
+    out: dict = {}
+    if tokens and re.match(r"^sm\d+", tokens[0]):
+        out["arch"] = tokens.pop(0)
+    if tokens and tokens[0].isalpha() and not _TILE.match(tokens[0]):
+        out["variant"] = tokens.pop(0)
+    dims = [t for t in tokens if _TILE.match(t)]
+    if dims:
+        out["tile"] = dims[0]
+    if len(dims) > 1:
+        out["stages"] = dims[1]  # K-tile x pipeline stages
+    if len(dims) > 2:
+        out["cluster"] = dims[2]
+    flags, epilogue = [], []
+    for t in tokens:
+        if _TILE.match(t):
+            continue
+        if _LAYOUT.match(t):
+            out["layout"] = t
+        elif t.lower() in _EPILOGUES:
+            epilogue.append(t.lower())
+        elif t.startswith(("coop", "ping", "persist")):
+            out["schedule"] = t
+        elif t in ("h", "v"):
+            out["raster"] = t
+        else:
+            flags.append(t)
+    if epilogue:
+        out["epilogue"] = epilogue
+    if flags:
+        out["flags"] = flags
+    return out
+
+
+def _parse_cublas(m: re.Match, name: str) -> dict:
+    word = m.group("arch").lower()
+    tokens = name.split("_")
+    out = {"arch": _ARCH_WORDS.get(word, word)}
+    out.update(_gemm_tokens(tokens[1:]))
+    return out
+
+
+def _parse_cutlass(m: re.Match, name: str) -> dict:
+    inner = m.group(0)
+    tokens = inner.split("_")
+    out: dict = {}
+    if len(tokens) > 1 and tokens[1].isdigit():
+        out["arch"] = f"sm{tokens[1]}"
+    out.update(_gemm_tokens(tokens[2:]))
+    return out
+
+
+# Multi-token aten names that appear inside Inductor kernel names; a plain token is one op.
+_INDUCTOR_OPS = sorted(
+    (tuple(s.split("_")) for s in (
+        "_unsafe_view", "unsafe_view", "_to_copy", "to_copy", "native_layer_norm", "native_layer_norm_backward",
+        "native_batch_norm", "native_dropout", "_softmax", "_log_softmax", "_softmax_backward_data",
+        "convert_element_type", "gelu_backward", "silu_backward", "threshold_backward", "sigmoid_backward",
+        "tanh_backward", "embedding_dense_backward", "new_zeros", "new_empty", "full_like", "zeros_like",
+        "ones_like", "clamp_min", "clamp_max", "masked_fill", "index_put", "scatter_add", "var_mean",
+        "native_group_norm", "scaled_dot_product", "_scaled_dot_product_flash_attention", "expand_as",
+        "reciprocal_mul", "add_mm", "slice_scatter", "select_scatter", "constant_pad_nd",
+    )),
+    key=len,
+    reverse=True,
+)
+
+
+def inductor_fused_ops(text: str) -> list[str]:
+    """'_unsafe_view_gelu_mul' -> ['_unsafe_view', 'gelu', 'mul'] (longest known op name first)."""
+    tokens = text.split("_")
+    ops: list[str] = []
+    i = 0
+    while i < len(tokens):
+        if tokens[i] == "" and i + 1 < len(tokens):
+            # '' marks a leading underscore of the next op (e.g. '_unsafe_view')
+            match = next((op for op in _INDUCTOR_OPS if op[0] == "" and tuple(tokens[i:i + len(op)]) == op), None)
+            if match is None:
+                i += 1
+                continue
+        else:
+            match = next((op for op in _INDUCTOR_OPS if tuple(tokens[i:i + len(op)]) == op), (tokens[i],))
+        if match != ("",):
+            ops.append("_".join(match))
+        i += len(match)
+    return [op for op in ops if op]
+
+
+_INDUCTOR_KIND = {"poi": "triton_pointwise", "red": "triton_reduction", "per": "triton_persistent", "tem": "gemm"}
+
+
+def _parse_inductor(m: re.Match, name: str) -> dict:
+    return {"kind": m.group("kind"), "fused_ops": inductor_fused_ops(m.group("ops")), "index": int(m.group("idx"))}
+
+
+def _inductor_family(m: re.Match) -> str:
+    return _INDUCTOR_KIND[m.group("kind")]
+
+
+_ATEN_WRAPPERS = {"BinaryFunctor", "AUnaryFunctor", "BUnaryFunctor", "gpu_kernel_impl_nocast", "gpu_kernel_impl",
+                  "ReduceOp", "TensorIteratorBase", "GeluType", "memory", "LoadWithCast", "StoreWithCast",
+                  "OffsetCalculator", "TrivialOffsetCalculator", "func_wrapper_t", "detail", "Array"}
+_CTYPES = (("c10::BFloat16", "bf16"), ("c10::Half", "fp16"), ("c10::Float8_e4m3fn", "fp8_e4m3"),
+           ("double", "fp64"), ("float", "fp32"), ("long", "int64"), ("bool", "bool"))
+
+
+def _parse_aten(m: re.Match, name: str) -> dict:
+    text = name.replace("(anonymous namespace)::", "")
+    out: dict = {"kernel": m.group("kernel")}
+    start = text.find(m.group("kernel")) + len(m.group("kernel"))
+    for ident in re.findall(r"at::native::(?:\w+::)*?(\w+)(?=[<(,> ]|$)", text[start:]):
+        if ident not in _ATEN_WRAPPERS and not ident.endswith("_internal"):
+            out["op"] = ident
+            break
+    for ctype, dtype in _CTYPES:
+        if re.search(rf"(?<![\w:]){re.escape(ctype)}(?!\w)", text[start:]):
+            out["dtype"] = dtype
+            break
+    return out
+
+
+def _parse_nccl(m: re.Match, name: str) -> dict:
+    # ncclDevKernel_AllReduce_Sum_bf16_RING_LL(...) / ncclKernel_AllGather_RING_LL_Sum_int8_t(...)
+    tokens = re.split(r"[_(]", name)
+    out: dict = {}
+    collectives = ("AllReduce", "AllGather", "ReduceScatter", "Broadcast", "Reduce", "SendRecv", "Send", "Recv")
+    for t in tokens:
+        if "collective" not in out and t in collectives:
+            out["collective"] = t
+        elif t in ("RING", "TREE", "NVLS", "NVLSTree", "CollNetDirect", "CollNetChain", "PAT"):
+            out["algorithm"] = t
+        elif t in ("LL", "LL128", "SIMPLE", "Simple"):
+            out["protocol"] = t
+        elif t.lower() in _DTYPE_TOKENS and "dtype" not in out:
+            out["dtype"] = _DTYPE_TOKENS[t.lower()]
+    return out
+
+
+def _parse_mlpfuse(m: re.Match, name: str) -> dict:
+    return {"kernel": m.group("kind")}
+
+
+def _nothing(m: re.Match, name: str) -> dict:
+    return {}
+
+
+Rule = tuple[re.Pattern, "str | Callable[[re.Match], str]", "str | None", Callable[[re.Match, str], dict]]
+
+# Order matters: specific before generic. Patterns are `search`ed; anchor where a name must start with them.
+_RULES: list[Rule] = [
+    (re.compile(r"^(?:Memset|memset)"), "memset", None, _nothing),
+    (re.compile(r"^(?:Memcpy|memcpy)"), "copy", None, _nothing),
+    (re.compile(r"^mlpfuse_(?P<kind>\w+?)(?:_kernel)?$"), "gemm", "mlpfuse", _parse_mlpfuse),
+    (re.compile(r"^nvjet_"), "gemm", "nvjet", _parse_nvjet),
+    (re.compile(r"^triton_(?P<kind>poi|red|per|tem)_fused_?(?P<ops>.*?)_(?P<idx>\d+)$"), _inductor_family,
+     "inductor", _parse_inductor),
+    (re.compile(r"nccl(?:Dev)?Kernel|ncclKernel|\bnccl", re.I), "communication", "nccl", _parse_nccl),
+    (re.compile(r"cutlass_\d+_[A-Za-z0-9_]+"), "gemm", "cutlass", _parse_cutlass),
+    (re.compile(r"^(?P<arch>maxwell|pascal|volta|turing|ampere|ada|hopper|blackwell|sm\d{2,3})_\w*?(?:gemm|xmma|gemv)",
+                re.I), "gemm", "cublas", _parse_cublas),
+    (re.compile(r"at::native::(?:\(anonymous namespace\)::)?(?:\w+::)*?(?P<kernel>reduce_kernel|\w*[Ss]oft[Mm]ax\w*|"
+                r"\w*norm\w*_kernel\w*|\w*_reduce\w*kernel)"), "reduction", "aten", _parse_aten),
+    (re.compile(r"at::native::(?:\(anonymous namespace\)::)?(?:\w+::)*?(?P<kernel>\w*elementwise_kernel\w*|"
+                r"\w*index\w*_kernel\w*|\w*copy\w*_kernel\w*|\w*cat\w*_kernel\w*)"), "elementwise", "aten",
+     _parse_aten),
+    (re.compile(r"splitKreduce|cub::\w*Reduce|DeviceReduce"), "reduction", None, _nothing),
+    (re.compile(r"cublas|gemm|gemv|xmma", re.I), "gemm", None, _nothing),
+]
+
+
+@functools.lru_cache(maxsize=4096)
+def decode(name: str) -> Decoded:
+    """Family, library and fields of a kernel name; unknown names are family 'other'."""
+    for pattern, family, library, parse in _RULES:
+        m = pattern.search(name)
+        if m is None:
+            continue
+        try:
+            fields = parse(m, name)
+        except Exception:  # a name that half-matches keeps its family; decoding must never fail on odd names
+            fields = {}
+        fam = family(m) if callable(family) else family
+        if library == "cublas" and name.startswith("sm") and "cutlass" in name.lower():
+            library = "cutlass"
+        return Decoded(fam, library, fields)
+    return Decoded("other")
+
+
+def family_of(name: str, category: str = "kernel") -> str:
+    """Family with the GPU activity's category taken into account (memset/memcpy activities have fixed names)."""
+    if category == "memset":
+        return "memset"
+    if category == "memcpy":
+        return "copy"
+    return decode(name).family

@@ -1,0 +1,196 @@
+"""The fused MLP math in plain PyTorch: the `torch` backend, the CPU path, and the oracle for the kernels.
+
+Every function takes 2-D activations (`x [M, K]`) and nn.Linear-layout weights (`w [out, in]`). It follows the
+same recipe as the Triton kernels: GEMMs in the input dtype (fp32 accumulation inside the matmul), the activation
+and the GLU product in fp32 (fp64 for fp64 inputs), one rounding to the input dtype where a kernel would store.
+
+Gated MLP, with act' the activation's derivative and ⊙ the elementwise product:
+    forward   g = x·Wgᵀ + bg,  u = x·Wuᵀ + bu,  h = act(g) ⊙ u,  y = h·Wdᵀ + bd
+    backward  dh = dy·Wd;  dg = dh ⊙ u ⊙ act'(g);  du = dh ⊙ act(g)
+              dx = dg·Wg + du·Wu;  dWg = dgᵀ·x;  dWu = duᵀ·x;  dWd = dyᵀ·h
+              dbg, dbu, dbd = column sums of dg, du, dy
+Linear + activation:
+    forward   z = x·Wᵀ + b,  y = act(z)
+    backward  dz = dy ⊙ act'(z);  dx = dz·W;  dW = dzᵀ·x;  db = column sum of dz
+
+`gated_mlp` / `linear_act` at the bottom run the forward at a chosen precision (fp64 by default) for any leading
+dimensions: the value a kernel's output is compared against.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mlpfuse import activations
+
+
+def _wide(t: Tensor) -> Tensor:
+    """The dtype pointwise math runs in: fp32 for 16-bit inputs, the input's own dtype otherwise."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def _colsum(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return _wide(t).sum(0).to(dtype)
+
+
+class GatedMLPGrads(NamedTuple):
+    """Gradients of a gated MLP; None where not asked for (or where there is no bias)."""
+
+    x: Optional[Tensor]
+    gate_weight: Optional[Tensor]
+    up_weight: Optional[Tensor]
+    down_weight: Optional[Tensor]
+    gate_bias: Optional[Tensor]
+    up_bias: Optional[Tensor]
+    down_bias: Optional[Tensor]
+
+
+class LinearActGrads(NamedTuple):
+    x: Optional[Tensor]
+    weight: Optional[Tensor]
+    bias: Optional[Tensor]
+
+
+def gated_preact(x: Tensor, gate_weight: Tensor, up_weight: Tensor, gate_bias=None, up_bias=None):
+    """(g, u): the gate and up pre-activations."""
+    return F.linear(x, gate_weight, gate_bias), F.linear(x, up_weight, up_bias)
+
+
+def glu(g: Tensor, u: Tensor, activation) -> Tensor:
+    """h = act(g)·u, computed wide and rounded once."""
+    act = activations.get(activation)
+    return (act.forward(_wide(g)) * _wide(u)).to(g.dtype)
+
+
+def gated_mlp_forward(
+    x: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    gate_bias: Optional[Tensor] = None,
+    up_bias: Optional[Tensor] = None,
+    down_bias: Optional[Tensor] = None,
+    activation="gelu_tanh",
+    *,
+    save_preact: bool = False,
+):
+    """y, or (y, g, u) with `save_preact` (what the backward needs)."""
+    g, u = gated_preact(x, gate_weight, up_weight, gate_bias, up_bias)
+    y = F.linear(glu(g, u, activation), down_weight, down_bias)
+    return (y, g, u) if save_preact else y
+
+
+def gated_mlp_backward(
+    dy: Tensor,
+    x: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    g: Tensor,
+    u: Tensor,
+    activation="gelu_tanh",
+    *,
+    need_dx: bool = True,
+    need_dw: bool = True,
+    bias_grads: tuple[bool, bool, bool] = (False, False, False),
+) -> GatedMLPGrads:
+    """All gradients of the gated MLP from dy and the saved pre-activations g, u."""
+    act = activations.get(activation)
+    dtype = x.dtype
+    dh = _wide(dy.mm(down_weight))
+    gw, uw = _wide(g), _wide(u)
+    a = act.forward(gw)
+    dg_w = dh * uw * act.grad(gw)
+    du_w = dh * a
+    dg, du = dg_w.to(dtype), du_w.to(dtype)
+    dx = dwg = dwu = dwd = None
+    if need_dx:
+        dx = dg.mm(gate_weight).addmm_(du, up_weight)
+    if need_dw:
+        h = (a * uw).to(dtype)
+        dwg, dwu, dwd = dg.t().mm(x), du.t().mm(x), dy.t().mm(h)
+    dbg = dg_w.sum(0).to(dtype) if bias_grads[0] else None
+    dbu = du_w.sum(0).to(dtype) if bias_grads[1] else None
+    dbd = _colsum(dy, dtype) if bias_grads[2] else None
+    return GatedMLPGrads(dx, dwg, dwu, dwd, dbg, dbu, dbd)
+
+
+def linear_act_forward(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation=None, *, save_preact: bool = False
+):
+    """y = act(x·Wᵀ + b), or (y, z) with `save_preact`."""
+    act = activations.get(activation)
+    z = F.linear(x, weight, bias)
+    if act.id == activations.IDENTITY:
+        return (z, None) if save_preact else z
+    y = act.forward(_wide(z)).to(z.dtype)
+    return (y, z) if save_preact else y
+
+
+def linear_act_backward(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    z: Optional[Tensor],
+    activation=None,
+    *,
+    need_dx: bool = True,
+    need_dw: bool = True,
+    need_db: bool = False,
+) -> LinearActGrads:
+    """Gradients of act(x·Wᵀ + b) from dy and the pre-activation z (z may be None for identity)."""
+    act = activations.get(activation)
+    if act.id == activations.IDENTITY:
+        dz_w = _wide(dy)
+        dz = dy
+    else:
+        dz_w = _wide(dy) * act.grad(_wide(z))
+        dz = dz_w.to(dy.dtype)
+    dx = dz.mm(weight) if need_dx else None
+    dw = dz.t().mm(x) if need_dw else None
+    db = dz_w.sum(0).to(dy.dtype) if need_db else None
+    return LinearActGrads(dx, dw, db)
+
+
+def _at(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    return None if t is None else t.to(dtype)
+
+
+def gated_mlp(
+    x: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    activation="gelu_tanh",
+    gate_bias: Optional[Tensor] = None,
+    up_bias: Optional[Tensor] = None,
+    down_bias: Optional[Tensor] = None,
+    *,
+    dtype: torch.dtype = torch.float64,
+) -> Tensor:
+    """The gated MLP forward for any leading dimensions, computed in `dtype` (fp64: the oracle)."""
+    x2 = x.to(dtype).reshape(-1, x.shape[-1])
+    y = gated_mlp_forward(
+        x2,
+        gate_weight.to(dtype),
+        up_weight.to(dtype),
+        down_weight.to(dtype),
+        _at(gate_bias, dtype),
+        _at(up_bias, dtype),
+        _at(down_bias, dtype),
+        activation,
+    )
+    return y.reshape(*x.shape[:-1], down_weight.shape[0])
+
+
+def linear_act(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, activation=None, *, dtype: torch.dtype = torch.float64
+) -> Tensor:
+    """act(x·Wᵀ + b) for any leading dimensions, computed in `dtype` (fp64: the oracle)."""
+    x2 = x.to(dtype).reshape(-1, x.shape[-1])
+    y = linear_act_forward(x2, weight.to(dtype), _at(bias, dtype), activation)
+    return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,231 @@
+"""Built-in workloads that mirror the nn.Linear -> fused MLP walkthrough.
+
+A workload is a module plus an input; a variant says how the module runs (eager, `torch.compile`, mlpfuse's fused
+modules, ...). Variants are a registry so that fused implementations plug in without touching the profiler: each
+entry knows how to wrap a module and whether it can run on this machine (and if not, why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from mlpfuse.errors import InputError
+
+# ---------------------------------------------------------------- modules
+
+
+class GeGLUMLP(nn.Module):
+    """down(gelu_tanh(gate(x)) * up(x)) with Llama/Gemma parameter names (no biases, as in those models)."""
+
+    def __init__(self, dim: int, hidden: int, *, device=None, dtype=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False, device=device, dtype=dtype)
+        self.up_proj = nn.Linear(dim, hidden, bias=False, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(hidden, dim, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadSpec:
+    name: str
+    description: str
+    # size name -> (default on CUDA, default on CPU, help)
+    sizes: dict[str, tuple[int, int, str]]
+    build: Callable[..., tuple[nn.Module, torch.Tensor]]
+
+
+def _build_linear(*, batch, in_dim, out_dim, bias=True, device, dtype):
+    module = nn.Linear(in_dim, out_dim, bias=bias, device=device, dtype=dtype)
+    return module, torch.randn(batch, in_dim, device=device, dtype=dtype)
+
+
+def _build_geglu(*, batch, seq, dim, hidden, bias=False, device, dtype):
+    module = GeGLUMLP(dim, hidden, device=device, dtype=dtype)
+    return module, torch.randn(batch, seq, dim, device=device, dtype=dtype)
+
+
+# CUDA defaults are the walkthrough's shapes (8192 tokens, 768 -> 3072); CPU defaults finish in well under a second.
+WORKLOADS: dict[str, WorkloadSpec] = {
+    "linear": WorkloadSpec(
+        "linear",
+        "nn.Linear(in_dim, out_dim, bias) on x[batch, in_dim]",
+        {
+            "batch": (8192, 256, "rows of x"),
+            "in_dim": (768, 128, "input features"),
+            "out_dim": (3072, 512, "output features"),
+        },
+        _build_linear,
+    ),
+    "geglu-mlp": WorkloadSpec(
+        "geglu-mlp",
+        "down(gelu_tanh(gate(x)) * up(x)) on x[batch, seq, dim]",
+        {
+            "batch": (8, 2, "sequences"),
+            "seq": (1024, 64, "tokens per sequence"),
+            "dim": (768, 128, "model width"),
+            "hidden": (3072, 512, "MLP hidden width"),
+        },
+        _build_geglu,
+    ),
+}
+
+# ---------------------------------------------------------------- variants
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    description: str
+    wrap: Callable[[str, nn.Module], Callable[[torch.Tensor], torch.Tensor]]
+    available: Callable[[], tuple[bool, str]]
+
+
+def _always() -> tuple[bool, str]:
+    return True, ""
+
+
+def _wrap_eager(workload: str, module: nn.Module):
+    return module
+
+
+def _wrap_compile(workload: str, module: nn.Module):
+    return torch.compile(module)
+
+
+def _mlpfuse_available() -> tuple[bool, str]:
+    try:
+        import mlpfuse.modules  # noqa: F401
+    except Exception as exc:  # the fused modules are optional for the profiler: report, never fail
+        return False, f"mlpfuse.modules cannot be imported ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+    return True, ""
+
+
+def _wrap_mlpfuse(workload: str, module: nn.Module):
+    import mlpfuse.modules as fused
+
+    if workload == "linear":
+        return fused.FusedLinear.from_module(module)
+    return fused.GatedMLP.from_module(module, activation="gelu_tanh")
+
+
+VARIANTS: dict[str, Variant] = {
+    "eager": Variant("eager", "the PyTorch module as is", _wrap_eager, _always),
+    "compile": Variant("compile", "torch.compile(module), default mode", _wrap_compile, _always),
+    "mlpfuse": Variant("mlpfuse", "mlpfuse's fused modules (FusedLinear / GatedMLP)", _wrap_mlpfuse, _mlpfuse_available),
+}
+
+
+def register_variant(variant: Variant) -> None:
+    """Add a variant (e.g. a third-party fused implementation) so `profile --variant NAME` can run it."""
+    VARIANTS[variant.name] = variant
+
+
+def variant_status() -> dict[str, tuple[bool, str]]:
+    """name -> (available, reason when not)."""
+    return {name: v.available() for name, v in VARIANTS.items()}
+
+
+# ---------------------------------------------------------------- building a runnable workload
+
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(name: str | None, device: str) -> torch.dtype:
+    if name is None:
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise InputError(f"--dtype: expected one of bf16, fp16, fp32, got {name!r}") from None
+
+
+def resolve_device(name: str | None) -> str:
+    device = name or default_device()
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"--device: {device!r} requested but no CUDA device is available here")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise InputError(f"--device: expected 'cpu' or 'cuda[:N]', got {device!r}")
+    return device
+
+
+@dataclasses.dataclass
+class Built:
+    """A ready-to-profile workload: call `fn(x)` once per step."""
+
+    workload: str
+    variant: str
+    fn: Callable[[torch.Tensor], Any]
+    x: torch.Tensor
+    sizes: dict[str, int]
+    bias: bool
+    device: str
+    dtype: torch.dtype
+
+    @property
+    def label(self) -> str:
+        return f"{self.workload}-{self.variant}"
+
+    def describe(self) -> str:
+        dims = " ".join(f"{k}={v}" for k, v in self.sizes.items())
+        bias = f" bias={self.bias}" if self.workload == "linear" else ""
+        return f"{self.workload} [{self.variant}] {dims}{bias} dtype={str(self.dtype).replace('torch.', '')} device={self.device}"
+
+
+def build(
+    workload: str,
+    *,
+    variant: str = "eager",
+    device: str | None = None,
+    dtype: str | None = None,
+    bias: bool | None = None,
+    seed: int = 0,
+    **sizes: int | None,
+) -> Built:
+    """Build `workload` for `variant`; sizes left None take the device's defaults."""
+    spec = WORKLOADS.get(workload)
+    if spec is None:
+        raise InputError(f"WORKLOAD: expected one of {', '.join(WORKLOADS)}, got {workload!r}")
+    if variant not in VARIANTS:
+        raise InputError(f"--variant: expected one of {', '.join(VARIANTS)}, got {variant!r}")
+    ok, reason = VARIANTS[variant].available()
+    if not ok:
+        raise InputError(f"--variant {variant}: unavailable: {reason}")
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    on_cuda = device.startswith("cuda")
+    unknown = set(sizes) - set(spec.sizes)
+    if unknown:
+        raise InputError(f"{workload}: unknown size option(s) {sorted(unknown)}; expected {sorted(spec.sizes)}")
+    chosen = {}
+    for key, (cuda_default, cpu_default, _) in spec.sizes.items():
+        value = sizes.get(key)
+        value = (cuda_default if on_cuda else cpu_default) if value is None else int(value)
+        if value <= 0:
+            raise InputError(f"--{key.replace('_', '-')}: expected a positive integer, got {value}")
+        chosen[key] = value
+    use_bias = (workload == "linear") if bias is None else bool(bias)
+    torch.manual_seed(seed)
+    module, x = spec.build(**chosen, bias=use_bias, device=device, dtype=torch_dtype)
+    module.requires_grad_(False)  # the walkthrough profiles the forward pass
+    fn = VARIANTS[variant].wrap(workload, module)
+    return Built(workload, variant, fn, x, chosen, use_bias, device, torch_dtype)

@@ -1,0 +1,145 @@
+"""The agreement check flags real wrong computations; failing variants become rows; the reference is right."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from mlpfuse.bench import roofline, sweep
+from mlpfuse.bench.presets import Case
+from mlpfuse.bench.variants import VARIANTS, Variant, as_step, make_problem, reference
+
+CPU = torch.device("cpu")
+PEAKS = roofline.Peaks("test-cpu", {"fp32": 0.1, "fp16": 0.1, "bf16": 0.1}, 10.0)
+FAST = sweep.Settings(rounds=1, target_ms=1.0, warmup=1, profile=False)
+
+
+def _run(cases, variants):
+    return {(r["case"], r["variant"]): r for r in sweep.run(cases, variants, CPU, PEAKS, FAST).rows}
+
+
+def _swapped_build(problem):
+    """act(up(x)) * gate(x): a real, plausible bug (gate and up weights swapped)."""
+    p = problem.params
+    act = torch.nn.functional.gelu
+
+    def forward(x):
+        return (act(x @ p["up_weight"].T, approximate="tanh") * (x @ p["gate_weight"].T)) @ p["down_weight"].T
+
+    return as_step(forward, problem)
+
+
+def _detached_up_build(problem):
+    """A forward that is exactly right whose backward is wrong: no gradient flows through the up branch."""
+    p = problem.params
+    act = torch.nn.functional.gelu
+
+    def forward(x):
+        up = (x @ p["up_weight"].T).detach()
+        return (act(x @ p["gate_weight"].T, approximate="tanh") * up) @ p["down_weight"].T
+
+    def build_step():
+        step = as_step(forward, problem)
+
+        def with_zero_grad():
+            # autograd.grad refuses an input it cannot reach; a buggy implementation returns zeros instead
+            y = forward(problem.x)
+            wrt = [problem.x, *problem.params.values()]
+            grads = torch.autograd.grad(y, wrt, problem.dy, allow_unused=True)
+            return (y, *(torch.zeros_like(w) if g is None else g for w, g in zip(wrt, grads)))
+
+        return with_zero_grad if problem.train else step
+
+    return build_step()
+
+
+def _exploding_build(problem):
+    raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nsecond line of detail")
+
+
+def test_wrong_forward_is_flagged_and_not_timed():
+    case = Case("geglu", "gelu_tanh", 16, 32, 48, "fp32", "fwd")
+    wrong = Variant("swapped", _swapped_build)
+    rows = _run([case], [VARIANTS["eager"], wrong])
+    bad, good = rows[(case.label, "swapped")], rows[(case.label, "eager")]
+    assert good["status"] == "ok" and good["max_rel_error"] < 1e-5 and good["wall_us"] > 0
+    assert bad["status"] == "wrong"
+    assert bad["error"].startswith("y rel. error")
+    assert bad["max_rel_error"] > 0.05
+    assert bad["wall_us"] is None and bad["gpu_us"] is None and bad["speedup"] is None
+
+
+def test_wrong_gradient_is_flagged_although_forward_is_right():
+    fwd = Case("geglu", "gelu_tanh", 16, 32, 48, "fp32", "fwd")
+    train = Case("geglu", "gelu_tanh", 16, 32, 48, "fp32", "fwd+bwd")
+    v = Variant("detached-up", _detached_up_build)
+    rows = _run([fwd, train], [VARIANTS["eager"], v])
+    assert rows[(fwd.label, "detached-up")]["status"] == "ok"
+    bad = rows[(train.label, "detached-up")]
+    assert bad["status"] == "wrong"
+    assert bad["errors"]["y"] < 1e-5
+    assert bad["errors"]["dup_weight"] == pytest.approx(1.0)  # all zeros: the whole norm is missing
+    assert bad["errors"]["dx"] > 0.05
+    assert rows[(train.label, "eager")]["status"] == "ok"
+
+
+def test_nan_output_is_wrong():
+    case = Case("linear", "relu", 8, 16, 24, "fp32", "fwd")
+
+    def build(problem):
+        def step():
+            y = torch.relu(problem.x @ problem.params["weight"].T + problem.params["bias"])
+            y[0, 0] = float("nan")
+            return y
+
+        return step
+
+    row = _run([case], [VARIANTS["eager"], Variant("nan", build)])[(case.label, "nan")]
+    assert row["status"] == "wrong" and math.isinf(row["max_rel_error"])
+
+
+def test_a_failing_variant_is_recorded_and_the_sweep_goes_on():
+    cases = [Case("swiglu", "silu", t, 16, 32, "fp32", "fwd") for t in (4, 8)]
+    rows = _run(cases, [Variant("boom", _exploding_build, peer=True), VARIANTS["eager"], VARIANTS["liger"]])
+    for case in cases:
+        boom = rows[(case.label, "boom")]
+        assert boom["status"] == "error"
+        assert boom["error"] == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
+        assert rows[(case.label, "eager")]["status"] == "ok"
+        assert rows[(case.label, "eager")]["best_peer_wall"] == "eager"  # the failed peer is no best peer
+        assert rows[(case.label, "liger")]["status"] == "skipped"
+        assert rows[(case.label, "liger")]["error"].startswith("skipped:")
+
+
+@pytest.mark.parametrize("workload", ["geglu", "swiglu", "mlp", "linear"])
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+def test_eager_agrees_with_reference_everywhere(workload, mode):
+    case = Case(workload, "gelu" if workload in ("mlp", "linear") else ("silu" if workload == "swiglu" else "gelu_tanh"),
+                8, 16, 24, "fp32", mode)
+    row = _run([case], [VARIANTS["eager"]])[(case.label, "eager")]
+    assert row["status"] == "ok", row["error"]
+    assert set(row["errors"]) == ({"y"} if mode == "fwd" else {"y", "dx", *(f"d{k}" for k in make_problem(case, CPU).params)})
+    assert row["max_rel_error"] < 1e-5
+
+
+def test_reference_matches_numpy_float64():
+    """The fp64 reference against an independent numpy evaluation of the GeGLU formula."""
+    case = Case("geglu", "gelu_tanh", 5, 7, 11, "fp32", "fwd")
+    problem = make_problem(case, CPU, seed=3)
+    x = problem.x.detach().double().numpy()
+    g, u, w = (problem.params[k].detach().double().numpy() for k in ("gate_weight", "up_weight", "down_weight"))
+    a = x @ g.T
+    gelu = 0.5 * a * (1 + np.tanh(np.sqrt(2 / np.pi) * (a + 0.044715 * a**3)))
+    expected = (gelu * (x @ u.T)) @ w.T
+    np.testing.assert_allclose(reference(problem)[0].numpy(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_variants_share_weights_and_inputs():
+    """Every variant's modules hold the problem's own tensors, not copies."""
+    from mlpfuse.bench.variants import eager_module
+
+    problem = make_problem(Case("mlp", "gelu", 4, 8, 12, "fp32", "fwd"), CPU)
+    module = eager_module(problem)
+    assert module.fc1.weight is problem.params["fc1_weight"]
+    assert module.fc2.bias is problem.params["fc2_bias"]

@@ -1,0 +1,152 @@
+"""The one-launch decode MLP kernel against a float64 reference, through Triton's interpreter on CPU (or on a GPU).
+
+Tiny D/H keep the interpreter fast; every M from 1 to 64 is covered, in both reduction families, and odd sizes
+exercise every mask. bf16 is left to benchmarks/bench_decode.py: the interpreter mis-computes bf16 dots.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, HAS_TRITON
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton not installed")
+
+if HAS_TRITON:
+    from mlpfuse import activations as A
+    from mlpfuse.errors import InputError
+    from mlpfuse.kernels import decode_mlp as K
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 4e-3}
+
+
+def reference(x, wg, wu, wd, bg, bu, bd, act):
+    """float64 y = down(act(x·Wgᵀ + bg) · (x·Wuᵀ + bu)) + bd with plain torch ops."""
+    x, wg, wu, wd = (t.double() for t in (x, wg, wu, wd))
+    g = x @ wg.T + (0 if bg is None else bg.double())
+    u = x @ wu.T + (0 if bu is None else bu.double())
+    fwd = next(a.forward for a in A._TABLE if a.id == act)
+    return (fwd(g) * u) @ wd.T + (0 if bd is None else bd.double())
+
+
+def make(m, d, h, dtype, bias, gen):
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+    x = r(m, d)
+    w = (r(h, d, scale=d**-0.5), r(h, d, scale=d**-0.5), r(d, h, scale=h**-0.5))
+    b = (r(h, scale=0.5), r(h, scale=0.5), r(d, scale=0.5)) if bias else (None, None, None)
+    return x, w, b
+
+
+def run_poisoned(x, w, b, **kw):
+    # The output comes from the allocator; fill a same-sized block with NaN and free it first so that on a GPU an
+    # unwritten element reads NaN (the CPU allocator gives no such guarantee, the check below still applies).
+    torch.full((x.shape[0], w[2].shape[0]), float("nan"), dtype=x.dtype, device=x.device)
+    return K.decode_gated_mlp(x, *w, *b, **kw)
+
+
+def rel_err(y, ref):
+    assert torch.isfinite(y).all(), "non-finite output (unwritten or overflowed element)"
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2], ids=["atomic", "det-one-launch", "det-two-launch"])
+@pytest.mark.parametrize("d,h", [(24, 40), (17, 33)])
+def test_every_m_fp32(mode, d, h):
+    gen = torch.Generator().manual_seed(d * h + mode)
+    x_all, w, b = make(64, d, h, torch.float32, True, gen)
+    for m in range(1, 65):
+        x = x_all[:m].clone()
+        y = run_poisoned(x, w, b, activation=A.GELU_TANH, allow_tf32=False, _mode=mode)
+        assert y.shape == (m, d) and y.dtype == torch.float32
+        assert rel_err(y, reference(x, *w, *b, A.GELU_TANH)) < TOL[torch.float32], f"M={m}"
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("act", [A.IDENTITY, A.GELU_TANH, A.GELU, A.SILU, A.RELU, A.RELU2] if HAS_TRITON else [])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_activations_dtypes_biases(dtype, act, bias, deterministic):
+    gen = torch.Generator().manual_seed(act * 8 + bias * 2 + deterministic)
+    for m in (1, 13, 40):
+        x, w, b = make(m, 17, 33, dtype, bias, gen)
+        y = run_poisoned(x, w, b, activation=act, deterministic=deterministic, allow_tf32=False)
+        assert y.dtype == dtype
+        assert rel_err(y, reference(x, *w, *b, act)) < TOL[dtype]
+
+
+def test_each_bias_alone_and_m_past_64():
+    gen = torch.Generator().manual_seed(5)
+    for which in range(3):
+        x, w, b = make(100, 24, 40, torch.float32, True, gen)
+        b = tuple(t if i == which else None for i, t in enumerate(b))
+        for mode in (0, 2):
+            y = run_poisoned(x, w, b, activation=A.SILU, allow_tf32=False, _mode=mode)
+            assert rel_err(y, reference(x, *w, *b, A.SILU)) < TOL[torch.float32]
+
+
+def test_strided_inputs_and_packed_weights():
+    gen = torch.Generator().manual_seed(9)
+    d, h, m = 24, 40, 5
+    packed = (torch.randn(2 * h, d, generator=gen) * d**-0.5).to(DEVICE)  # [gate; up] like a gate_up_proj
+    wd_t = (torch.randn(h, d, generator=gen) * h**-0.5).to(DEVICE)
+    x_wide = torch.randn(m, 2 * d, generator=gen).to(DEVICE)
+    x, wg, wu, wd = x_wide[:, ::2], packed[:h], packed[h:], wd_t.T  # x and w_down both non-contiguous
+    bias_wide = torch.randn(2 * d, generator=gen).to(DEVICE)
+    y = K.decode_gated_mlp(x, wg, wu, wd, None, None, bias_wide[::2], activation=A.GELU, allow_tf32=False)
+    assert rel_err(y, reference(x, wg, wu, wd, None, None, bias_wide[::2], A.GELU)) < 1e-5
+
+
+@pytest.mark.parametrize("mode", [1, 2])
+def test_deterministic_modes_are_bit_identical(mode):
+    gen = torch.Generator().manual_seed(1)
+    x, w, b = make(37, 17, 33, torch.float32, True, gen)
+    first = K.decode_gated_mlp(x, *w, *b, activation=A.GELU_TANH, _mode=mode)
+    for _ in range(2):
+        assert torch.equal(first, K.decode_gated_mlp(x, *w, *b, activation=A.GELU_TANH, _mode=mode))
+
+
+def test_atomic_scratch_is_left_zeroed_between_calls():
+    # The atomic path accumulates into a cached scratch that each launch must leave zeroed: repeated calls with
+    # different shapes and inputs would drift if it did not.
+    gen = torch.Generator().manual_seed(2)
+    for m, d, h in ((3, 24, 40), (64, 24, 40), (9, 17, 33), (3, 24, 40)):
+        x, w, b = make(m, d, h, torch.float32, False, gen)
+        y = K.decode_gated_mlp(x, *w, *b, activation=A.RELU, allow_tf32=False)
+        assert rel_err(y, reference(x, *w, *b, A.RELU)) < 1e-5
+
+
+def test_empty_m_and_empty_hidden():
+    gen = torch.Generator().manual_seed(3)
+    x, w, b = make(4, 24, 40, torch.float32, True, gen)
+    y = K.decode_gated_mlp(x[:0], *w, activation=A.SILU)
+    assert y.shape == (0, 24)
+    w0 = (w[0][:0], w[1][:0], w[2][:, :0])  # H = 0: y is the down bias alone
+    y = K.decode_gated_mlp(x, *w0, None, None, b[2], activation=A.SILU)
+    assert torch.equal(y, b[2].expand(4, 24))
+
+
+@pytest.mark.parametrize("case", ["rank", "dtype", "shape", "bias", "too_many_rows", "activation"])
+def test_bad_input_raises_one_line_input_error(case):
+    gen = torch.Generator().manual_seed(4)
+    x, (wg, wu, wd), _ = make(4, 24, 40, torch.float32, False, gen)
+    kwargs = {"activation": A.SILU}
+    args = [x, wg, wu, wd]
+    if case == "rank":
+        args[0] = x[0]
+    elif case == "dtype":
+        args[1] = wg.half()
+    elif case == "shape":
+        args[3] = wd[:, :-1]
+    elif case == "bias":
+        args += [torch.zeros(7, device=DEVICE)]
+    elif case == "too_many_rows":
+        args[0] = torch.zeros(K.MAX_M + 1, 24, device=DEVICE)
+    else:
+        kwargs["activation"] = 17
+    with pytest.raises(InputError) as info:
+        K.decode_gated_mlp(*args, **kwargs)
+    assert "\n" not in str(info.value)

@@ -1,0 +1,215 @@
+"""The GEMM-epilogue kernels (gated_gemm, gemm_act, matmul_glu_backward) against float64 references.
+
+On a machine without CUDA these run through Triton's interpreter (tests/conftest.py turns it on), fp32 with tf32 off
+and fp16 only (the interpreter mis-computes bf16 dots). Shapes are tiny and odd so that every tile edge is masked.
+Outputs are pre-filled with NaN and handed in through `out=`, so an element the kernel forgets to write fails the test.
+Both operand paths run: TMA descriptors (the interpreter emulates them) and plain pointer loads.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from mlpfuse import activations as A
+from mlpfuse.kernels import available
+
+pytestmark = pytest.mark.skipif(not available(), reason="Triton kernels cannot run here")
+
+if available():
+    from mlpfuse.kernels.configs import KernelConfig
+    from mlpfuse.kernels.gated_gemm import gated_gemm
+    from mlpfuse.kernels.gemm_act import gemm_act
+    from mlpfuse.kernels.glu_backward import matmul_glu_backward
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+ACTS = [a for a in A.NAMES] + ["identity"]
+# Small tiles: several tiles per output and ragged edges even at these sizes (the persistent loop then also runs).
+TILES = {
+    "tma": KernelConfig(16, 16, 16, group_m=2, num_stages=1, num_warps=4),
+    "pointer": KernelConfig(16, 16, 16, group_m=2, num_stages=1, num_warps=4, tma=False),
+}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_overflow():
+    # exp() of large arguments overflows to inf inside tanh/sigmoid, which is the intended saturation.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+def randn(*shape, dtype, scale=1.0, gen):
+    return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(device=DEVICE, dtype=dtype)
+
+
+def poisoned(*shape, dtype, n):
+    return tuple(torch.full(shape, float("nan"), device=DEVICE, dtype=dtype) for _ in range(n))
+
+
+def assert_close(out, ref, dtype, what):
+    assert not torch.isnan(out).any(), f"{what}: NaN in output (unwritten or spurious)"
+    err = ((out.double().cpu() - ref.cpu()).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert err <= TOL[dtype], f"{what}: relative error {err:.2e} > {TOL[dtype]:.0e}"
+
+
+def gated_ref(x, wg, wu, bg, bu, act):
+    g = x.double() @ wg.double().T + (bg.double() if bg is not None else 0)
+    u = x.double() @ wu.double().T + (bu.double() if bu is not None else 0)
+    return act.forward(g) * u, g, u
+
+
+@pytest.mark.parametrize("path", ["tma", "pointer"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("act_name", ACTS)
+def test_gated_gemm_every_activation(act_name, dtype, path):
+    gen = torch.Generator().manual_seed(hash((act_name, str(dtype), path)) % 2**31)
+    act = A.get(act_name)
+    M, N, K = 33, 24, 40  # ragged in M and N against 16-wide tiles
+    x = randn(M, K, dtype=dtype, gen=gen)
+    packed = randn(2 * N, K, dtype=dtype, scale=K**-0.5, gen=gen)  # gate_up packed: the weights are views
+    wg, wu = packed[:N], packed[N:]
+    bg, bu = randn(N, dtype=dtype, gen=gen), randn(N, dtype=dtype, gen=gen)
+    out = poisoned(M, N, dtype=dtype, n=3)
+    h, g, u = gated_gemm(x, wg, wu, bg, bu, activation=act.id, save_preact=True, allow_tf32=False, out=out,
+                         config=TILES[path])
+    assert h is out[0] and g is out[1] and u is out[2]
+    hr, gr, ur = gated_ref(x, wg, wu, bg, bu, act)
+    assert_close(h, hr, dtype, "h")
+    assert_close(g, gr, dtype, "g")
+    assert_close(u, ur, dtype, "u")
+
+
+@pytest.mark.parametrize("path", ["tma", "pointer"])
+@pytest.mark.parametrize("bias", ["none", "gate", "up", "both"])
+@pytest.mark.parametrize("M,N,K", [(1, 7, 16), (7, 33, 24), (100, 20, 8)])
+def test_gated_gemm_shapes_and_biases(M, N, K, bias, path):
+    gen = torch.Generator().manual_seed(M * 1000 + N * 10 + K)
+    dtype, act = torch.float32, A.get("gelu_tanh")
+    x = randn(M, K, dtype=dtype, gen=gen)
+    wg, wu = randn(N, K, dtype=dtype, gen=gen), randn(N, K, dtype=dtype, gen=gen)  # separate allocations
+    bg = randn(N, dtype=dtype, gen=gen) if bias in ("gate", "both") else None
+    bu = randn(N, dtype=dtype, gen=gen) if bias in ("up", "both") else None
+    (out,) = poisoned(M, N, dtype=dtype, n=1)
+    h = gated_gemm(x, wg, wu, bg, bu, activation=act.id, allow_tf32=False, out=out, config=TILES[path])
+    assert_close(h, gated_ref(x, wg, wu, bg, bu, act)[0], dtype, "h")
+
+
+def test_gated_gemm_up_before_gate_in_memory():
+    # Gate given as the second half of a packed weight: the paired descriptor must hand the halves back swapped.
+    gen = torch.Generator().manual_seed(7)
+    dtype, act = torch.float16, A.get("silu")
+    x = randn(20, 32, dtype=dtype, gen=gen)
+    packed = randn(2 * 24, 32, dtype=dtype, scale=0.2, gen=gen)
+    wg, wu = packed[24:], packed[:24]
+    (out,) = poisoned(20, 24, dtype=dtype, n=1)
+    h = gated_gemm(x, wg, wu, activation=act.id, out=out, config=TILES["tma"])
+    assert_close(h, gated_ref(x, wg, wu, None, None, act)[0], dtype, "h")
+
+
+def test_gated_gemm_non_contiguous_inputs():
+    gen = torch.Generator().manual_seed(3)
+    dtype, act = torch.float32, A.get("relu2")
+    M, N, K = 19, 21, 13
+    x = randn(K, M, dtype=dtype, gen=gen).T  # transposed view: unit stride along M, pointer path
+    wg = randn(K, N, dtype=dtype, gen=gen).T
+    wu = randn(N, 2 * K, dtype=dtype, gen=gen)[:, ::2]  # every other column: stride 2 along K
+    (out,) = poisoned(M, N, dtype=dtype, n=1)
+    h = gated_gemm(x, wg, wu, activation=act.id, allow_tf32=False, out=out)
+    assert_close(h, gated_ref(x, wg, wu, None, None, act)[0], dtype, "h")
+    # the default launch (no out=) agrees with the reference as well
+    assert_close(gated_gemm(x, wg, wu, activation=act.id, allow_tf32=False), gated_ref(x, wg, wu, None, None, act)[0],
+                 dtype, "h default")
+
+
+@pytest.mark.parametrize("path", ["tma", "pointer"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("act_name", ACTS)
+def test_gemm_act(act_name, dtype, path):
+    gen = torch.Generator().manual_seed(hash((act_name, str(dtype), path, "a")) % 2**31)
+    act = A.get(act_name)
+    M, N, K = 21, 35, 24
+    x = randn(M, K, dtype=dtype, gen=gen)
+    w = randn(N, K, dtype=dtype, scale=K**-0.5, gen=gen)
+    b = randn(N, dtype=dtype, gen=gen)
+    out = poisoned(M, N, dtype=dtype, n=2)
+    y, z = gemm_act(x, w, b, activation=act.id, save_preact=True, allow_tf32=False, out=out, config=TILES[path])
+    zr = x.double() @ w.double().T + b.double()
+    assert_close(z, zr, dtype, "z")
+    assert_close(y, act.forward(zr), dtype, "y")
+    (out1,) = poisoned(M, N, dtype=dtype, n=1)
+    y1 = gemm_act(x, w, None, activation=act.id, allow_tf32=False, out=out1, config=TILES[path])
+    assert_close(y1, act.forward(x.double() @ w.double().T), dtype, "y without bias")
+
+
+@pytest.mark.parametrize("path", ["tma", "pointer"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("act_name", ACTS)
+def test_glu_backward(act_name, dtype, path):
+    gen = torch.Generator().manual_seed(hash((act_name, str(dtype), path, "b")) % 2**31)
+    act = A.get(act_name)
+    M, D, N = 23, 24, 40  # N*2 bytes is 16-aligned for fp16, so the TMA path really runs
+    dy = randn(M, D, dtype=dtype, gen=gen)
+    wd = randn(D, N, dtype=dtype, scale=D**-0.5, gen=gen)
+    g, u = randn(M, N, dtype=dtype, gen=gen), randn(M, N, dtype=dtype, gen=gen)
+    out = poisoned(M, N, dtype=dtype, n=3)
+    dg, du, h = matmul_glu_backward(dy, wd, g, u, activation=act.id, allow_tf32=False, out=out, config=TILES[path])
+    dh, gd, ud = dy.double() @ wd.double(), g.double(), u.double()
+    assert_close(dg, dh * ud * act.grad(gd), dtype, "dg")
+    assert_close(du, dh * act.forward(gd), dtype, "du")
+    assert_close(h, act.forward(gd) * ud, dtype, "h")
+
+
+def test_glu_backward_non_contiguous():
+    gen = torch.Generator().manual_seed(11)
+    dtype, act = torch.float32, A.get("gelu")
+    M, D, N = 17, 9, 22
+    dy = randn(D, M, dtype=dtype, gen=gen).T
+    wd = randn(N, D, dtype=dtype, gen=gen).T  # [D, N] with unit stride along D
+    g = randn(N, M, dtype=dtype, gen=gen).T
+    u = randn(M, 2 * N, dtype=dtype, gen=gen)[:, N:]
+    out = poisoned(M, N, dtype=dtype, n=3)
+    dg, du, h = matmul_glu_backward(dy, wd, g, u, activation=act.id, allow_tf32=False, out=out)
+    dh, gd, ud = dy.double() @ wd.double(), g.double(), u.double()
+    assert_close(dg, dh * ud * act.grad(gd), dtype, "dg")
+    assert_close(du, dh * act.forward(gd), dtype, "du")
+    assert_close(h, act.forward(gd) * ud, dtype, "h")
+
+
+def test_empty_m_returns_empties():
+    x = torch.empty(0, 16, device=DEVICE)
+    w = torch.randn(8, 16, device=DEVICE)
+    h, g, u = gated_gemm(x, w, w, activation=A.SILU, save_preact=True)
+    assert h.shape == g.shape == u.shape == (0, 8)
+    assert gemm_act(x, w, activation=A.RELU).shape == (0, 8)
+    dg, du, hh = matmul_glu_backward(x, torch.randn(16, 8, device=DEVICE), torch.empty(0, 8, device=DEVICE),
+                                     torch.empty(0, 8, device=DEVICE), activation=A.SILU)
+    assert dg.shape == du.shape == hh.shape == (0, 8)
+
+
+@pytest.mark.parametrize("path", ["tma", "pointer"])
+def test_nan_in_nan_out(path):
+    gen = torch.Generator().manual_seed(5)
+    x = randn(20, 16, dtype=torch.float32, gen=gen)
+    w = randn(2 * 24, 16, dtype=torch.float32, gen=gen)
+    x[4, 3] = float("nan")
+    for name in ("relu", "gelu_tanh"):  # relu must not clamp NaN to 0
+        act = A.get(name)
+        h = gated_gemm(x, w[:24], w[24:], activation=act.id, allow_tf32=False, config=TILES[path])
+        assert torch.isnan(h[4]).all() and not torch.isnan(h[torch.arange(20) != 4]).any()
+        y = gemm_act(x, w[:24], activation=act.id, allow_tf32=False, config=TILES[path])
+        assert torch.isnan(y[4]).all() and not torch.isnan(y[torch.arange(20) != 4]).any()
+
+
+def test_bad_shapes_raise_value_error():
+    x = torch.randn(4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="w_gate"):
+        gated_gemm(x, torch.randn(8, 15, device=DEVICE), torch.randn(8, 15, device=DEVICE), activation=A.SILU)
+    with pytest.raises(ValueError, match="b_up"):
+        gated_gemm(x, torch.randn(8, 16, device=DEVICE), torch.randn(8, 16, device=DEVICE),
+                   b_up=torch.randn(9, device=DEVICE), activation=A.SILU)
+    with pytest.raises(ValueError, match="out"):
+        gemm_act(x, torch.randn(8, 16, device=DEVICE), activation=A.SILU, out=torch.empty(4, 9, device=DEVICE))

@@ -1,0 +1,253 @@
+"""GatedMLP / PackedGatedMLP / FusedLinear / MLP: state_dicts of the modules they replace, shared parameters,
+outputs and gradients equal to the replaced modules (float64, torch backend)."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mlpfuse import FusedLinear, GatedMLP, MLP
+from mlpfuse.errors import InputError
+from mlpfuse.modules import PackedGatedMLP
+
+F64 = torch.float64
+
+
+# Stand-ins written the way transformers writes these MLPs (same attribute names and forward).
+class LlamaMLP(nn.Module):
+    def __init__(self, dim, hidden, act=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False, dtype=F64)
+        self.up_proj = nn.Linear(dim, hidden, bias=False, dtype=F64)
+        self.down_proj = nn.Linear(hidden, dim, bias=False, dtype=F64)
+        self.act_fn = act if act is not None else nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class PytorchGELUTanh(nn.Module):  # the name transformers' ACT2FN["gelu_pytorch_tanh"] has
+    def forward(self, x):
+        return F.gelu(x, approximate="tanh")
+
+
+class QuickGELU(nn.Module):
+    def forward(self, x):
+        return x * torch.sigmoid(1.702 * x)
+
+
+class Config:
+    hidden_act = "gelu_pytorch_tanh"
+
+
+class Phi3MLP(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=False, dtype=F64)
+        self.down_proj = nn.Linear(hidden, dim, bias=False, dtype=F64)
+        self.activation_fn = nn.SiLU()
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * self.activation_fn(gate))
+
+
+class MixtralExpert(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False, dtype=F64)
+        self.w2 = nn.Linear(hidden, dim, bias=False, dtype=F64)
+        self.w3 = nn.Linear(dim, hidden, bias=False, dtype=F64)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.w2(self.act_fn(self.w1(x)) * self.w3(x))
+
+
+class GPTMLP(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden, dtype=F64)
+        self.fc2 = nn.Linear(hidden, dim, dtype=F64)
+        self.act = nn.GELU(approximate="tanh")
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def assert_same_function(ours, theirs, dim, lead=(2, 5)):
+    """Equal outputs and equal gradients: for every shared parameter, or else for parameters of the same name."""
+    x = torch.randn(*lead, dim, dtype=F64, requires_grad=True)
+    theirs_p = list(theirs.parameters())
+    if storages(ours) == storages(theirs):
+        ours_p = theirs_p
+    else:
+        names = [n for n, _ in theirs.named_parameters()]
+        ours_p = [ours.get_parameter(n) for n in names]
+    y_theirs = theirs(x)
+    dy = torch.randn_like(y_theirs)
+    g_theirs = torch.autograd.grad(y_theirs, [x, *theirs_p], dy)
+    y_ours = ours(x)
+    g_ours = torch.autograd.grad(y_ours, [x, *ours_p], dy)
+    torch.testing.assert_close(y_ours, y_theirs)
+    for a, b in zip(g_ours, g_theirs):
+        torch.testing.assert_close(a, b)
+
+
+def storages(module):
+    return {p.data_ptr() for p in module.parameters()}
+
+
+def test_gated_mlp_loads_a_llama_state_dict_as_is():
+    src = LlamaMLP(12, 20)
+    ours = GatedMLP(12, 20, activation="silu", dtype=F64, backend="torch")
+    assert set(ours.state_dict()) == set(src.state_dict()) == {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}
+    ours.load_state_dict(src.state_dict())
+    assert_same_function(ours, src, 12)
+    src2 = LlamaMLP(12, 20)
+    src2.load_state_dict(ours.state_dict())
+    assert_same_function(ours, src2, 12)
+
+
+def test_gated_mlp_with_bias_keys():
+    m = GatedMLP(8, 16, bias=True)
+    assert set(m.state_dict()) == {f"{p}.{k}" for p in ("gate_proj", "up_proj", "down_proj") for k in ("weight", "bias")}
+    assert "dim=8, hidden=16, activation=gelu_tanh, bias=True" in repr(m)
+
+
+@pytest.mark.parametrize(
+    "act_fn, expected",
+    [(nn.SiLU(), "silu"), (PytorchGELUTanh(), "gelu_tanh"), (nn.GELU(), "gelu"), (nn.GELU(approximate="tanh"), "gelu_tanh"),
+     (F.silu, "silu"), (nn.ReLU(), "relu")],
+)
+def test_from_module_shares_parameters_and_reads_the_activation(act_fn, expected):
+    src = LlamaMLP(12, 20, act_fn)
+    ours = GatedMLP.from_module(src, backend="torch")
+    assert ours.activation == expected
+    assert storages(ours) == storages(src)
+    assert ours.gate_proj.weight is src.gate_proj.weight
+    assert_same_function(ours, src, 12)
+
+
+def test_from_module_reads_config_when_there_is_no_act_fn():
+    src = LlamaMLP(6, 10)
+    del src.act_fn
+    src.config = Config()
+    assert GatedMLP.from_module(src).activation == "gelu_tanh"
+
+
+def test_from_module_refuses_to_guess():
+    with pytest.raises(InputError, match="^activation: .*QuickGELU"):
+        GatedMLP.from_module(LlamaMLP(6, 10, QuickGELU()))
+    # An explicit activation is the way out.
+    assert GatedMLP.from_module(LlamaMLP(6, 10, QuickGELU()), activation="gelu").activation == "gelu"
+    with pytest.raises(InputError, match="^module: "):
+        GatedMLP.from_module(GPTMLP(6, 10))
+
+
+def test_from_module_mixtral_expert():
+    src = MixtralExpert(10, 14)
+    ours = GatedMLP.from_module(src, backend="torch")
+    assert ours.up_proj.weight is src.w3.weight and ours.down_proj.weight is src.w2.weight
+    assert_same_function(ours, src, 10)
+
+
+def test_packed_gate_up_is_used_in_place():
+    src = Phi3MLP(10, 14)
+    ours = GatedMLP.from_module(src, backend="torch")
+    assert isinstance(ours, PackedGatedMLP) and isinstance(ours, GatedMLP)
+    assert ours.gate_up_proj.weight is src.gate_up_proj.weight
+    assert set(ours.state_dict()) == set(src.state_dict())
+    assert storages(ours) == storages(src)
+    assert_same_function(ours, src, 10)
+    assert "packed=True" in repr(ours)
+    # A fresh packed module loads a Phi-3 state_dict as is.
+    fresh = PackedGatedMLP(10, 14, activation="silu", dtype=F64, backend="torch")
+    fresh.load_state_dict(src.state_dict())
+    assert_same_function(fresh, src, 10)
+
+
+def test_packed_with_bias_and_from_packed():
+    fused = nn.Linear(6, 16, dtype=F64)
+    down = nn.Linear(8, 6, dtype=F64)
+    ours = GatedMLP.from_packed(fused, down, "gelu", backend="torch")
+    x = torch.randn(3, 6, dtype=F64)
+    g, u = fused(x).chunk(2, dim=-1)
+    torch.testing.assert_close(ours(x), down(F.gelu(g) * u))
+    with pytest.raises(InputError, match="^gate_up_proj: "):
+        GatedMLP.from_packed(nn.Linear(6, 15), nn.Linear(7, 6))
+    with pytest.raises(InputError, match="^module: expected .*\\[6, 8\\]"):
+        GatedMLP.from_packed(fused, nn.Linear(7, 6, dtype=F64))
+
+
+def test_from_module_rejects_mixed_dtypes():
+    src = LlamaMLP(6, 10)
+    src.up_proj.float()
+    with pytest.raises(InputError, match="^module: expected up_proj.weight in torch.float64"):
+        GatedMLP.from_module(src)
+
+
+def test_fused_linear_is_an_nn_linear_with_an_activation():
+    torch.manual_seed(7)
+    ref = nn.Linear(9, 5)
+    torch.manual_seed(7)
+    ours = FusedLinear(9, 5, activation="gelu_tanh")
+    torch.testing.assert_close(ours.weight, ref.weight, rtol=0, atol=0)  # nn.Linear's initialisation
+    torch.testing.assert_close(ours.bias, ref.bias, rtol=0, atol=0)
+    assert set(ours.state_dict()) == {"weight", "bias"}
+    assert repr(ours) == "FusedLinear(in_features=9, out_features=5, bias=True, activation=gelu_tanh)"
+    assert FusedLinear(3, 4, bias=False).bias is None
+
+
+@pytest.mark.parametrize("activation", [None, "relu2", "gelu"])
+def test_fused_linear_from_module(activation):
+    lin = nn.Linear(9, 5, dtype=F64)
+    ours = FusedLinear.from_module(lin, activation, backend="torch")
+    assert ours.weight is lin.weight and ours.bias is lin.bias
+
+    class Ref(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            z = self.lin(x)
+            return {None: z, "relu2": F.relu(z) ** 2, "gelu": F.gelu(z)}[activation]
+
+    assert_same_function(ours, Ref(), 9)
+
+
+def test_mlp_matches_gpt_mlp_and_from_module():
+    src = GPTMLP(8, 12)
+    ours = MLP.from_module(src, backend="torch")
+    assert ours.fc1.weight is src.fc1.weight and ours.fc2.bias is src.fc2.bias
+    assert ours.fc1.activation == "gelu_tanh"
+    assert_same_function(ours, src, 8)
+    fresh = MLP(8, 12, dtype=F64)
+    assert set(fresh.state_dict()) == set(src.state_dict())
+    fresh.load_state_dict(src.state_dict())
+    assert_same_function(fresh, src, 8)
+    two = MLP.from_module(src.fc1, src.fc2, activation="gelu_tanh")
+    assert storages(two) == storages(src)
+    with pytest.raises(InputError, match="^activation: "):
+        MLP.from_module(src.fc1, src.fc2)
+    with pytest.raises(InputError, match="^fc1: "):
+        MLP.from_module(LlamaMLP(8, 12))
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(InputError, match="^activation: "):
+        GatedMLP(4, 8, activation="gelu_fast")
+    with pytest.raises(InputError, match="^backend: "):
+        FusedLinear(4, 8, backend="cuda")
+    with pytest.raises(InputError, match="^x: expected last dimension 4"):
+        GatedMLP(4, 8)(torch.randn(2, 5))
+
+
+def test_module_backend_none_follows_the_environment(monkeypatch):
+    m = GatedMLP(4, 8)
+    monkeypatch.setenv("MLPFUSE_BACKEND", "bogus")
+    with pytest.raises(InputError, match="^MLPFUSE_BACKEND: "):
+        m(torch.randn(2, 4))
+    monkeypatch.setenv("MLPFUSE_BACKEND", "torch")
+    assert m(torch.randn(2, 4)).shape == (2, 4)

@@ -1,0 +1,410 @@
+"""mlpfuse.ops against float64 autograd of the plain, unfused PyTorch MLP.
+
+Both backends: "torch" everywhere, "triton" through Triton's interpreter on CPU (fp32/fp16, tiny odd shapes) or on a
+GPU. Every input, weight and bias gradient is checked. Before each call the allocator is handed NaN-filled blocks of
+the output sizes, so an output element a kernel forgets to write tends to come back NaN.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mlpfuse import activations, kernels, ops
+from mlpfuse.errors import InputError
+from mlpfuse.ops import dispatch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON = kernels.available()
+needs_triton = pytest.mark.skipif(not TRITON, reason="Triton kernels cannot run here")
+BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
+ACTS = ["identity", *activations.NAMES]
+# Relative error (Frobenius norm) allowed against float64; fp32 on GPU may use tf32 unless it is switched off.
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+
+PLAIN = {
+    "identity": lambda z: z,
+    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+    "gelu": F.gelu,
+    "silu": F.silu,
+    "relu": F.relu,
+    "relu2": lambda z: F.relu(z) ** 2,
+}
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    if torch.cuda.is_available():
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Names of the kernel modules the ops reach for (the real kernels still run)."""
+    calls = []
+    real = dispatch.kernel
+
+    def recording(name):
+        calls.append(name)
+        return real(name)
+
+    monkeypatch.setattr(dispatch, "kernel", recording)
+    return calls
+
+
+def poison(*shapes, dtype=torch.float32):
+    for s in shapes:
+        torch.full(s, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def rel(got, want):
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def plain_gated(act, x, wg, wu, wd, bg=None, bu=None, bd=None):
+    return F.linear(PLAIN[act](F.linear(x, wg, bg)) * F.linear(x, wu, bu), wd, bd)
+
+
+def gated_inputs(lead, d, h, dtype, bias, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*s, scale=1.0):
+        return (torch.randn(*s, generator=gen, dtype=torch.float64) * scale).to(DEVICE, dtype)
+
+    ts = [r(*lead, d), r(h, d, scale=d**-0.5), r(h, d, scale=d**-0.5), r(d, h, scale=h**-0.5)]
+    return ts + ([r(h), r(h), r(d)] if bias else [None, None, None])
+
+
+def run_gated(backend, act, ts, *, grad=True):
+    """(output, grads) of ops.gated_mlp, and the same from the float64 plain module."""
+    leaves = [t.clone().requires_grad_(grad) if t is not None else None for t in ts]
+    leaves64 = [t.detach().double().requires_grad_(grad) if t is not None else None for t in ts]
+    x, wg, wu, wd, bg, bu, bd = leaves
+    poison((*x.shape[:-1], wd.shape[0]), (x.shape[:-1].numel(), wg.shape[0]), dtype=x.dtype)
+    y = ops.gated_mlp(x, wg, wu, wd, act, bg, bu, bd, backend=backend)
+    want = plain_gated(act, *leaves64)
+    if not grad:
+        return y, want, [], []
+    dy = torch.randn_like(want)
+    y.backward(dy.to(y.dtype))
+    want.backward(dy)
+    pairs = [(t.grad, t64.grad) for t, t64 in zip(leaves, leaves64) if t is not None]
+    return y, want, [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def assert_close_rel(got, want, dtype, what):
+    assert got is not None, what
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    assert got.dtype == dtype, (what, got.dtype)
+    assert not torch.isnan(got).any(), f"{what}: NaN"
+    err = rel(got, want)
+    assert err <= TOL[dtype], f"{what}: relative error {err:.2e} > {TOL[dtype]:.0e}"
+
+
+def check_gated(backend, act, lead, d, h, dtype, bias, grad=True, seed=0):
+    ts = gated_inputs(lead, d, h, dtype, bias, seed)
+    y, want, grads, wants = run_gated(backend, act, ts, grad=grad)
+    assert_close_rel(y, want, dtype, "y")
+    for name, g, w in zip(["x", "gate_weight", "up_weight", "down_weight", "biases"], grads, wants):
+        assert_close_rel(g, w, dtype, f"grad {name}")
+    return y
+
+
+# ---- torch backend: every dtype, activation, bias ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act", ACTS)
+def test_gated_mlp_torch_backend(dtype, act):
+    for bias in (False, True):
+        check_gated("torch", act, (3, 7), 12, 20, dtype, bias, seed=ACTS.index(act))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("act", ACTS)
+def test_linear_act_torch_backend(dtype, act):
+    for bias in (False, True):
+        check_linear_act("torch", act, (2, 5), 11, 9, dtype, bias)
+
+
+def check_linear_act(backend, act, lead, k, n, dtype, bias, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x64 = torch.randn(*lead, k, generator=gen, dtype=torch.float64)
+    w64 = torch.randn(n, k, generator=gen, dtype=torch.float64) * k**-0.5
+    b64 = torch.randn(n, generator=gen, dtype=torch.float64) if bias else None
+    leaves64 = [t.clone().requires_grad_() if t is not None else None for t in (x64, w64, b64)]
+    leaves = [t.to(DEVICE, dtype).requires_grad_() if t is not None else None for t in (x64, w64, b64)]
+    poison((*lead, n), dtype=dtype)
+    y = ops.linear_act(*leaves, act, backend=backend)
+    want = PLAIN[act](F.linear(*leaves64))
+    assert_close_rel(y, want, dtype, "y")
+    dy = torch.randn_like(want)
+    y.backward(dy.to(DEVICE, dtype))
+    want.backward(dy)
+    for name, t, t64 in zip(["x", "weight", "bias"], leaves, leaves64):
+        if t is not None:
+            assert_close_rel(t.grad, t64.grad.to(DEVICE), dtype, f"grad {name}")
+
+
+# ---- triton backend (interpreter on CPU: fp32 / fp16 only) -----------------------------------------------------
+
+
+@needs_triton
+@pytest.mark.parametrize("act", ACTS)
+def test_gated_mlp_triton_training(act):
+    # Odd sizes everywhere: partial tiles in M, K and N.
+    bias = ACTS.index(act) % 2 == 1
+    check_gated("triton", act, (67,), 19, 37, torch.float32, bias, seed=ACTS.index(act))
+
+
+@needs_triton
+@pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
+def test_gated_mlp_triton_fp16(act):
+    check_gated("triton", act, (3, 23), 24, 33, torch.float16, True)
+
+
+@needs_triton
+def test_gated_mlp_triton_recompute_matches_saved(monkeypatch, kernel_calls):
+    monkeypatch.setattr(dispatch, "SAVE_PREACT", False)
+    check_gated("triton", "gelu", (9,), 17, 29, torch.float32, True)
+    # Recomputing g and u runs the gated GEMM again in the backward.
+    assert kernel_calls.count("gated_gemm") == 2 and "glu_backward" in kernel_calls
+
+
+@needs_triton
+def test_training_never_takes_the_decode_kernel(kernel_calls):
+    check_gated("triton", "silu", (4,), 16, 24, torch.float32, False)
+    assert "decode_mlp" not in kernel_calls and "glu_backward" in kernel_calls
+    kernel_calls.clear()
+    # The bare op under autograd also keeps the training path (its backward recomputes g and u).
+    x, wg, wu, wd, *_ = (t.requires_grad_() for t in gated_inputs((4,), 16, 24, torch.float32, False)[:4])
+    torch.ops.mlpfuse.gated_mlp(x, wg, wu, wd, None, None, None, "silu", "triton").sum().backward()
+    assert "decode_mlp" not in kernel_calls and x.grad is not None
+
+
+@needs_triton
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_gated_mlp_triton_inference_small_batches(m, kernel_calls):
+    with torch.no_grad():
+        check_gated("triton", "gelu_tanh", (m,), 24, 40, torch.float32, m % 2 == 1, grad=False)
+    if dispatch.decode_max_m() >= m:
+        assert kernel_calls == ["decode_mlp"]
+
+
+@needs_triton
+def test_gated_mlp_triton_inference_large_batch(kernel_calls):
+    with torch.no_grad():
+        check_gated("triton", "relu2", (2, 41), 20, 24, torch.float16, True, grad=False)
+    assert kernel_calls == ["gated_gemm"]
+
+
+@needs_triton
+@pytest.mark.parametrize("act", ACTS)
+def test_linear_act_triton(act):
+    check_linear_act("triton", act, (3, 13), 21, 35, torch.float32, ACTS.index(act) % 2 == 0)
+
+
+@needs_triton
+def test_linear_act_triton_fp16(kernel_calls):
+    check_linear_act("triton", "gelu", (45,), 16, 24, torch.float16, True)
+    assert kernel_calls == ["gemm_act"]
+
+
+# ---- layout and edge cases, both backends ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_leading_dims_and_views(backend):
+    ts = gated_inputs((2, 3, 5), 16, 24, torch.float32, True)
+    y = check_gated(backend, "silu", (2, 3, 5), 16, 24, torch.float32, True)
+    assert y.shape == (2, 3, 5, 16)
+    x1 = ts[0][0, 0, 0]  # a single token, 1-D
+    with torch.no_grad():
+        y1 = ops.gated_mlp(x1, *ts[1:4], "silu", *ts[4:], backend=backend)
+    assert y1.shape == (16,)
+    assert rel(y1, plain_gated("silu", *[t.double() for t in (x1, *ts[1:])])) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_inputs(backend):
+    d, h = 16, 24
+    x, wg, wu, wd, bg, bu, bd = gated_inputs((40,), d, h, torch.float32, True)
+    big = torch.randn(40, 3 * d, dtype=torch.float32, device=DEVICE)
+    big[:, ::3] = x
+    xs = big[:, ::3]  # stride 3 along features
+    wgt = wg.t().contiguous().t()  # column-major weights
+    packed = torch.cat([wu, wu]).clone()
+    wus = packed[h:]  # a view into packed storage
+    wdt = torch.empty(h, d, device=DEVICE).t().copy_(wd)
+    assert not xs.is_contiguous() and not wgt.is_contiguous() and not wdt.is_contiguous()
+    leaves = [t.requires_grad_() for t in (xs, wgt, wus, wdt)]
+    y = ops.gated_mlp(*leaves, "gelu", bg, bu, bd, backend=backend)
+    want = plain_gated("gelu", *[t.double() for t in (x, wg, wu, wd, bg, bu, bd)])
+    assert rel(y, want) < TOL[torch.float32]
+    y.sum().backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in leaves)
+    # A transposed token-major x ([features, tokens] storage).
+    xt = x.t().contiguous().t()
+    with torch.no_grad():
+        assert rel(ops.gated_mlp(xt, wg, wu, wd, "gelu", bg, bu, bd, backend=backend), want) < TOL[torch.float32]
+        assert rel(ops.linear_act(xs, wgt, bg, "gelu", backend=backend), F.gelu(F.linear(x, wg, bg)).double()) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("lead", [(0,), (2, 0)])
+def test_empty_batch(backend, lead):
+    x, wg, wu, wd, bg, bu, bd = (t.requires_grad_() for t in gated_inputs(lead, 8, 12, torch.float32, True))
+    y = ops.gated_mlp(x, wg, wu, wd, "silu", bg, bu, bd, backend=backend)
+    assert y.shape == (*lead, 8)
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+    for t in (wg, wu, wd, bg, bu, bd):
+        assert torch.equal(t.grad, torch.zeros_like(t))
+    z = ops.linear_act(x.detach(), wg.detach(), bg.detach(), "relu", backend=backend)
+    assert z.shape == (*lead, 12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("act", ACTS)
+def test_nan_in_nan_out(backend, act):
+    x, wg, wu, wd, bg, bu, bd = gated_inputs((6,), 8, 12, torch.float32, True)
+    x[2, 3] = float("nan")
+    with torch.no_grad():
+        y = ops.gated_mlp(x, wg, wu, wd, act, bg, bu, bd, backend=backend)
+        z = ops.linear_act(x, wg, bg, act, backend=backend)
+    assert torch.isnan(y[2]).all() and not torch.isnan(y[[0, 1, 3, 4, 5]]).any()
+    assert torch.isnan(z[2]).all() and not torch.isnan(z[[0, 1, 3, 4, 5]]).any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_frozen_weights_and_frozen_input(backend):
+    ts = gated_inputs((9,), 8, 12, torch.float32, True)
+    x = ts[0].clone().requires_grad_()
+    y = ops.gated_mlp(x, *ts[1:4], "gelu_tanh", *ts[4:], backend=backend)  # weights frozen (LoRA-style)
+    y.sum().backward()
+    xd = x.detach().double().requires_grad_()
+    plain_gated("gelu_tanh", xd, *[t.double() for t in ts[1:]]).sum().backward()
+    assert rel(x.grad, xd.grad) < TOL[torch.float32]
+    wd = ts[3].clone().requires_grad_()  # only one weight trains
+    ops.gated_mlp(ts[0], ts[1], ts[2], wd, "gelu_tanh", *ts[4:], backend=backend).sum().backward()
+    wd64 = ts[3].double().requires_grad_()
+    plain_gated("gelu_tanh", *[t.double() for t in ts[:3]], wd64, *[t.double() for t in ts[4:]]).sum().backward()
+    assert rel(wd.grad, wd64.grad) < TOL[torch.float32]
+
+
+def test_aliases_give_the_same_op():
+    ts = gated_inputs((5,), 8, 12, torch.float64, False)
+    for alias, name in (("gelu_pytorch_tanh", "gelu_tanh"), ("gelu_new", "gelu_tanh"), ("swish", "silu"), ("SiLU", "silu"), (None, "identity")):
+        got = ops.gated_mlp(*ts[:4], alias, backend="torch")
+        assert torch.equal(got, ops.gated_mlp(*ts[:4], name, backend="torch")), alias
+        assert torch.equal(ops.linear_act(ts[0], ts[1], None, alias, backend="torch"),
+                           ops.linear_act(ts[0], ts[1], None, name, backend="torch")), alias
+
+
+# ---- backend choice ---------------------------------------------------------------------------------------------
+
+
+def test_env_var_selects_backend(monkeypatch, kernel_calls):
+    ts = gated_inputs((4,), 8, 12, torch.float32, False)
+    monkeypatch.setenv("MLPFUSE_BACKEND", "torch")
+    ops.gated_mlp(*ts[:4])
+    assert kernel_calls == []
+    monkeypatch.setenv("MLPFUSE_BACKEND", "nonsense")
+    with pytest.raises(InputError, match="MLPFUSE_BACKEND"):
+        ops.gated_mlp(*ts[:4])
+    # An explicit argument wins over the environment.
+    ops.gated_mlp(*ts[:4], backend="torch")
+    if TRITON:
+        monkeypatch.setenv("MLPFUSE_BACKEND", "triton")
+        with torch.no_grad():
+            ops.linear_act(ts[0], ts[1], None, "relu")
+        assert kernel_calls == ["gemm_act"]
+
+
+def test_auto_uses_torch_off_gpu():
+    x = torch.randn(4096, 64)
+    assert dispatch.gated_mlp_path("auto", x, training=False) == dispatch.TORCH
+    assert dispatch.gated_mlp_path("auto", x, training=True) == dispatch.TORCH
+    assert dispatch.linear_act_path("auto", x, activations.GELU) == "torch"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_triton_backend_without_a_device_says_why(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ts = gated_inputs((4,), 8, 12, torch.float32, False)
+    with pytest.raises(InputError, match="backend.*triton"):
+        ops.gated_mlp(*ts[:4], backend="triton")
+    with pytest.raises(InputError, match="backend.*triton"):
+        ops.linear_act(ts[0], ts[1], backend="triton")
+
+
+def test_triton_backend_rejects_float64():
+    ts = gated_inputs((4,), 8, 12, torch.float64, False)
+    with pytest.raises(InputError, match="backend.*float64"):
+        ops.gated_mlp(*ts[:4], backend="triton")
+
+
+# ---- bad input: one InputError (a ValueError) naming the argument ----------------------------------------------
+
+
+def _bad_gated_calls():
+    x, wg, wu, wd, bg, bu, bd = gated_inputs((4,), 8, 12, torch.float32, True)
+    return [
+        ("x", lambda: ops.gated_mlp(x[:, :5], wg, wu, wd)),
+        ("x", lambda: ops.gated_mlp(torch.tensor(1.0), wg, wu, wd)),
+        ("x", lambda: ops.gated_mlp(x.int(), wg.int(), wu.int(), wd.int())),
+        ("x", lambda: ops.gated_mlp([1.0] * 8, wg, wu, wd)),
+        ("gate_weight", lambda: ops.gated_mlp(x, wg[0], wu, wd)),
+        ("up_weight", lambda: ops.gated_mlp(x, wg, wu[:5], wd)),
+        ("down_weight", lambda: ops.gated_mlp(x, wg, wu, wd.t())),
+        ("gate_bias", lambda: ops.gated_mlp(x, wg, wu, wd, gate_bias=bd)),
+        ("up_bias", lambda: ops.gated_mlp(x, wg, wu, wd, up_bias=bu[None])),
+        ("down_bias", lambda: ops.gated_mlp(x, wg, wu, wd, down_bias=bg)),
+        ("up_weight", lambda: ops.gated_mlp(x, wg, wu.half(), wd)),
+        ("gate_weight", lambda: ops.gated_mlp(x.double(), wg, wu, wd)),
+        ("down_bias", lambda: ops.gated_mlp(x, wg, wu, wd, down_bias=bd.double())),
+        ("down_weight", lambda: ops.gated_mlp(x, wg, wu, wd.to("meta"))),
+        ("activation", lambda: ops.gated_mlp(x, wg, wu, wd, "gelu_fast")),
+        ("backend", lambda: ops.gated_mlp(x, wg, wu, wd, backend="cuda")),
+        ("weight", lambda: ops.linear_act(x, wg[0])),
+        ("x", lambda: ops.linear_act(x, wd)),
+        ("bias", lambda: ops.linear_act(x, wg, bd)),
+        ("bias", lambda: ops.linear_act(x, wg, bg.half())),
+        ("activation", lambda: ops.linear_act(x, wg, None, "tanh")),
+        ("backend", lambda: ops.linear_act(x, wg, backend="Triton2")),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_gated_calls())))
+def test_bad_input_names_the_argument(case):
+    argument, call = _bad_gated_calls()[case]
+    with pytest.raises(ValueError) as info:
+        call()
+    assert isinstance(info.value, InputError)
+    message = str(info.value)
+    assert message.startswith(f"{argument}:"), message
+    assert "\n" not in message
+
+
+def test_bad_input_through_the_registered_op():
+    x, wg, wu, wd, *_ = gated_inputs((4,), 8, 12, torch.float32, False)
+    with pytest.raises(InputError, match="^up_weight:"):
+        torch.ops.mlpfuse.gated_mlp(x, wg, wu[:3], wd, None, None, None, "silu", "torch")
+    with pytest.raises(InputError, match="^activation:"):
+        torch.ops.mlpfuse.linear_act(x, wg, None, "nope", "torch")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_cuda_mix():
+    x, wg, wu, wd, *_ = gated_inputs((4,), 8, 12, torch.float32, False)
+    with pytest.raises(InputError, match="^up_weight: expected a tensor on cuda"):
+        ops.gated_mlp(x, wg, wu.cpu(), wd)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_auto_backend(dtype):
+    for lead in ((8,), (600,)):
+        check_gated("auto", "gelu_tanh", lead, 64, 96, dtype, True)
+        check_linear_act("auto", "gelu_tanh", lead, 64, 96, dtype, True)
