@@ -19,6 +19,7 @@ Prints a short table last; writes JSON + log under --out.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -36,6 +37,8 @@ SHAPES = ((768, 3072), (4096, 14336))
 TOKENS = (1, 4, 16, 32, 64)
 CUTOVER_TOKENS = (96, 128)
 LOG: list[str] = []
+T0 = [time.time()]
+SWEEP_DEADLINE_S = 230  # seconds from start after which the sweep keeps what it has (runs have a time limit)
 FAILURES: list[str] = []
 
 
@@ -103,7 +106,7 @@ def numerics():
         for m in range(1, 65):
             x = torch.randn(m, d, device="cuda").to(torch.bfloat16)
             ref = reference(x, *w, A.GELU_TANH)
-            for mode in (0, 1, 2):
+            for mode in (0, 1, 2, 3, 4):
                 y = poisoned_call(lambda: K.decode_gated_mlp(x, *w, activation=A.GELU_TANH, _mode=mode), m, d,
                                   torch.bfloat16)
                 e = check(f"bf16 {m}x{d}x{h} mode{mode}", y, ref, tol[torch.bfloat16])
@@ -134,11 +137,12 @@ def numerics():
     xbig = torch.randn(m, 2 * d, device="cuda", dtype=torch.bfloat16)
     x = xbig[:, ::2]
     y = K.decode_gated_mlp(x, packed[:h], packed[h:], wd, activation=A.SILU)
-    log(f"numerics strided x + packed weights: {check('strided', y, reference(x, packed[:h], packed[h:], wd, None, None, None, A.SILU), 1e-2):.2e}")
+    ref = reference(x, packed[:h], packed[h:], wd, None, None, None, A.SILU)
+    log(f"numerics strided x + packed weights: {check('strided', y, ref, 1e-2):.2e}")
     # Determinism: deterministic modes bit-identical over reruns; atomics differ only by rounding.
     w = make_weights(4096, 14336, torch.bfloat16)
     x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
-    for mode in (1, 2):
+    for mode in (1, 2, 4):
         ys = [K.decode_gated_mlp(x, *w, activation=A.GELU_TANH, _mode=mode) for _ in range(5)]
         same = all(torch.equal(ys[0], y) for y in ys[1:])
         log(f"determinism mode{mode}: {'bit-identical' if same else 'DIFFERENT'} over 5 runs")
@@ -148,8 +152,25 @@ def numerics():
     log(f"atomic mode: {sum(not torch.equal(ys[0], y) for y in ys[1:])}/4 reruns differ bitwise from the first")
 
 
+def numerics_shipped():
+    """After the sweep changed the tables: every M in 1..64 (and 100, 128) on both shapes, as shipped."""
+    worst = {}
+    for d, h in SHAPES:
+        w = make_weights(d, h, torch.bfloat16, bias=True, seed=13)
+        for m in list(range(1, 65)) + [100, 128]:
+            x = torch.randn(m, d, device="cuda").to(torch.bfloat16)
+            ref = reference(x, *w, A.GELU_TANH)
+            for det in (False, True):
+                y = poisoned_call(lambda: K.decode_gated_mlp(x, *w, activation=A.GELU_TANH, deterministic=det), m, d,
+                                  torch.bfloat16)
+                k = f"shipped bf16 {d}x{h} det={det}"
+                worst[k] = max(worst.get(k, 0), check(f"{k} m{m}", y, ref, 1e-2))
+    for k, v in worst.items():
+        log(f"numerics worst rel err {k}: {v:.2e}")
+
+
 def graph_capture_test():
-    for mode in (0, 1, 2):
+    for mode in (0, 1, 2, 3, 4):
         d, h, m = 4096, 14336, 16
         w = make_weights(d, h, torch.bfloat16, bias=True, seed=3)
         x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
@@ -169,8 +190,8 @@ def graph_capture_test():
             g.replay()
             errs.append(check(f"graph mode{mode}", y, reference(x, *w, A.GELU_TANH), 1e-2))
         # An eager call on the same stream afterwards must still see zeroed scratch.
-        errs.append(check(f"eager after graph mode{mode}", K.decode_gated_mlp(x, *w, activation=A.GELU_TANH, _mode=mode),
-                          reference(x, *w, A.GELU_TANH), 1e-2))
+        y2 = K.decode_gated_mlp(x, *w, activation=A.GELU_TANH, _mode=mode)
+        errs.append(check(f"eager after graph mode{mode}", y2, reference(x, *w, A.GELU_TANH), 1e-2))
         log(f"cuda graph capture+replay mode{mode}: max rel err {max(errs):.2e}")
 
 
@@ -221,8 +242,11 @@ def make_variants(d, h):
     except Exception as exc:  # noqa: BLE001
         log(f"liger unavailable: {exc!r}")
     v["ours"] = lambda x: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH)
-    v["ours_det1"] = lambda x: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH, _mode=1)
-    v["ours_det2"] = lambda x: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH, _mode=2)
+    v["ours_det"] = lambda x: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH, deterministic=True)
+    v["ours_det_1launch"] = lambda x: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH, _mode=1)
+    v["ours_atomic_cast2"] = lambda x: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH, _mode=3)
+    v["ours_split"] = lambda x: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH, _mode=4)
+    v["ours_atomic"] = lambda x: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH, _mode=0)
     return v, (wg, wu, wd)
 
 
@@ -265,6 +289,8 @@ def time_shape(d, h, tokens, rounds, results):
         x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
         runners = {}
         for name, fn in variants.items():
+            if name == "ours_det_1launch" and m > 16:
+                continue  # one program sums every partial: milliseconds past 16 rows, shown at small M only
             try:
                 for _ in range(3):
                     fn(x)
@@ -293,36 +319,104 @@ def time_shape(d, h, tokens, rounds, results):
 
 
 def sweep(rounds):
-    """GPU time per call (20-call graph) of candidate atomic-mode configs; best per (shape, M bucket)."""
-    cands = [(16, 128, 64, 4, 3), (32, 128, 64, 4, 3), (32, 256, 128, 4, 2), (64, 128, 64, 4, 3),
-             (64, 64, 64, 4, 4), (64, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 64, 32, 8, 4)]
-    det_cands = {(32, 128, 64, 4, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3)}
-    best = {}
+    """GPU time per call (20-call CUDA graph) of candidate configs per (shape, row bucket, family); the best go
+    into the kernel module's config table, then the fastest mode per (shape, bucket) by wall time per call goes
+    into its policy, so the timing below runs exactly what the tables would ship (printed for the source)."""
+    atomic = [(32, 128, 64, 4, 3), (32, 256, 128, 8, 2), (256, 64, 32, 8, 3), (256, 64, 64, 8, 4)] + [
+        (bh, bd, bo, nw, ns) for bh in (64, 128)
+        for (bd, bo, nw, ns) in ((128, 64, 4, 3), (128, 128, 8, 3), (64, 32, 8, 4), (256, 128, 8, 2), (64, 64, 4, 4))]
+    det = [(bh, bd, bo, nw, ns) for bh in (64, 128, 256) for (bd, bo, nw, ns) in ((128, 64, 8, 3), (64, 32, 8, 4))]
+    split_gate = [(bh, bd, 0, nw, ns) for (bh, bd, nw, ns) in ((16, 256, 4, 3), (32, 128, 4, 3), (64, 128, 8, 3),
+                                                               (64, 64, 4, 4), (128, 64, 8, 4))]
+    split_down = [(bo, bk, nw, ns) for (bo, bk, nw, ns) in ((16, 256, 4, 3), (32, 128, 4, 4), (32, 256, 8, 3),
+                                                            (64, 128, 8, 3), (64, 64, 4, 4))]
+    table, policy = {}, {}
     for d, h in SHAPES:
+        size = "small" if h * d <= 4 * 1024 * 1024 else "large"
         wg, wu, wd, *_ = make_weights(d, h, torch.bfloat16, seed=11)
-        for m in (1, 16, 32, 64):
+        for m, bucket in ((1, 4), (16, 16), (32, 32), (64, 64), (128, 128)):
             x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
             ref = reference(x, wg, wu, wd, None, None, None, A.GELU_TANH)
-            res = []
-            for cfg in cands:
-                for mode in (0, 2) if cfg in det_cands else (0,):
-                    fn = lambda: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH, _mode=mode, _config=cfg)  # noqa: E731
+
+            def best_of(mode, cs, tag):
+                res = []
+                for cfg in cs:
+                    if time.time() - T0[0] > SWEEP_DEADLINE_S:
+                        log(f"sweep {m}x{d}x{h} {tag}: out of time, candidates skipped")
+                        break
+                    fn = functools.partial(K.decode_gated_mlp, x, wg, wu, wd, activation=A.GELU_TANH, _mode=mode,
+                                           _config=cfg)
                     try:
-                        if rel_err(fn(), ref) > 1e-2:
-                            log(f"sweep {m}x{d}x{h} {cfg} mode{mode}: WRONG")
+                        for _ in range(2):  # twice: the second call checks the scratch left by the first
+                            err = rel_err(fn(), ref)
+                        if err > 1e-2:
+                            log(f"sweep {m}x{d}x{h} {cfg} mode{mode}: WRONG ({err:.3g})")
+                            FAILURES.append(f"sweep {m}x{d}x{h} {cfg} mode{mode} wrong")
                             continue
                         g = capture(lambda _x: fn(), x, 20)
-                        t = statistics.median(event_us(g.replay, 20) for _ in range(rounds))
-                        res.append((t, cfg, mode))
+                        res.append((statistics.median(event_us(g.replay, 20) for _ in range(rounds)), cfg))
                     except Exception as exc:  # noqa: BLE001
-                        log(f"sweep {m}x{d}x{h} {cfg} mode{mode}: {type(exc).__name__}: {str(exc)[:200]}")
-            res.sort()
-            for mode in (0, 2):
-                top = [r for r in res if r[2] == mode][:4]
-                log(f"sweep {m}x{d}x{h} mode{mode} best: " + "; ".join(f"{c} {t:.2f}us" for t, c, _ in top))
-                if top:
-                    best[f"{d}x{h} m{m} mode{mode}"] = [top[0][0], list(top[0][1])]
-    return best
+                        log(f"sweep {m}x{d}x{h} {cfg} mode{mode}: {type(exc).__name__}: {str(exc)[:120]}")
+                res.sort()
+                log(f"sweep {m}x{d}x{h} {tag} best: " + "; ".join(f"{c} {t:.2f}us" for t, c in res[:3]))
+                return res[0] if res else (float("inf"), None)
+
+            t_atomic, c_atomic = best_of(0, atomic, "atomic")
+            t_det, c_det = best_of(2, det, "det")
+            down0 = (32, 128, 4, 4)
+            _, c_gate = best_of(4, [g + down0 for g in split_gate], "split gate")
+            t_split, c_split = best_of(4, [c_gate[:5] + dn for dn in split_down] if c_gate else [], "split down")
+            for fam, c in (("atomic", c_atomic), ("det", c_det), ("split", c_split)):
+                if c is not None:
+                    table[(size, bucket, fam)] = c
+            # Policy by wall time per call (what an eager caller pays), between the tuned candidates.
+            walls = {}
+            for mode, c in ((0, c_atomic), (2, c_det), (4, c_split)):
+                if c is None:
+                    continue
+                fn = functools.partial(K.decode_gated_mlp, x, wg, wu, wd, activation=A.GELU_TANH, _mode=mode,
+                                       _config=c)
+                fn()
+                walls[mode] = statistics.median(wall_us(fn, 100) for _ in range(rounds))
+            log(f"sweep {m}x{d}x{h} wall per call by mode: {walls}; GPU atomic {t_atomic:.1f} det {t_det:.1f} "
+                f"split {t_split:.1f}")
+            for det_flag, modes in ((False, (0, 4)), (True, (2, 4))):
+                cands = [(w, mode) for mode, w in walls.items() if mode in modes]
+                if cands:
+                    policy[(size, bucket, det_flag)] = min(cands)[1]
+    K._CONFIGS.update(table)
+    K._POLICY.update(policy)
+    K._plans.clear()
+    log("_CONFIGS = {\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in sorted(table.items())) + "}")
+    log("_POLICY = {\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in sorted(policy.items())) + "}")
+    return {"configs": {repr(k): v for k, v in table.items()}, "policy": {repr(k): v for k, v in policy.items()}}
+
+
+def host_overhead(rounds):
+    """Wall time per call on a layer so small that the GPU idles: what the host costs per call."""
+    d, h = 64, 128
+    wg, wu, wd, *_ = make_weights(d, h, torch.bfloat16, seed=5)
+    x = torch.randn(1, d, device="cuda", dtype=torch.bfloat16)
+    variants = {"ours (direct launch)": lambda: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH),
+                "eager": lambda: eager_geglu(x, wg, wu, wd),
+                "torch.empty alone": lambda: torch.empty((1, d), dtype=x.dtype, device=x.device)}
+
+    def via_triton():
+        K._DIRECT_LAUNCH = False
+        K._plans.clear()
+        try:
+            return [wall_us(variants["ours (direct launch)"], 2000) for _ in range(rounds)]
+        finally:
+            K._DIRECT_LAUNCH = True
+            K._plans.clear()
+
+    res = {"ours (Triton launcher)": statistics.median(via_triton())}
+    for name, fn in variants.items():
+        fn()
+        res[name] = statistics.median(wall_us(fn, 2000) for _ in range(rounds))
+    for k, v in res.items():
+        log(f"host per call, 1x{d}x{h}: {k}: {v:.2f} us")
+    return res
 
 
 def main():
@@ -357,6 +451,15 @@ def main():
         except Exception:  # noqa: BLE001
             log(traceback.format_exc())
         log(f"[sweep done at {time.time() - t0:.0f}s]")
+        try:
+            numerics_shipped()
+        except Exception:  # noqa: BLE001
+            FAILURES.append("post-sweep numerics crashed")
+            log(traceback.format_exc())
+    try:
+        out["host"] = host_overhead(args.rounds)
+    except Exception:  # noqa: BLE001
+        log(traceback.format_exc())
     results = []
     for d, h in SHAPES:
         spin_clocks(0.5)
@@ -369,27 +472,67 @@ def main():
     out["failures"] = FAILURES
     with open(os.path.join(args.out, "decode.json"), "w") as f:
         json.dump(out, f, indent=1)
-    summary(out)
+    summary(out, os.path.join(args.out, "decode-table.md"))
     return 1 if FAILURES else 0
 
 
-def summary(out):
-    med = {(r["d"], r["h"], r["m"], r["variant"], r["metric"]): r["median_us"] for r in out["results"]}
-    names = ("eager", "compile", "liger", "ours", "ours_det1", "ours_det2")
-    print(f"\nGPU {out['gpu']}; copy {out['copy_bw'] / 1e12:.2f} TB/s; bf16 gelu_tanh GeGLU; median us per call")
-    print("wall = host clock per call, eager launches; graph = replay of a one-call CUDA graph; gpu = 20-call graph / 20")
-    hdr = "tokens x dim x hidden | " + " | ".join(f"{n} wall" for n in names) + " | eager graph | ours graph | " \
-          "eager gpu | ours gpu | weights TB/s"
-    print(hdr)
+def summary(out, path=None):
+    """Markdown tables of the medians (printed last, and written beside the JSON)."""
+    med = {(r["d"], r["h"], r["m"], r["variant"], r["metric"]): r for r in out["results"]}
+
+    def cell(d, h, m, n, k):
+        r = med.get((d, h, m, n, k))
+        return f"{r['median_us']:.1f}" if r else "–"
+
+    def val(d, h, m, n, k):
+        r = med.get((d, h, m, n, k))
+        return r["median_us"] if r else float("inf")
+
+    peers = ("eager", "compile", "liger")
+    ours = ("ours", "ours_det", "ours_atomic", "ours_split", "ours_det_1launch", "ours_atomic_cast2")
+    lines = [f"GPU: {out['gpu']} (torch {out['torch']}, Triton {out['triton']}); device copy "
+             f"{out['copy_bw'] / 1e12:.2f} TB/s (read + write). bf16, gelu_tanh GeGLU, no bias. Median µs per call "
+             f"over interleaved rounds.", "",
+             "Wall time per call (host clock over back-to-back eager calls, host overhead included):", "",
+             "| tokens×dim×hidden | eager | torch.compile | Liger | **ours** | ours deterministic | "
+             "ours atomics (1 launch) | ours split (2 launches) | ours det. 1-launch | ours atomics + cast launch | "
+             "best peer / ours |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for d, h in SHAPES:
         for m in TOKENS + CUTOVER_TOKENS:
-            cells = [f"{med[(d, h, m, n, 'wall')]:.1f}" if (d, h, m, n, "wall") in med else "-" for n in names]
-            g = [med.get((d, h, m, n, k)) for n, k in (("eager", "graph"), ("ours", "graph"), ("eager", "gpu"),
-                                                     ("ours", "gpu"))]
-            bw = 3 * d * h * 2 / (g[3] * 1e-6) / 1e12 if g[3] else float("nan")
-            print(f"{m}x{d}x{h} | " + " | ".join(cells) + " | " +
-                  " | ".join(f"{v:.1f}" if v else "-" for v in g) + f" | {bw:.2f}")
-    print("failures:", out["failures"] or "none")
+            best = min(val(d, h, m, n, "wall") for n in peers)
+            lines.append(f"| {m}×{d}×{h} | " + " | ".join(cell(d, h, m, n, "wall") for n in peers + ours)
+                         + f" | {best / val(d, h, m, 'ours', 'wall'):.2f}× |")
+    lines += ["", "CUDA graphs (graph = one-call graph replayed back to back, host clock; GPU = 20-call graph, "
+              "CUDA events / 20) and the weight stream of ours:", "",
+              "| tokens×dim×hidden | eager graph | ours graph | ours/eager graph | GPU eager | GPU compile | "
+              "GPU Liger | GPU ours | GPU ours det. | ours weights TB/s | % of copy |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for d, h in SHAPES:
+        for m in TOKENS + CUTOVER_TOKENS:
+            g_ours = val(d, h, m, "ours", "gpu")
+            bw = 3 * d * h * 2 / (g_ours * 1e-6)
+            lines.append(f"| {m}×{d}×{h} | {cell(d, h, m, 'eager', 'graph')} | {cell(d, h, m, 'ours', 'graph')} | "
+                         f"{val(d, h, m, 'ours', 'graph') / val(d, h, m, 'eager', 'graph'):.2f} | "
+                         + " | ".join(cell(d, h, m, n, "gpu") for n in peers + ("ours", "ours_det"))
+                         + f" | {bw / 1e12:.2f} | {100 * bw / out['copy_bw']:.0f} % |")
+    lines.append("")
+    for d, h in SHAPES:
+        wins = [m for m in TOKENS + CUTOVER_TOKENS
+                if val(d, h, m, "ours", "wall") <= min(val(d, h, m, n, "wall") for n in peers)]
+        gwins = [m for m in TOKENS + CUTOVER_TOKENS
+                 if val(d, h, m, "ours", "gpu") <= min(val(d, h, m, n, "gpu") for n in peers)]
+        lines.append(f"- {d}×{h}: ours beats the best peer in wall time at tokens {wins or 'none'}; "
+                     f"in GPU time at {gwins or 'none'}.")
+    if out.get("host"):
+        lines.append("- Host cost per call (1×64×128, GPU idle): " + ", ".join(
+            f"{k} {v:.1f} µs" for k, v in out["host"].items()))
+    lines.append(f"- Numerics/graph failures: {out['failures'] or 'none'}")
+    text = "\n".join(lines)
+    print("\n" + text)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,13 @@ def test_preset_shapes():
     assert {(c.dim, c.hidden) for c in decode} == {(4096, 14336)}
 
 
+def test_several_presets_are_a_union():
+    cases = presets.build_cases(preset="blog,gemma-2b", mode="fwd,fwd+bwd")
+    assert [(c.tokens, c.dim, c.hidden, c.mode) for c in cases] == [
+        (8192, 768, 3072, "fwd"), (8192, 768, 3072, "fwd+bwd"), (8192, 2048, 16384, "fwd"), (8192, 2048, 16384, "fwd+bwd")
+    ]
+
+
 def test_sweep_is_the_cross_product_and_flags_override_the_preset():
     cases = presets.build_cases(
         preset="blog", tokens="1,4x16", dtype="bf16,fp16", activation="gelu_tanh,silu", workload="gated,swiglu",

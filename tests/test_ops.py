@@ -58,7 +58,7 @@ def poison(*shapes, dtype=torch.float32):
 
 
 def rel(got, want):
-    got, want = got.double(), want.double()
+    got, want = got.double(), want.double().to(got.device)
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
@@ -85,12 +85,14 @@ def run_gated(backend, act, ts, *, grad=True):
     y = ops.gated_mlp(x, wg, wu, wd, act, bg, bu, bd, backend=backend)
     want = plain_gated(act, *leaves64)
     if not grad:
-        return y, want, [], []
+        return y, want, {}
     dy = torch.randn_like(want)
     y.backward(dy.to(y.dtype))
     want.backward(dy)
-    pairs = [(t.grad, t64.grad) for t, t64 in zip(leaves, leaves64) if t is not None]
-    return y, want, [p[0] for p in pairs], [p[1] for p in pairs]
+    return y, want, {n: (t.grad, t64.grad) for n, t, t64 in zip(GATED_ARGS, leaves, leaves64) if t is not None}
+
+
+GATED_ARGS = ("x", "gate_weight", "up_weight", "down_weight", "gate_bias", "up_bias", "down_bias")
 
 
 def assert_close_rel(got, want, dtype, what):
@@ -104,9 +106,10 @@ def assert_close_rel(got, want, dtype, what):
 
 def check_gated(backend, act, lead, d, h, dtype, bias, grad=True, seed=0):
     ts = gated_inputs(lead, d, h, dtype, bias, seed)
-    y, want, grads, wants = run_gated(backend, act, ts, grad=grad)
+    y, want, grads = run_gated(backend, act, ts, grad=grad)
     assert_close_rel(y, want, dtype, "y")
-    for name, g, w in zip(["x", "gate_weight", "up_weight", "down_weight", "biases"], grads, wants):
+    assert len(grads) == (7 if bias else 4) or not grad
+    for name, (g, w) in grads.items():
         assert_close_rel(g, w, dtype, f"grad {name}")
     return y
 
@@ -407,4 +410,43 @@ def test_cpu_cuda_mix():
 def test_gpu_auto_backend(dtype):
     for lead in ((8,), (600,)):
         check_gated("auto", "gelu_tanh", lead, 64, 96, dtype, True)
+        with torch.no_grad():
+            check_gated("auto", "silu", lead, 64, 96, dtype, False, grad=False)
         check_linear_act("auto", "gelu_tanh", lead, 64, 96, dtype, True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fp32_follows_allow_tf32(monkeypatch):
+    # With TF32 allowed, fp32 results carry tf32's ~1e-3 error; with it off they are IEEE-exact to ~1e-6.
+    ts = gated_inputs((256,), 512, 512, torch.float32, False)
+    want = plain_gated("gelu", *[t.double() for t in ts[:4]])
+    errs = {}
+    for tf32 in (False, True):
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
+        with torch.no_grad():
+            errs[tf32] = rel(ops.gated_mlp(*ts[:4], "gelu", backend="triton"), want)
+    assert errs[False] < 1e-5 < errs[True], errs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eager_fast_path_equals_the_registered_op(backend):
+    ts = gated_inputs((5,), 8, 12, torch.float32, True)
+    with torch.no_grad():
+        direct = ops.gated_mlp(*ts[:4], "silu", *ts[4:], backend=backend)
+        via_op = torch.ops.mlpfuse.gated_mlp(*ts, "silu", backend)
+        assert torch.equal(direct, via_op)
+        assert torch.equal(ops.linear_act(ts[0], ts[1], ts[4], "gelu", backend=backend),
+                           torch.ops.mlpfuse.linear_act(ts[0], ts[1], ts[4], "gelu", backend))
+
+
+def test_autocast_runs_in_the_autocast_dtype():
+    # fp32 master weights under autocast: computed in bf16 like nn.Linear would be, gradients back in fp32.
+    ts = [t.requires_grad_() for t in gated_inputs((6,), 16, 24, torch.float32, False)[:4]]
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y = ops.gated_mlp(*ts, "silu", backend="torch")
+        z = ops.linear_act(ts[0], ts[1], None, "gelu", backend="torch")
+        ref = torch.nn.functional.linear(ts[0], ts[1])
+    assert y.dtype == z.dtype == ref.dtype == torch.bfloat16
+    assert rel(y, plain_gated("silu", *[t.detach().double() for t in ts])) < TOL[torch.bfloat16]
+    y.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in ts)

@@ -18,11 +18,13 @@ CASES = [
     ("linear-compile", "linear", "compile"),
     ("geglu-mlp-eager", "geglu-mlp", "eager"),
     ("geglu-mlp-compile", "geglu-mlp", "compile"),
+    ("linear-mlpfuse", "linear", "mlpfuse"),
     ("geglu-mlp-mlpfuse", "geglu-mlp", "mlpfuse"),
 ]
 DIFFS = [
     ("linear-eager", "linear-compile"),
     ("geglu-mlp-eager", "geglu-mlp-compile"),
+    ("linear-eager", "linear-mlpfuse"),
     ("geglu-mlp-eager", "geglu-mlp-mlpfuse"),
     ("geglu-mlp-compile", "geglu-mlp-mlpfuse"),
 ]
@@ -82,7 +84,7 @@ def run(args) -> int:
             json.dump(data, fh, indent=1)
         tables = render.analysis_tables(data)
         console.print(tables[0])
-        console.print(tables[1])
+        console.print(tables[1])  # the kernel table, or the CPU op table on a CPU-only run
         console.print(render.verdict_line(data))
         analyses[case] = result
 
@@ -124,6 +126,10 @@ def _summary_md(device, analyses, described, failed, diffs, seconds) -> str:
         for k in a.kernels:
             lines.append(f"- `{short(k['name'], 100)}` ({k['family']}) x{k['per_step']:g}/step, "
                          f"{k['avg_us']:.1f} us, launched by {', '.join(k['ops'])}")
+        if not a.kernels:
+            top = sorted(a.ops, key=lambda o: -o["cpu_self_us"])[:8]
+            lines.append("- CPU ops by self time per step: " + ", ".join(
+                f"`{o['name']}` x{o['per_step']:g} {o['cpu_self_us'] / a.steps:.0f} us" for o in top))
         zero = ", ".join(f"`{z['name']}`" for z in a.data["zero_kernel_ops"])
         if zero:
             lines.append(f"- ops that launched nothing: {zero}")

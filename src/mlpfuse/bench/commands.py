@@ -29,7 +29,7 @@ def register(subparsers) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--preset", help="blog, llama-8b, gemma-2b, decode, small (default: blog; small on CPU)")
+    p.add_argument("--preset", help="comma list of blog, llama-8b, gemma-2b, decode, small (default blog; small on CPU)")
     p.add_argument("--tokens", help="comma list of token counts; AxB means batch x sequence (e.g. 1,64,4x2048)")
     p.add_argument("--dim", help="comma list of model dims (D)")
     p.add_argument("--hidden", help="comma list of hidden sizes (H)")
@@ -129,16 +129,19 @@ def run_command(args) -> int:
     if args.json:  # otherwise the table prints them
         err.print(outputs.peaks_line({"peaks": peaks.to_dict()}))
 
-    result = _run_with_progress(sweep, cases, chosen, device, peaks, settings, err, _command_line(args))
-    result.meta["notes"] = notes
-
     folder = Path(args.out) if args.out else _default_out(device)
     folder.mkdir(parents=True, exist_ok=True)
-    written = [
-        outputs.write_json(result, folder / "results.json"),
-        outputs.write_csv(result, folder / "results.csv"),
-        outputs.write_markdown(result, folder / "results.md"),
-    ]
+
+    def write_tables(result) -> list[Path]:
+        result.meta["notes"] = notes
+        return [
+            outputs.write_json(result, folder / "results.json"),
+            outputs.write_csv(result, folder / "results.csv"),
+            outputs.write_markdown(result, folder / "results.md"),
+        ]
+
+    result = _run_with_progress(sweep, cases, chosen, device, peaks, settings, err, _command_line(args), write_tables)
+    written = write_tables(result)
     if not args.no_plots:
         from mlpfuse.bench import plots
 
@@ -180,7 +183,7 @@ def _default_out(device) -> Path:
     return Path("mlpfuse-results") / f"bench-{device_slug(device)}" / stamp
 
 
-def _run_with_progress(sweep, cases, chosen, device, peaks, settings, console, command):
+def _run_with_progress(sweep, cases, chosen, device, peaks, settings, console, command, on_case):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -190,4 +193,4 @@ def _run_with_progress(sweep, cases, chosen, device, peaks, settings, console, c
         def advance(n: int, description: str) -> None:
             bar.update(task, advance=n, description=description)
 
-        return sweep.run(cases, chosen, device, peaks, settings, progress=advance, command=command)
+        return sweep.run(cases, chosen, device, peaks, settings, progress=advance, command=command, on_case=on_case)

@@ -5,9 +5,10 @@ JSON schema: {"meta": {command, timestamp, device, torch, cuda, triton, liger_ke
 peaks: {device, gemm_tflops: {dtype: TFLOP/s}, copy_gbps, how}, settings, notes}, "rows": [row, ...]}; a row has
 the case (workload, activation, tokens, dim, hidden, dtype, mode, case), variant, peer, status (ok | wrong |
 skipped | error), error, max_rel_error and errors (per output vs fp64), tolerance, gpu_us, gpu_spread_pct,
-wall_us, wall_spread_pct, kernels, launches, memsets, memcpys, cpu_ops (per call), peak_mem_mb, resident_mb, setup_ms, first_call_ms,
-flops, min_bytes, intensity, floor_us, tflops, gbps, pct_of_floor, speedup (vs best_peer; GPU time, wall time
-on a CPU), speedup_wall (vs best_peer_wall). Times are µs, memory MiB, rates TFLOP/s and GB/s (1e9 bytes).
+wall_us, wall_spread_pct, kernels, launches, memsets, memcpys, cpu_ops (per call), peak_mem_mb, resident_mb,
+setup_ms, first_call_ms, compile_ms (setup + first call − a steady call), flops, min_bytes, intensity, floor_us,
+tflops, gbps, pct_of_floor, speedup (vs best_peer; GPU time, wall time on a CPU), speedup_wall (vs
+best_peer_wall). Times are µs (ms where named), memory MiB, rates TFLOP/s and GB/s (1e9 bytes).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from mlpfuse.bench.sweep import BenchResult
 
 CSV_FIELDS = (
     "workload activation tokens dim hidden dtype mode variant peer status error max_rel_error tolerance gpu_us "
-    "gpu_spread_pct wall_us wall_spread_pct kernels launches memsets memcpys peak_mem_mb resident_mb setup_ms "
-    "first_call_ms flops min_bytes intensity floor_us tflops gbps pct_of_floor speedup best_peer speedup_wall "
-    "best_peer_wall"
+    "gpu_spread_pct wall_us wall_spread_pct kernels launches memsets memcpys cpu_ops peak_mem_mb resident_mb "
+    "setup_ms first_call_ms compile_ms flops min_bytes intensity floor_us tflops gbps pct_of_floor speedup "
+    "best_peer speedup_wall best_peer_wall"
 ).split()
 
 
@@ -64,6 +65,13 @@ def _num(value, fmt: str = "{:.1f}") -> str:
     return "–" if value is None else fmt.format(value)
 
 
+def _rate(value) -> str:
+    """Three significant digits without exponents: 512, 43.2, 0.0712."""
+    if value is None:
+        return "–"
+    return f"{value:.0f}" if value >= 100 else (f"{value:.1f}" if value >= 1 else f"{value:.3g}")
+
+
 def _time(us, spread) -> str:
     if us is None:
         return "–"
@@ -91,11 +99,12 @@ TABLE_COLUMNS = (
     ("kernels", lambda r: _num(r["kernels"], "{:g}")),
     ("launches", lambda r: _num(r["launches"], "{:g}")),
     ("CPU ops", lambda r: _num(r["cpu_ops"], "{:g}") if r["gpu_us"] is None else "–"),
-    ("TFLOP/s", lambda r: _num(r["tflops"])),
-    ("GB/s", lambda r: _num(r["gbps"], "{:.0f}")),
+    ("TFLOP/s", lambda r: _rate(r["tflops"])),
+    ("GB/s", lambda r: _rate(r["gbps"])),
     ("% floor", lambda r: _num(r["pct_of_floor"], "{:.0f}%")),
     ("peak MiB", lambda r: _num(r["peak_mem_mb"])),
     ("1st call ms", lambda r: _num(r["first_call_ms"])),
+    ("compile ms", lambda r: _num(r["compile_ms"])),
     ("rel. err", lambda r: _num(r["max_rel_error"], "{:.1e}")),
     ("status", _status),
 )
@@ -142,8 +151,9 @@ def markdown(result: BenchResult) -> str:
         f"{meta['timestamp']}; torch {meta['torch']}, CUDA {meta['cuda']}, Triton {meta['triton']}, "
         f"liger-kernel {meta['liger_kernel']}, mlpfuse {meta['mlpfuse']}  ",
         peaks_line(meta) + "  ",
-        f"{meta['settings']['rounds']} interleaved rounds; GPU time: {meta['settings']['gpu_time']}; "
-        f"wall: {meta['settings']['wall_time']}. `*` = mlpfuse; speed-ups are against the best peer "
+        f"{meta['settings']['rounds']} interleaved rounds; "
+        + (f"GPU time: {meta['settings']['gpu_time']}; " if meta.get("device_type") == "cuda" else "")
+        + f"wall: {meta['settings']['wall_time']}. `*` = mlpfuse; speed-ups are against the best peer "
         "(eager, torch.compile, Liger, eager in a CUDA graph) of the same run. % floor = max(FLOPs/peak, "
         "min bytes/bandwidth) / time.",
     ]

@@ -42,6 +42,8 @@ def speedup_plot(result: BenchResult, path: Path) -> Path | None:
     for r in rows:
         groups.setdefault((r["workload"], r["activation"], r["dim"], r["hidden"], r["dtype"], r["mode"]), []).append(r)
     style = _style(_variants(result.rows))
+    if all(len({r["tokens"] for r in grows}) == 1 for grows in groups.values()):
+        return _speedup_bars(result, rows, style, path)
     n = len(groups)
     cols = min(n, 3)
     nrows = math.ceil(n / cols)
@@ -70,6 +72,34 @@ def speedup_plot(result: BenchResult, path: Path) -> Path | None:
     return path
 
 
+def _speedup_bars(result: BenchResult, rows, style, path: Path) -> Path:
+    """No token sweep to draw a line along: one group of bars per case instead."""
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    variants = _variants(rows)
+    width = 0.8 / len(variants)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(cases) * max(1, len(variants) / 4)), 4.5))
+    for i, v in enumerate(variants):
+        xs, ys = [], []
+        for j, case in enumerate(cases):
+            row = next((r for r in rows if r["case"] == case and r["variant"] == v), None)
+            if row:
+                xs.append(j + (i - (len(variants) - 1) / 2) * width)
+                ys.append(row["speedup"])
+        ax.bar(xs, ys, width=width, label=v, color=style[v]["color"])
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels(cases, fontsize=7, rotation=15, ha="right")
+    metric = "GPU time" if result.meta.get("device_type") == "cuda" else "wall time"
+    ax.set_ylabel(f"speed-up vs best peer ({metric})")
+    ax.set_title(f"mlpfuse bench on {result.meta['device']}", fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def roofline_plot(result: BenchResult, path: Path) -> Path | None:
     """Arithmetic intensity (FLOPs / min bytes) vs achieved TFLOP/s, under the measured compute and memory roofs."""
     rows = [r for r in _ok(result.rows) if r.get("tflops")]
@@ -85,8 +115,9 @@ def roofline_plot(result: BenchResult, path: Path) -> Path | None:
     for i, (dtype, tflops) in enumerate(sorted(peaks["gemm_tflops"].items())):
         if not any(r["dtype"] == dtype for r in rows):
             continue
-        ax.plot(xs, [min(tflops, x * bw_tbs) for x in xs], color="black", linewidth=1.2 - 0.3 * i,
-                linestyle=["-", "--", ":"][i % 3], label=f"roof: {dtype} GEMM {tflops:.3g} TFLOP/s, copy {bw_tbs:.3g} TB/s")
+        label = f"roof: {dtype} GEMM {tflops:.3g} TFLOP/s, copy {bw_tbs:.3g} TB/s"
+        roof = [min(tflops, x * bw_tbs) for x in xs]
+        ax.plot(xs, roof, color="black", linewidth=1.2 - 0.3 * i, linestyle=["-", "--", ":"][i % 3], label=label)
     labelled = set()
     for r in rows:
         v = r["variant"]

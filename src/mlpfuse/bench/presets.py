@@ -166,19 +166,14 @@ def build_cases(
     on_cpu: bool = False,
     notes: list[str] | None = None,
 ) -> list[Case]:
-    """The cross product of the preset's fields and the sweep flags (each a comma list, flags win)."""
+    """For each preset (a comma list), the cross product of its fields and the sweep flags (flags win)."""
     notes = notes if notes is not None else []
-    if preset is None and not (tokens or dim or hidden):
-        preset = "small" if on_cpu else "blog"
-        notes.append(f"no shape given: preset {preset!r}")
-    p = get_preset(preset) if preset else PRESETS["blog"]
+    names = _split(preset)
+    if not names and not (tokens or dim or hidden):
+        names = ["small" if on_cpu else "blog"]
+        notes.append(f"no shape given: preset {names[0]!r}")
+    chosen = [get_preset(n) for n in names] or [PRESETS["blog"]]
 
-    token_list = parse_ints(tokens, "--tokens") or list(p.tokens)
-    if on_cpu and not tokens and any(t > CPU_MAX_TOKENS for t in token_list):
-        token_list = sorted({min(t, CPU_MAX_TOKENS) for t in token_list})
-        notes.append(f"on CPU the preset's tokens are capped at {CPU_MAX_TOKENS} (pass --tokens to override)")
-    dims = parse_ints(dim, "--dim") or [p.dim]
-    hiddens = parse_ints(hidden, "--hidden") or [p.hidden]
     dtypes = parse_dtypes(dtype)
     if not dtypes:
         # CPUs have no fast bf16 GEMM in general; fp32 is what a CPU user runs.
@@ -188,11 +183,22 @@ def build_cases(
     acts = parse_activations(activation) or ["gelu_tanh"]
     workloads = parse_workloads(workload) or ["geglu"]
     modes = parse_modes(mode) or ["fwd"]
+    token_flag = parse_ints(tokens, "--tokens")
+    dims_flag = parse_ints(dim, "--dim")
+    hiddens_flag = parse_ints(hidden, "--hidden")
 
     cases: list[Case] = []
-    for wl, act, d, h, dt, md, t in itertools.product(workloads, acts, dims, hiddens, dtypes, modes, token_list):
-        fixed = WORKLOADS[wl][1]
-        case = Case(wl, fixed or act, t, d, h, dt, md)
-        if case not in cases:
-            cases.append(case)
+    for p in chosen:
+        token_list = token_flag or list(p.tokens)
+        if on_cpu and not token_flag and any(t > CPU_MAX_TOKENS for t in token_list):
+            token_list = sorted({min(t, CPU_MAX_TOKENS) for t in token_list})
+            note = f"on CPU the preset's tokens are capped at {CPU_MAX_TOKENS} (pass --tokens to override)"
+            if note not in notes:
+                notes.append(note)
+        for wl, act, d, h, dt, md, t in itertools.product(
+            workloads, acts, dims_flag or [p.dim], hiddens_flag or [p.hidden], dtypes, modes, token_list
+        ):
+            case = Case(wl, WORKLOADS[wl][1] or act, t, d, h, dt, md)
+            if case not in cases:
+                cases.append(case)
     return cases

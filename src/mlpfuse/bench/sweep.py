@@ -65,6 +65,7 @@ def _empty_row(case: Case, variant: Variant) -> dict:
         "resident_mb": None,
         "setup_ms": None,
         "first_call_ms": None,
+        "compile_ms": None,
         "flops": roofline.flops(case),
         "min_bytes": roofline.min_bytes(case),
         "intensity": roofline.intensity(case),
@@ -127,8 +128,10 @@ def run(
     settings: Settings | None = None,
     progress=None,
     command: str | None = None,
+    on_case=None,
 ) -> BenchResult:
-    """Benchmark every variant on every case. `progress(advance, description)` is called as rows complete."""
+    """Benchmark every variant on every case. `progress(advance, description)` is called as rows complete;
+    `on_case(result)` after each case (the CLI writes its files there, so a run cut short keeps what it did)."""
     settings = settings or Settings()
     progress = progress or (lambda advance, description: None)
     meta = environment(device, peaks, settings, command)
@@ -151,6 +154,8 @@ def run(
         _derive(list(state.rows.values()), peaks, device)
         result.rows.extend(state.rows.values())
         progress(0, case.label)
+        if on_case:
+            on_case(result)
     return result
 
 
@@ -222,6 +227,7 @@ def _run_case(state: _Case, variants, settings: Settings, peaks, progress) -> No
         )
         for name, message in errors.items():
             state.fail(name, "error", message)
+            progress(1, case.label)
         for name in list(state.steps):
             row = state.rows[name]
             if gpu.get(name):
@@ -253,6 +259,11 @@ def _derive(rows: list[dict], peaks: roofline.Peaks, device: torch.device) -> No
             row["pct_of_floor"] = row["floor_us"] / t * 100
         row["tflops"] = row["flops"] / t / 1e6
         row["gbps"] = row["min_bytes"] / t / 1e3
+        if row["wall_us"] is not None and row["first_call_ms"] is not None:
+            # What building and the first call cost beyond a steady call: compilation, autotuning, graph
+            # capture, kernel JIT, module loading.
+            once = (row["setup_ms"] or 0.0) + row["first_call_ms"] - row["wall_us"] / 1e3
+            row["compile_ms"] = max(once, 0.0)
     for key, out, best_key in (("gpu_us", "speedup", "best_peer"), ("wall_us", "speedup_wall", "best_peer_wall")):
         peers = [r for r in rows if r["peer"] and r["status"] == "ok" and r[key] is not None]
         if not peers:

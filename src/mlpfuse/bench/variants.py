@@ -364,7 +364,8 @@ def parse_variants(text: str | None, compile_mode: str | None = None) -> list[Va
         names = list(VARIANTS)
     if compile_mode is not None:
         if compile_mode not in COMPILE_MODES:
-            raise InputError(f"--compile-mode: unknown mode {compile_mode!r}; expected one of {', '.join(COMPILE_MODES)}")
+            valid = ", ".join(COMPILE_MODES)
+            raise InputError(f"--compile-mode: unknown mode {compile_mode!r}; expected one of {valid}")
         if compile_mode != "default":
             names = [f"compile-{compile_mode}" if n == "compile" else n for n in names]
     out = []

@@ -74,8 +74,14 @@ def tma_ok(t: torch.Tensor) -> bool:
     )
 
 
-def desc(t: torch.Tensor, block: Sequence[int]) -> TensorDescriptor:
-    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], list(block))
+def desc(t: torch.Tensor, block: Sequence[int], shape=None, strides=None) -> TensorDescriptor:
+    """A host-side TMA descriptor. Callers check `tma_ok` first, so the dataclass's own validation (a sizeable part
+    of the launch cost at small M) is skipped."""
+    d = object.__new__(TensorDescriptor)
+    d.base, d.block_shape, d.padding = t, list(block), "zero"
+    d.shape = list(t.shape) if shape is None else shape
+    d.strides = [t.stride(0), 1] if strides is None else strides
+    return d
 
 
 def pair_desc(a: torch.Tensor, b: torch.Tensor, block: Sequence[int]) -> tuple[TensorDescriptor, bool] | None:
@@ -92,10 +98,11 @@ def pair_desc(a: torch.Tensor, b: torch.Tensor, block: Sequence[int]) -> tuple[T
     if first.device.type != "cuda" and first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr():
         return None  # the interpreter only reads inside one storage; a GPU's TMA takes any two allocations
     n, k = a.shape
-    return TensorDescriptor(first, [2, n, k], [delta // es, a.stride(0), 1], list(block)), swapped
+    return desc(first, block, [2, n, k], [delta // es, a.stride(0), 1]), swapped
 
 
-def grid_size(cfg, sms: int, tiles: int) -> int:
+def grid_size(cfg, sms: int, m: int, n: int) -> int:
+    tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
     if not cfg.persistent:
         return tiles
     return min(sms * cfg.programs_per_sm, tiles)

@@ -27,6 +27,7 @@ class KernelConfig:
     warp_specialize: bool = False
     programs_per_sm: int = 1  # persistent grid size = SMs × this (more when small tiles let CTAs share an SM)
     persistent: bool = True  # False: one program per tile
+    prefetch: bool = False  # glu_bwd only: read the g/u tiles before the K loop
 
     def with_(self, **kw) -> "KernelConfig":
         return replace(self, **kw)
@@ -36,14 +37,17 @@ class KernelConfig:
 # and odd edges get exercised.
 _INTERPRET = KernelConfig(16, 16, 16, group_m=2, num_stages=1, num_warps=4)
 
-# Hopper (sm_90), 16-bit operands. Keyed by op and size class.
+# Hopper (sm_90), 16-bit operands, keyed by op and size class; picked from `benchmarks/tune_kernels.py` runs on an
+# H200 (benchmarks/results/kernels-h200.md). Gated: the paired [BM, 2·64] MMA with two CTAs per SM (one's epilogue
+# hides behind the other's main loop) beat one 128×256-class CTA per SM by 3 % at 8192×768×3072 and tied at
+# 8192×4096×14336. glu_bwd: one CTA of 8 warps, deeper pipeline (the epilogue's g/u traffic needs the registers).
 _SM90_16 = {
-    ("gated", "large"): KernelConfig(128, 128, 64, num_stages=3, num_warps=8),
+    ("gated", "large"): KernelConfig(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2),
     ("gated", "small"): KernelConfig(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2),
-    ("gemm_act", "large"): KernelConfig(128, 256, 64, num_stages=3, num_warps=8),
-    ("gemm_act", "small"): KernelConfig(128, 128, 64, num_stages=3, num_warps=4, programs_per_sm=2),
+    ("gemm_act", "large"): KernelConfig(128, 128, 64, num_stages=3, num_warps=8, programs_per_sm=2),
+    ("gemm_act", "small"): KernelConfig(128, 128, 64, num_stages=3, num_warps=8, programs_per_sm=2),
     ("glu_bwd", "large"): KernelConfig(128, 128, 64, num_stages=4, num_warps=8),
-    ("glu_bwd", "small"): KernelConfig(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2),
+    ("glu_bwd", "small"): KernelConfig(64, 128, 64, num_stages=3, num_warps=4, programs_per_sm=2),
 }
 # fp32 rows: half the K depth keeps a stage's bytes (and the 128-byte TMA swizzle row) the same as 16-bit.
 _SM90_32 = {key: cfg.with_(block_k=32) for key, cfg in _SM90_16.items()}

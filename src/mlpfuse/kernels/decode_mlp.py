@@ -38,8 +38,6 @@ from mlpfuse.errors import InputError
 DECODE_MAX_M = 64
 MAX_M = 128
 
-# Which reduction `deterministic=True` uses (1: last program reduces; 2: second launch). Measured, see the results.
-DETERMINISTIC_MODE = 2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -75,7 +73,7 @@ def _fence_gpu(like):
 
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_decode_mlp_kernel(
-    x_ptr, wg_ptr, wu_ptr, wd_ptr, bg_ptr, bu_ptr, bd_ptr, out_ptr, acc_ptr, part_ptr, cnt_ptr,
+    x_ptr, wg_ptr, wu_ptr, wd_ptr, bg_ptr, bu_ptr, bd_ptr, out_ptr, acc_ptr, part_ptr, cnt_ptr, h_ptr,
     M, D, H,
     stride_xm, stride_xd, stride_gh, stride_gd, stride_uh, stride_ud, stride_dd, stride_dh, stride_om, stride_od,
     ACT: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr, MODE: tl.constexpr,
@@ -109,69 +107,97 @@ def mlpfuse_decode_mlp_kernel(
         acc_u += tl.load(bu_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)[:, None]
     # Rows past H saw zero weights and zero bias: act(0)·0 = 0 for every activation, so they add nothing below.
     h_t = (act_fwd(acc_g, ACT) * acc_u).to(wd_ptr.dtype.element_ty)
+    if MODE == 4:  # split: hand h [M, H] to mlpfuse_decode_down_kernel
+        tl.store(h_ptr + offs_m[None, :] * H + offs_h[:, None], h_t, mask=mask_h[:, None] & mask_m[None, :])
+    else:
+        # Phase 2: partial y for this slice, D in chunks. Programs start at different chunks so that their
+        # atomics do not all hit the same L2 lines at once.
+        n_chunks = tl.cdiv(D, BLOCK_O)
+        for i in range(0, n_chunks):
+            c = (i + pid) % n_chunks
+            offs_o = c * BLOCK_O + tl.arange(0, BLOCK_O)
+            mask_o = offs_o < D
+            wd = tl.load(wd_ptr + offs_o[:, None] * stride_dd + offs_h[None, :] * stride_dh,
+                         mask=mask_o[:, None] & mask_h[None, :], other=0.0)
+            y_t = tl.dot(wd, h_t, input_precision=DOT_PRECISION)  # [BLOCK_O, BLOCK_M]
+            y_off = offs_m[None, :] * D + offs_o[:, None]
+            y_mask = mask_o[:, None] & mask_m[None, :]
+            if MODE == 0 or MODE == 3:
+                tl.atomic_add(acc_ptr + y_off, y_t, mask=y_mask, sem="relaxed")
+            else:
+                tl.store(part_ptr + pid * M * D + y_off, y_t, mask=y_mask)
 
-    # Phase 2: partial y for this slice, D in chunks. Programs start at different chunks so that their
-    # atomics do not all hit the same L2 lines at once.
-    n_chunks = tl.cdiv(D, BLOCK_O)
-    for i in range(0, n_chunks):
-        c = (i + pid) % n_chunks
-        offs_o = c * BLOCK_O + tl.arange(0, BLOCK_O)
-        mask_o = offs_o < D
-        wd = tl.load(wd_ptr + offs_o[:, None] * stride_dd + offs_h[None, :] * stride_dh,
-                     mask=mask_o[:, None] & mask_h[None, :], other=0.0)
-        y_t = tl.dot(wd, h_t, input_precision=DOT_PRECISION)  # [BLOCK_O, BLOCK_M]
-        y_off = offs_m[None, :] * D + offs_o[:, None]
-        y_mask = mask_o[:, None] & mask_m[None, :]
-        if MODE == 0 or MODE == 3:
-            tl.atomic_add(acc_ptr + y_off, y_t, mask=y_mask, sem="relaxed")
-        else:
-            tl.store(part_ptr + pid * M * D + y_off, y_t, mask=y_mask)
-
-    if MODE == 0 or MODE == 1:
-        # Each thread fences its own partial writes, the barrier gathers the CTA, then one acq_rel ticket
-        # publishes them GPU-wide and, for the last program, acquires everyone else's. (The interpreter runs
-        # programs one after another and has no inline asm: FENCE is off there.)
-        if FENCE:
-            _fence_gpu(offs_m)
-        tl.debug_barrier()
-        ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-        if ticket == n_progs - 1:
+        if MODE == 0 or MODE == 1:
+            # Each thread fences its own partial writes, the barrier gathers the CTA, then one acq_rel ticket
+            # publishes them GPU-wide and, for the last program, acquires everyone else's. (The interpreter runs
+            # programs one after another and has no inline asm: FENCE is off there.)
             if FENCE:
                 _fence_gpu(offs_m)
-            offs_f = tl.arange(0, BLOCK_F)
-            for o0 in range(0, D, BLOCK_F):
-                offs_o = o0 + offs_f
-                if MODE == 0:
-                    _reduce_tile(acc_ptr, 1, 0, out_ptr, bd_ptr, offs_m, mask_m, offs_o, offs_o < D, D,
-                                 stride_om, stride_od, True, HAS_BD, BLOCK_M, BLOCK_F)
-                else:
-                    _reduce_tile(part_ptr, n_progs, M * D, out_ptr, bd_ptr, offs_m, mask_m, offs_o, offs_o < D, D,
-                                 stride_om, stride_od, False, HAS_BD, BLOCK_M, BLOCK_F)
-            tl.store(cnt_ptr, 0)  # ready for the next launch: the scratch is all zeros again
+            tl.debug_barrier()
+            ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+            if ticket == n_progs - 1:
+                if FENCE:
+                    _fence_gpu(offs_m)
+                offs_f = tl.arange(0, BLOCK_F)
+                for o0 in range(0, D, BLOCK_F):
+                    offs_o = o0 + offs_f
+                    if MODE == 0:
+                        _reduce_tile(acc_ptr, 1, 0, out_ptr, bd_ptr, offs_m, mask_m, offs_o, offs_o < D, D,
+                                     stride_om, stride_od, True, HAS_BD, BLOCK_M, BLOCK_F)
+                    else:
+                        _reduce_tile(part_ptr, n_progs, M * D, out_ptr, bd_ptr, offs_m, mask_m, offs_o, offs_o < D,
+                                     D, stride_om, stride_od, False, HAS_BD, BLOCK_M, BLOCK_F)
+                tl.store(cnt_ptr, 0)  # ready for the next launch: the scratch is all zeros again
 
 
 @triton.jit(do_not_specialize=["M", "n_parts"])
 def mlpfuse_decode_reduce_kernel(part_ptr, out_ptr, bd_ptr, M, D, n_parts, stride_om, stride_od,
                                  HAS_BD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_F: tl.constexpr,
                                  ZERO_SRC: tl.constexpr):
-    """Deterministic second launch: y[m, cols] = sum over programs of the partials (+ bd). One row and BLOCK_F
-    columns per program, BLOCK_P partials per step: many programs and few dependent steps, since the
-    partials sit in L2 and the cost is latency. The summation order depends only on the compiled kernel."""
-    offs_o = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
-    mask_o = offs_o < D
-    m = tl.program_id(1)
+    """Second launch: y = sum over programs of the [M, D] partials (+ bd). Each program owns BLOCK_F consecutive
+    elements of the flattened [M, D] and adds BLOCK_P partials per step: many programs and few dependent steps,
+    since the partials sit in L2 and the cost is latency. The order of the sum depends only on the compiled
+    kernel, so results are bit-identical run to run."""
+    offs = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = offs < M * D
     offs_p = tl.arange(0, BLOCK_P)
     acc = tl.zeros((BLOCK_F,), tl.float32)
     for p0 in range(0, n_parts, BLOCK_P):
         p = p0 + offs_p
-        tile = tl.load(part_ptr + p[:, None] * M * D + m * D + offs_o[None, :],
-                       mask=(p[:, None] < n_parts) & mask_o[None, :], other=0.0, cache_modifier=".cg")
+        tile = tl.load(part_ptr + p[:, None] * M * D + offs[None, :], mask=(p[:, None] < n_parts) & mask[None, :],
+                       other=0.0, cache_modifier=".cg")
         acc += tl.sum(tile, axis=0)
+    offs_o = offs % D
     if HAS_BD:
-        acc += tl.load(bd_ptr + offs_o, mask=mask_o, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + offs_o * stride_od, acc.to(out_ptr.dtype.element_ty), mask=mask_o)
+        acc += tl.load(bd_ptr + offs_o, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + (offs // D) * stride_om + offs_o * stride_od, acc.to(out_ptr.dtype.element_ty), mask=mask)
     if ZERO_SRC:  # mode 3: the source is the atomic accumulator, which must be left zeroed (n_parts == 1)
-        tl.store(part_ptr + m * D + offs_o, tl.zeros((BLOCK_F,), tl.float32), mask=mask_o)
+        tl.store(part_ptr + offs, tl.zeros((BLOCK_F,), tl.float32), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def mlpfuse_decode_down_kernel(h_ptr, wd_ptr, bd_ptr, out_ptr, M, D, H, stride_dd, stride_dh, stride_om, stride_od,
+                               HAS_BD: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                               BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Split mode, second launch: yᵀ[rows, M] = Wd[rows, :] · hᵀ (+ bd). Each program owns BLOCK_O output columns
+    and the whole K = H loop, so nothing is reduced across programs; h (tiny) is re-read from L2."""
+    offs_o = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
+    mask_o = offs_o < D
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_O, BLOCK_M), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + offs_k
+        mask_k = k < H
+        wd = tl.load(wd_ptr + offs_o[:, None] * stride_dd + k[None, :] * stride_dh,
+                     mask=mask_o[:, None] & mask_k[None, :], other=0.0)
+        h_t = tl.load(h_ptr + offs_m[None, :] * H + k[:, None], mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+        acc = tl.dot(wd, h_t, acc, input_precision=DOT_PRECISION)
+    if HAS_BD:
+        acc += tl.load(bd_ptr + offs_o, mask=mask_o, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + offs_m[None, :] * stride_om + offs_o[:, None] * stride_od, acc.to(out_ptr.dtype.element_ty),
+             mask=mask_o[:, None] & mask_m[None, :])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -187,42 +213,60 @@ def _block_m(bucket: int) -> int:
 
 
 # Measured on an H200 with benchmarks/bench_decode.py --sweep (best GPU time per call in a 20-call CUDA graph).
-# "small": H·D <= 4M weights per matrix (e.g. 768×3072), "large": bigger (e.g. 4096×14336).
+# Size class "small": H·D <= 4M weights per matrix (e.g. 768×3072); "large": bigger (e.g. 4096×14336).
+# Families: "atomic" (modes 0, 3) and "det" (modes 1, 2) give (BLOCK_H, BLOCK_D, BLOCK_O, num_warps, num_stages);
+# "split" (mode 4) gives the gate/up kernel's (BLOCK_H, BLOCK_D, -, num_warps, num_stages) followed by the down
+# kernel's (BLOCK_O, BLOCK_K, num_warps, num_stages).
 _CONFIGS = {
-    # (size class, bucket, deterministic): config
-    ("small", 4, False): (64, 128, 128, 8, 3),
-    ("small", 16, False): (64, 128, 128, 8, 3),
-    ("small", 32, False): (64, 128, 128, 8, 3),
-    ("small", 64, False): (64, 64, 64, 4, 4),
-    ("small", 128, False): (64, 64, 32, 8, 4),
-    ("large", 4, False): (64, 128, 128, 8, 3),
-    ("large", 16, False): (128, 128, 64, 8, 3),
-    ("large", 32, False): (128, 64, 32, 8, 4),
-    ("large", 64, False): (128, 64, 32, 8, 4),
-    ("large", 128, False): (128, 64, 32, 8, 4),
-    ("small", 4, True): (128, 128, 64, 8, 3),
-    ("small", 16, True): (128, 128, 64, 8, 3),
-    ("small", 32, True): (128, 128, 64, 8, 3),
-    ("small", 64, True): (64, 128, 64, 4, 3),
-    ("small", 128, True): (64, 64, 32, 8, 3),
-    ("large", 4, True): (128, 128, 64, 8, 3),
-    ("large", 16, True): (128, 128, 64, 8, 3),
-    ("large", 32, True): (128, 128, 64, 8, 3),
-    ("large", 64, True): (64, 128, 64, 4, 3),
-    ("large", 128, True): (64, 64, 32, 8, 3),
+    ("small", 4, "atomic"): (64, 128, 128, 8, 3),
+    ("small", 16, "atomic"): (64, 128, 128, 8, 3),
+    ("small", 32, "atomic"): (64, 128, 128, 8, 3),
+    ("small", 64, "atomic"): (64, 64, 64, 4, 4),
+    ("small", 128, "atomic"): (64, 64, 32, 8, 4),
+    ("large", 4, "atomic"): (64, 128, 128, 8, 3),
+    ("large", 16, "atomic"): (128, 128, 64, 8, 3),
+    ("large", 32, "atomic"): (128, 64, 32, 8, 4),
+    ("large", 64, "atomic"): (128, 64, 32, 8, 4),
+    ("large", 128, "atomic"): (128, 64, 32, 8, 4),
+    ("small", 4, "det"): (128, 128, 64, 8, 3),
+    ("small", 16, "det"): (128, 128, 64, 8, 3),
+    ("small", 32, "det"): (128, 128, 64, 8, 3),
+    ("small", 64, "det"): (64, 128, 64, 4, 3),
+    ("small", 128, "det"): (64, 64, 32, 8, 3),
+    ("large", 4, "det"): (128, 128, 64, 8, 3),
+    ("large", 16, "det"): (128, 128, 64, 8, 3),
+    ("large", 32, "det"): (128, 128, 64, 8, 3),
+    ("large", 64, "det"): (64, 128, 64, 4, 3),
+    ("large", 128, "det"): (64, 64, 32, 8, 3),
 }
+for _size in ("small", "large"):
+    for _bucket_m in (4, 16, 32, 64, 128):
+        _CONFIGS[(_size, _bucket_m, "split")] = (32 if _size == "small" else 64, 128, 0, 4, 3, 32, 128, 4, 4)
+
+# Which mode a call gets, per (size class, bucket, deterministic). Measured: see benchmarks/results/decode-h200.md.
+_POLICY = {(size, b, det): (2 if det else 0) for size in ("small", "large") for b in (4, 16, 32, 64, 128)
+           for det in (False, True)}
 
 
-def default_config(d: int, h: int, bucket: int, elem_size: int, mode: int) -> tuple[int, int, int, int, int]:
-    block_h, block_d, block_o, num_warps, num_stages = _CONFIGS[("small" if h * d <= 4 * 1024 * 1024 else "large",
-                                                                 bucket, mode in (1, 2))]
-    if elem_size == 4:  # fp32 tiles are twice the bytes: halve the K step to keep the pipeline in shared memory
-        block_d = max(32, block_d // 2)
+def _size_class(d: int, h: int) -> str:
+    return "small" if h * d <= 4 * 1024 * 1024 else "large"
+
+
+def default_config(d: int, h: int, bucket: int, elem_size: int, mode: int) -> tuple:
+    family = "split" if mode == 4 else "det" if mode in (1, 2) else "atomic"
+    cfg = list(_CONFIGS[(_size_class(d, h), bucket, family)])
+    if elem_size == 4:  # fp32 tiles are twice the bytes: halve the K steps to keep the pipelines in shared memory
+        cfg[1] = max(32, cfg[1] // 2)
+        if mode == 4:
+            cfg[6] = max(32, cfg[6] // 2)
     # Tiny layers: never larger tiles than the (power-of-two padded) dimension.
-    block_h = max(16, min(block_h, triton.next_power_of_2(h)))
-    block_d = max(16, min(block_d, triton.next_power_of_2(d)))
-    block_o = max(16, min(block_o, triton.next_power_of_2(d)))
-    return block_h, block_d, block_o, num_warps, num_stages
+    cfg[0] = max(16, min(cfg[0], triton.next_power_of_2(h)))
+    cfg[1] = max(16, min(cfg[1], triton.next_power_of_2(d)))
+    cfg[2] = max(16, min(cfg[2], triton.next_power_of_2(d)))
+    if mode == 4:
+        cfg[5] = max(16, min(cfg[5], triton.next_power_of_2(d)))
+        cfg[6] = max(16, min(cfg[6], triton.next_power_of_2(h)))
+    return tuple(cfg)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -233,14 +277,15 @@ _DIRECT_LAUNCH = not _INTERPRET  # benchmarks switch it off to measure Triton's 
 _scratch: dict = {}  # (device index, stream) -> [acc fp32, counter int32, partials fp32]
 _graveyard: list = []  # outgrown buffers: a CUDA graph captured earlier may still point at them
 _plans: dict = {}  # call key -> _Plan
+_hbufs: dict = {}  # (device index, stream, dtype) -> h scratch of the split mode
 
 
 class _Plan:
-    __slots__ = ("n_progs", "cfg", "consts", "w_strides", "compiled", "reduce_grid_x", "reduce_consts",
-                 "reduce_compiled")
+    __slots__ = ("n_progs", "cfg", "consts", "w_strides", "compiled", "reduce_consts", "reduce_compiled",
+                 "down_grid", "down_consts", "down_compiled")
 
     def __init__(self, **kw):
-        self.compiled = self.reduce_compiled = None
+        self.compiled = self.reduce_compiled = self.down_compiled = None
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -259,6 +304,17 @@ def _get_scratch(x: torch.Tensor, acc_numel: int, part_numel: int):
              torch.empty(max(part_numel, old_part, 1), dtype=torch.float32, device=x.device)]
         _scratch[key] = s
     return s
+
+
+def _get_hbuf(x: torch.Tensor, numel: int):
+    """Split mode's h [M, H] in the input dtype, cached per (device, stream, dtype) like the scratch."""
+    key = (x.get_device(), torch._C._cuda_getCurrentRawStream(x.get_device()) if x.is_cuda else 0, x.dtype)
+    buf = _hbufs.get(key)
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            _graveyard.append(buf)
+        buf = _hbufs[key] = torch.empty(max(numel, 1), dtype=x.dtype, device=x.device)
+    return buf
 
 
 def _tensor_key(t):
@@ -300,32 +356,36 @@ def _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow
     consts = (activation, b_gate is not None, b_up is not None, b_down is not None, mode,
               "tf32" if (not fp32 or allow_tf32) else "ieee", block_m, block_h, block_d, block_o,
               64 if block_m <= 32 else 32, not _INTERPRET)
-    block_f = 128
+    block_f = 256  # a constant, not a function of M: one compile serves every M
+    down = {}
+    if mode == 4:
+        down = dict(down_grid=triton.cdiv(d, cfg[5]),
+                    down_consts=(b_down is not None, consts[5], block_m, cfg[5], cfg[6]))
+    block_p = 1 if mode == 3 else min(32, triton.next_power_of_2(triton.cdiv(h, block_h)))
     return _Plan(n_progs=triton.cdiv(h, block_h), cfg=cfg, consts=consts,
                  w_strides=(w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1), w_down.stride(0),
                             w_down.stride(1), d, 1),
-                 reduce_grid_x=triton.cdiv(d, block_f), reduce_consts=(b_down is not None, 32, block_f, mode == 3))
+                 reduce_consts=(b_down is not None, block_p, block_f, mode == 3), **down)
 
 
-def _launch(plan, reduce, grid, args, stream):
+def _launch(plan, which, grid, args, stream):
     """Launch the compiled kernel directly once Triton has compiled it for this plan (skips Triton's per-call
     argument binding and specialization); the first call, and every call under the interpreter, goes through
-    Triton."""
-    compiled = plan.reduce_compiled if reduce else plan.compiled
-    consts = plan.reduce_consts if reduce else plan.consts
+    Triton. `which`: "" (main kernel), "reduce_" or "down_"."""
+    compiled = getattr(plan, which + "compiled")
+    consts = getattr(plan, which + "consts")
     if compiled is not None:
         compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
                      *args, *consts)
         return
-    if reduce:
+    if which == "reduce_":
         compiled = mlpfuse_decode_reduce_kernel[grid](*args, *consts, num_warps=4)
+    elif which == "down_":
+        compiled = mlpfuse_decode_down_kernel[grid](*args, *consts, num_warps=plan.cfg[7], num_stages=plan.cfg[8])
     else:
         compiled = mlpfuse_decode_mlp_kernel[grid](*args, *consts, num_warps=plan.cfg[3], num_stages=plan.cfg[4])
     if _DIRECT_LAUNCH and stream is not None:
-        if reduce:
-            plan.reduce_compiled = compiled
-        else:
-            plan.compiled = compiled
+        setattr(plan, which + "compiled", compiled)
 
 
 def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, activation: int,
@@ -345,9 +405,10 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
         b_up = b_up.contiguous()
     if b_down is not None and b_down.stride(0) != 1:
         b_down = b_down.contiguous()
-    mode = _mode if _mode is not None else (DETERMINISTIC_MODE if deterministic else 0)
     m = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
     bucket = _bucket(m)
+    mode = _mode if _mode is not None else _POLICY[(_size_class(w_down.shape[0], w_down.shape[1]), bucket,
+                                                    bool(deterministic))] if m else 0
     xs = x.stride() if m else None
     # A hit means exactly these dtypes/shapes/strides/alignments/devices were validated and compiled before.
     key = (bucket, activation, mode, allow_tf32, _config,
@@ -368,13 +429,16 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
                                    bucket, _config)
     n_progs = plan.n_progs
     acc, cnt, part = _get_scratch(x, MAX_M * d if mode in (0, 3) else 0, n_progs * m * d if mode in (1, 2) else 0)
+    hbuf = _get_hbuf(x, m * h) if mode == 4 else out
     stream = torch._C._cuda_getCurrentRawStream(x.get_device()) if x.is_cuda else None
     bd = out if b_down is None else b_down  # `out` stands in for absent biases; never read
-    _launch(plan, False, (n_progs, 1), (
+    _launch(plan, "", (n_progs, 1), (
         x, w_gate, w_up, w_down, out if b_gate is None else b_gate, out if b_up is None else b_up, bd, out, acc,
-        part, cnt, m, d, h, xs[0], xs[1], *plan.w_strides), stream)
-    if mode == 2:
-        _launch(plan, True, (plan.reduce_grid_x, m), (part, out, bd, m, d, n_progs, d, 1), stream)
-    elif mode == 3:
-        _launch(plan, True, (plan.reduce_grid_x, m), (acc, out, bd, m, d, 1, d, 1), stream)
+        part, cnt, hbuf, m, d, h, xs[0], xs[1], *plan.w_strides), stream)
+    if mode == 4:
+        _launch(plan, "down_", (plan.down_grid, 1), (hbuf, w_down, bd, out, m, d, h, plan.w_strides[4],
+                                                     plan.w_strides[5], d, 1), stream)
+    elif mode >= 2:
+        _launch(plan, "reduce_", ((m * d + 255) // 256, 1), (part if mode == 2 else acc, out, bd, m, d,
+                                                         n_progs if mode == 2 else 1, d, 1), stream)
     return out

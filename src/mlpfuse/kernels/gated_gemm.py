@@ -132,14 +132,14 @@ def gated_gemm(
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     use_tma = cfg.tma and C.tma_capable(dev) and K > 0 and all(C.tma_ok(t) for t in (x, w_gate, w_up))
     tma_store = use_tma and cfg.tma_store and C.tma_ok(h)
-    pair = None
+    # Every host-side descriptor costs a tensor-map encode per launch: build only those the kernel will read.
+    xa, ga, ua, pair = x, w_gate, w_up, None
     if use_tma:
-        xa, ga, ua = C.desc(x, [BM, BK]), C.desc(w_gate, [BN, BK]), C.desc(w_up, [BN, BK])
+        xa = C.desc(x, [BM, BK])
         pair = C.pair_desc(w_gate, w_up, [2, BN, BK]) if cfg.pair else None
-    else:
-        xa, ga, ua = x, w_gate, w_up
-    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    mlpfuse_gated_gemm_kernel[(C.grid_size(cfg, sms, tiles),)](
+        if pair is None:
+            ga, ua = C.desc(w_gate, [BN, BK]), C.desc(w_up, [BN, BK])
+    mlpfuse_gated_gemm_kernel[(C.grid_size(cfg, sms, M, N),)](
         xa, ga, ua, pair[0] if pair else None,
         b_gate if b_gate is not None else x, b_up if b_up is not None else x,
         h, g, u, C.desc(h, [BM, BN]) if tma_store else None,
@@ -147,7 +147,8 @@ def gated_gemm(
         x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1),
         h.stride(0), h.stride(1), g.stride(0), g.stride(1), u.stride(0), u.stride(1),
         ACT=activation, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, SAVE=save_preact,
-        TMA=use_tma, PAIR=pair is not None, UP_FIRST=bool(pair and pair[1]), TMA_STORE=tma_store, DOT_PREC=C.dot_precision(x.dtype, allow_tf32),
+        TMA=use_tma, PAIR=pair is not None, UP_FIRST=bool(pair and pair[1]), TMA_STORE=tma_store,
+        DOT_PREC=C.dot_precision(x.dtype, allow_tf32),
         BM=BM, BN=BN, BK=BK, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten, WS=cfg.warp_specialize,
         num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )

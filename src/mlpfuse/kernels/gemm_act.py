@@ -100,8 +100,7 @@ def gemm_act(
     use_tma = cfg.tma and C.tma_capable(dev) and K > 0 and C.tma_ok(x) and C.tma_ok(w)
     tma_store = use_tma and cfg.tma_store and C.tma_ok(y)
     xa, wa = (C.desc(x, [BM, BK]), C.desc(w, [BN, BK])) if use_tma else (x, w)
-    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    mlpfuse_gemm_act_kernel[(C.grid_size(cfg, sms, tiles),)](
+    mlpfuse_gemm_act_kernel[(C.grid_size(cfg, sms, M, N),)](
         xa, wa, bias if bias is not None else x, y, z, C.desc(y, [BM, BN]) if tma_store else None,
         M, N, K,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1), z.stride(0), z.stride(1),

@@ -27,6 +27,7 @@ def mlpfuse_glu_backward_kernel(
     sym, syk, swk, swn, sgm, sgn, sum_, sun, sdgm, sdgn, sdum, sdun, shm, shn,
     ACT: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -38,6 +39,18 @@ def mlpfuse_glu_backward_kernel(
         off_n = pid_n * BN
         rm = off_m + tl.arange(0, BM)
         rn = off_n + tl.arange(0, BN)
+        if PREFETCH:
+            # Issue the g/u reads before the K loop (kept as 16-bit, two column halves) so their latency hides behind
+            # the MMAs instead of stalling the epilogue.
+            W: tl.constexpr = BN // 2
+            rn0 = off_n + tl.arange(0, W)
+            rn1 = rn0 + W
+            m0 = (rm[:, None] < M) & (rn0[None, :] < N)
+            m1 = (rm[:, None] < M) & (rn1[None, :] < N)
+            g0 = tl.load(g + rm[:, None] * sgm + rn0[None, :] * sgn, mask=m0, other=0.0)
+            u0 = tl.load(u + rm[:, None] * sum_ + rn0[None, :] * sun, mask=m0, other=0.0)
+            g1 = tl.load(g + rm[:, None] * sgm + rn1[None, :] * sgn, mask=m1, other=0.0)
+            u1 = tl.load(u + rm[:, None] * sum_ + rn1[None, :] * sun, mask=m1, other=0.0)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for ki in range(k_tiles):
             k0 = ki * BK
@@ -52,14 +65,37 @@ def mlpfuse_glu_backward_kernel(
                             other=0.0)
             acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
 
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        gv = tl.load(g + rm[:, None] * sgm + rn[None, :] * sgn, mask=mask, other=0.0).to(tl.float32)
-        uv = tl.load(u + rm[:, None] * sum_ + rn[None, :] * sun, mask=mask, other=0.0).to(tl.float32)
-        ag = act_fwd(gv, ACT)
-        tl.store(dg + rm[:, None] * sdgm + rn[None, :] * sdgn, (acc * uv * act_grad(gv, ACT)).to(out_ty), mask=mask)
-        tl.store(du + rm[:, None] * sdum + rn[None, :] * sdun, (acc * ag).to(out_ty), mask=mask)
-        tl.store(h + rm[:, None] * shm + rn[None, :] * shn, (ag * uv).to(out_ty), mask=mask)
+        # Epilogue in two column halves: with the whole tile, acc + g + u + the activation's temporaries exceed the
+        # register file and spill; halves keep it on chip.
+        acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+        if PREFETCH:
+            _glu_bwd_math(acc0, g0.to(tl.float32), u0.to(tl.float32), rm, rn0, m0, dg, du, h,
+                          sdgm, sdgn, sdum, sdun, shm, shn, ACT, out_ty)
+            _glu_bwd_math(acc1, g1.to(tl.float32), u1.to(tl.float32), rm, rn1, m1, dg, du, h,
+                          sdgm, sdgn, sdum, sdun, shm, shn, ACT, out_ty)
+        else:
+            _glu_bwd_store(acc0, rm, off_n, g, u, dg, du, h, M, N, sgm, sgn, sum_, sun, sdgm, sdgn, sdum, sdun,
+                           shm, shn, ACT, BN // 2, out_ty)
+            _glu_bwd_store(acc1, rm, off_n + BN // 2, g, u, dg, du, h, M, N, sgm, sgn, sum_, sun, sdgm, sdgn,
+                           sdum, sdun, shm, shn, ACT, BN // 2, out_ty)
 
+
+@triton.jit
+def _glu_bwd_math(dh, gv, uv, rm, rn, mask, dg, du, h, sdgm, sdgn, sdum, sdun, shm, shn,
+                  ACT: tl.constexpr, out_ty: tl.constexpr):
+    ag = act_fwd(gv, ACT)
+    tl.store(dg + rm[:, None] * sdgm + rn[None, :] * sdgn, (dh * uv * act_grad(gv, ACT)).to(out_ty), mask=mask)
+    tl.store(du + rm[:, None] * sdum + rn[None, :] * sdun, (dh * ag).to(out_ty), mask=mask)
+    tl.store(h + rm[:, None] * shm + rn[None, :] * shn, (ag * uv).to(out_ty), mask=mask)
+
+@triton.jit
+def _glu_bwd_store(dh, rm, off_n, g, u, dg, du, h, M, N, sgm, sgn, sum_, sun, sdgm, sdgn, sdum, sdun, shm, shn,
+                   ACT: tl.constexpr, W: tl.constexpr, out_ty: tl.constexpr):
+    rn = off_n + tl.arange(0, W)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    gv = tl.load(g + rm[:, None] * sgm + rn[None, :] * sgn, mask=mask, other=0.0).to(tl.float32)
+    uv = tl.load(u + rm[:, None] * sum_ + rn[None, :] * sun, mask=mask, other=0.0).to(tl.float32)
+    _glu_bwd_math(dh, gv, uv, rm, rn, mask, dg, du, h, sdgm, sdgn, sdum, sdun, shm, shn, ACT, out_ty)
 
 def matmul_glu_backward(
     dy: torch.Tensor,
@@ -96,14 +132,13 @@ def matmul_glu_backward(
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     use_tma = cfg.tma and C.tma_capable(dev) and D > 0 and C.tma_ok(dy) and C.tma_ok(w_down)
     ya, wa = (C.desc(dy, [BM, BK]), C.desc(w_down, [BK, BN])) if use_tma else (dy, w_down)
-    tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
-    mlpfuse_glu_backward_kernel[(C.grid_size(cfg, sms, tiles),)](
+    mlpfuse_glu_backward_kernel[(C.grid_size(cfg, sms, M, N),)](
         ya, wa, g, u, dg, du, h,
         M, N, D,
         dy.stride(0), dy.stride(1), w_down.stride(0), w_down.stride(1), g.stride(0), g.stride(1),
         u.stride(0), u.stride(1), dg.stride(0), dg.stride(1), du.stride(0), du.stride(1), h.stride(0), h.stride(1),
         ACT=activation, TMA=use_tma, DOT_PREC=C.dot_precision(dy.dtype, allow_tf32),
-        BM=BM, BN=BN, BK=BK, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten,
+        BM=BM, BN=BN, BK=BK, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten, PREFETCH=cfg.prefetch,
         num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )
     return dg, du, h

@@ -56,7 +56,29 @@ def tensors(named: Sequence[tuple[str, object]]) -> None:
             raise InputError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
 
 
+def _well_formed(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias) -> bool:
+    """The common case, checked quickly (this runs on every call, also for decode-sized ones)."""
+    try:
+        hidden, dim = gate_weight.shape
+        dtype, device = x.dtype, x.device
+        if dtype not in DTYPES or x.dim() < 1 or x.shape[-1] != dim:
+            return False
+        if up_weight.shape != gate_weight.shape or tuple(down_weight.shape) != (dim, hidden):
+            return False
+        for t in (gate_weight, up_weight, down_weight):
+            if t.dtype != dtype or t.device != device:
+                return False
+        for b, n in ((gate_bias, hidden), (up_bias, hidden), (down_bias, dim)):
+            if b is not None and (tuple(b.shape) != (n,) or b.dtype != dtype or b.device != device):
+                return False
+        return True
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
 def gated_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias) -> None:
+    if _well_formed(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias):
+        return
     if not isinstance(gate_weight, Tensor) or gate_weight.dim() != 2:
         got = _shape(gate_weight) if isinstance(gate_weight, Tensor) else type(gate_weight).__name__
         raise InputError(f"gate_weight: expected a 2-D [hidden, dim] tensor, got {got}")

@@ -35,3 +35,30 @@ def wants_grad(tensors: List[Optional[Tensor]]) -> bool:
         if t is not None and t.requires_grad:
             return True
     return False
+
+
+@torch.jit.unused
+def eager_tensor(x: Tensor) -> bool:
+    """True in plain eager execution, where calling the op's implementation directly is equivalent.
+
+    Not while torch.compile / torch.export / jit.trace record a graph, nor for tensor subclasses (fake, functional,
+    proxies): those must see the registered custom op.
+    """
+    if type(x) is not torch.Tensor or torch.jit.is_tracing():
+        return False
+    return not torch.compiler.is_compiling()
+
+
+@torch.jit.unused
+def autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
+    """The dtype torch.autocast runs matmuls in for x's device, or None outside autocast (or for fp64 inputs)."""
+    device = x.device.type
+    if x.dtype == torch.float64 or device not in ("cuda", "cpu") or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
+
+
+@torch.jit.unused
+def cast_all(tensors: List[Optional[Tensor]], dtype: torch.dtype) -> List[Optional[Tensor]]:
+    """Tensors in dtype, as autocast would cast nn.Linear's inputs (differentiable, so fp32 masters get grads)."""
+    return [t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors]

@@ -11,6 +11,8 @@ Three ops in the `mlpfuse` namespace (the math is in mlpfuse.reference's docstri
         On the Triton path `dh = dy·Wd` runs in a kernel whose epilogue writes dg and du (and h for dWd); the
         weight and input gradients are cuBLAS GEMMs. Gradients not asked for come back as empty placeholders.
 Every op has a fake implementation (shapes only), so torch.compile(fullgraph=True) and torch.export see one node.
+Plain eager inference calls the implementation directly: the dispatcher's round trip through a Python custom op
+costs more host time than a decode-sized kernel runs. Graph capture, export and TorchScript always see the op.
 """
 
 from typing import Optional
@@ -21,7 +23,7 @@ from torch import Tensor
 
 from mlpfuse import activations, reference
 from mlpfuse.ops import _checks, dispatch
-from mlpfuse.ops._util import leading, nothing, rows, wants_grad
+from mlpfuse.ops._util import autocast_dtype, cast_all, eager_tensor, leading, nothing, rows, wants_grad
 
 
 def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training: bool, save: bool):
@@ -35,7 +37,11 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training:
         out = reference.gated_mlp_forward(x2, wg, wu, wd, bg, bu, bd, act, save_preact=save)
         y, g, u = out if save else (out, None, None)
     elif path == dispatch.DECODE:
-        y = dispatch.kernel("decode_mlp").decode_gated_mlp(x2, wg, wu, wd, bg, bu, bd, activation=act.id)
+        # torch.use_deterministic_algorithms(True) selects the kernel's run-to-run identical reduction.
+        y = dispatch.kernel("decode_mlp").decode_gated_mlp(
+            x2, wg, wu, wd, bg, bu, bd, activation=act.id,
+            deterministic=torch.are_deterministic_algorithms_enabled(), allow_tf32=dispatch.allow_tf32(),
+        )
     else:
         out = dispatch.kernel("gated_gemm").gated_gemm(
             x2, wg, wu, bg, bu, activation=act.id, save_preact=save, allow_tf32=dispatch.allow_tf32()
@@ -220,7 +226,18 @@ def gated_mlp_call(
     backend: str,
 ) -> Tensor:
     """The op a module's forward calls: the training op when a gradient is needed. TorchScript-compatible."""
-    if wants_grad([x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias]):
+    if not torch.jit.is_scripting():
+        low = autocast_dtype(x)
+        if low is not None:  # the ops are outside autocast's op lists: cast here, as it would for nn.Linear
+            cast = cast_all([x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias], low)
+            x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias = cast
+    grad = wants_grad([x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias])
+    if not torch.jit.is_scripting():
+        if not grad and eager_tensor(x):
+            # Plain eager inference: skip the dispatcher round trip (it costs more than a decode kernel runs).
+            args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+            return _forward(*args, activation, backend, False, False)[0]
+    if grad:
         return torch.ops.mlpfuse.gated_mlp_train(
             x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend,
             dispatch.SAVE_PREACT,

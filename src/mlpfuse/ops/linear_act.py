@@ -14,7 +14,7 @@ from torch import Tensor
 
 from mlpfuse import activations, reference
 from mlpfuse.ops import _checks, dispatch
-from mlpfuse.ops._util import leading, nothing, rows, wants_grad
+from mlpfuse.ops._util import autocast_dtype, cast_all, eager_tensor, leading, nothing, rows, wants_grad
 
 
 def _forward(x, weight, bias, activation: str, backend: str, save: bool):
@@ -124,7 +124,15 @@ _linear_act_train_op.register_autograd(_backward, setup_context=_setup)
 
 def linear_act_call(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> Tensor:
     """The op a module's forward calls: the training op when a gradient is needed. TorchScript-compatible."""
-    if wants_grad([x, weight, bias]):
+    if not torch.jit.is_scripting():
+        low = autocast_dtype(x)
+        if low is not None:  # as autocast casts nn.Linear's inputs
+            x, weight, bias = cast_all([x, weight, bias], low)
+    grad = wants_grad([x, weight, bias])
+    if not torch.jit.is_scripting():
+        if not grad and eager_tensor(x):
+            return _forward(x, weight, bias, activation, backend, False)[0]  # eager inference: no dispatcher trip
+    if grad:
         return torch.ops.mlpfuse.linear_act_train(x, weight, bias, activation, backend, dispatch.SAVE_PREACT)[0]
     return torch.ops.mlpfuse.linear_act(x, weight, bias, activation, backend)
 

@@ -9,11 +9,12 @@ No torch import here: analysis runs wherever the trace file is.
 
 from __future__ import annotations
 
-import bisect
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable
+
+import numpy as np
 
 from mlpfuse.errors import InputError
 from mlpfuse.profiling import kernel_names
@@ -145,11 +146,37 @@ def link(trace: Trace) -> Links:
     return Links(op_parent, [max(0.0, s) for s in op_self], launcher, gpu_runtime, gpu_op)
 
 
-def _step_index(starts: list[float], steps: list[Step], ts: float) -> int:
-    k = bisect.bisect_right(starts, ts) - 1
-    if k >= 0 and ts <= steps[k].end:
-        return k
-    return -1
+def step_indices(steps: list[Step], times: list[float]) -> list[int]:
+    """Index of the step whose span holds each time, -1 outside every step (steps are sorted, disjoint)."""
+    if not times:
+        return []
+    t = np.asarray(times, dtype=np.float64)
+    starts = np.asarray([s.ts for s in steps])
+    ends = np.asarray([s.end for s in steps])
+    k = np.searchsorted(starts, t, side="right") - 1
+    inside = (k >= 0) & (t <= ends[np.maximum(k, 0)])
+    return np.where(inside, k, -1).tolist()
+
+
+def _op_rows(ops: list[Event], op_step: list[int], self_us: list[float], launched_any, n: int) -> dict[str, dict]:
+    """Per op name over the steps: count, total and self CPU time, whether any instance launched GPU work."""
+    ids: dict[str, int] = {}
+    name_id = np.fromiter((ids.setdefault(e.name, len(ids)) for e in ops), dtype=np.int64, count=len(ops))
+    keep = np.asarray(op_step, dtype=np.int64) >= 0
+    m = len(ids)
+    idx = name_id[keep]
+    count = np.bincount(idx, minlength=m)
+    total = np.bincount(idx, weights=np.fromiter((e.dur for e in ops), np.float64, len(ops))[keep], minlength=m)
+    own = np.bincount(idx, weights=np.asarray(self_us, dtype=np.float64)[keep], minlength=m)
+    launched = np.bincount(idx, weights=np.frombuffer(bytes(launched_any), dtype=np.uint8)[keep].astype(np.float64),
+                           minlength=m)
+    rows = {}
+    for name, i in ids.items():
+        if count[i]:
+            rows[name] = {"name": name, "count": int(count[i]), "cpu_total_us": float(total[i]),
+                          "cpu_self_us": float(own[i]), "kernels": 0, "kernel_names": Counter(),
+                          "launched_any": int(launched[i])}
+    return rows
 
 
 # ---------------------------------------------------------------- GPU busy / idle
@@ -189,15 +216,13 @@ def analyze_trace(trace: Trace, label: str | None = None) -> "Analysis":
     steps, step_source = find_steps(trace, label)
     links = link(trace)
     n = len(steps)
-    starts = [s.ts for s in steps]
     ops, runtime, gpu = trace.cpu_ops, trace.runtime, trace.gpu
 
-    op_step = [_step_index(starts, steps, e.ts) for e in ops]
-    rt_step = [_step_index(starts, steps, e.ts) for e in runtime]
-    gpu_step = []
-    for g, e in enumerate(gpu):
-        r = links.gpu_runtime[g]
-        gpu_step.append(rt_step[r] if r >= 0 else _step_index(starts, steps, e.ts))
+    op_step = step_indices(steps, [e.ts for e in ops])
+    rt_step = step_indices(steps, [e.ts for e in runtime])
+    own_step = step_indices(steps, [e.ts for e in gpu])
+    # GPU work belongs to the step that launched it (it may run after the step's CPU span has ended).
+    gpu_step = [rt_step[r] if r >= 0 else own for r, own in zip(links.gpu_runtime, own_step)]
 
     # Ops whose subtree launched GPU work (an op "launches" if it or anything under it did).
     launched_any = bytearray(len(ops))
@@ -223,20 +248,9 @@ def analyze_trace(trace: Trace, label: str | None = None) -> "Analysis":
         elif is_occupancy_query(e.name):
             per[k]["occupancy_queries"] += 1
 
-    op_rows: dict[str, dict] = {}
-    for i, e in enumerate(ops):
-        k = op_step[i]
-        if k < 0:
-            continue
-        per[k]["cpu_ops"] += 1
-        row = op_rows.get(e.name)
-        if row is None:
-            row = op_rows[e.name] = {"name": e.name, "count": 0, "cpu_total_us": 0.0, "cpu_self_us": 0.0,
-                                     "kernels": 0, "kernel_names": Counter(), "launched_any": 0}
-        row["count"] += 1
-        row["cpu_total_us"] += e.dur
-        row["cpu_self_us"] += links.op_self_us[i]
-        row["launched_any"] += launched_any[i]
+    op_rows = _op_rows(ops, op_step, links.op_self_us, launched_any, n)
+    for k, c in enumerate(np.bincount(np.asarray(op_step, dtype=np.int64) + 1, minlength=n + 1)[1:]):
+        per[k]["cpu_ops"] = float(c)
 
     kernel_rows: dict[tuple[str, str], dict] = {}
     by_op: dict[str, Counter] = defaultdict(Counter)
@@ -465,6 +479,13 @@ class Analysis:
 
 def analyze(source: Any, label: str | None = None) -> Analysis:
     """Analyse a trace path (.json / .json.gz), parsed trace JSON, a saved analysis JSON, or a Trace."""
+    from mlpfuse.profiling.trace import no_gc
+
+    with no_gc():
+        return _analyze(source, label)
+
+
+def _analyze(source: Any, label: str | None) -> Analysis:
     import os
 
     from mlpfuse.profiling import trace as trace_mod
@@ -475,10 +496,10 @@ def analyze(source: Any, label: str | None = None) -> Analysis:
         return analyze_trace(source, label)
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        data = trace_mod.load_json(path)
-        if isinstance(data, dict) and "schema" in data and "traceEvents" not in data:
-            return Analysis.from_dict(data, path)
-        return analyze_trace(trace_mod.from_json(data, path), label)
+        loaded = trace_mod.load_trace_or_json(path)
+        if isinstance(loaded, dict):
+            return Analysis.from_dict(loaded, path)
+        return analyze_trace(loaded, label)
     if isinstance(source, (dict, list)):
         if isinstance(source, dict) and "schema" in source and "traceEvents" not in source:
             return Analysis.from_dict(source)

@@ -21,6 +21,17 @@ def _default_trace_path(label: str) -> str:
     return os.path.join(folder, f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}.pt.trace.json.gz")
 
 
+def check_schedule(steps: int, wait: int, warmup: int, active: int, label: str = "step") -> None:
+    """Validate the profiler schedule before anything runs."""
+    for name, value, low in (("steps", steps, 1), ("wait", wait, 0), ("warmup", warmup, 0), ("active", active, 1)):
+        if not isinstance(value, int) or value < low:
+            raise InputError(f"{name}: expected an integer >= {low}, got {value!r}")
+    if steps < wait + warmup + active:
+        raise InputError(f"steps: expected >= wait + warmup + active = {wait + warmup + active}, got {steps}")
+    if not label or not isinstance(label, str):
+        raise InputError(f"label: expected a non-empty string, got {label!r}")
+
+
 def capture(
     fn: Callable[..., Any],
     *args: Any,
@@ -42,14 +53,7 @@ def capture(
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
-    for name, value, low in (("steps", steps, 1), ("wait", wait, 0), ("warmup", warmup, 0), ("active", active, 1)):
-        if not isinstance(value, int) or value < low:
-            raise InputError(f"{name}: expected an integer >= {low}, got {value!r}")
-    if steps < wait + warmup + active:
-        raise InputError(f"steps: expected >= wait + warmup + active = {wait + warmup + active}, got {steps}")
-    if not label or not isinstance(label, str):
-        raise InputError(f"label: expected a non-empty string, got {label!r}")
-
+    check_schedule(steps, wait, warmup, active, label)
     path = str(trace_path) if trace_path is not None else _default_trace_path(label)
     if not path.endswith(".json.gz"):
         path = path[:-5] + ".json.gz" if path.endswith(".json") else path + ".json.gz"

@@ -90,8 +90,11 @@ def run_diff(args) -> int:
 def run_profile(args) -> int:
     from mlpfuse.profiling import expect as expect_mod
 
+    from mlpfuse.profiling.capture import check_schedule
+
     for e in args.expect:  # fail on a typo before spending time on capture
         expect_mod.parse(e)
+    check_schedule(args.steps, args.wait, args.warmup, args.active)
     variant = args.variant or ("compile" if args.compile else "eager")
     if args.compile and variant != "compile":
         raise InputError(f"--compile conflicts with --variant {variant}")

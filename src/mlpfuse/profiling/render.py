@@ -14,7 +14,7 @@ def short(name: str, width: int = NAME_WIDTH) -> str:
 
 
 def _fields(decoded: dict) -> str:
-    skip = {"family", "flags", "index", "kind"}
+    skip = {"family", "flags", "index", "kind", "variant", "raster", "library"}
     parts = []
     for key, value in decoded.items():
         if key in skip:
@@ -58,7 +58,7 @@ def analysis_tables(data: dict) -> list[Table]:
         ops.add_row(short(o["name"], 60), f"{o['per_step']:g}", f"{o['cpu_total_us'] / n:.1f}",
                     f"{o['cpu_self_us'] / n:.1f}", f"{o['kernels']:g}")
 
-    tables = [head, kernels, ops]
+    tables = [head] + ([kernels] if data["kernels"] else []) + [ops]
     if data["zero_kernel_ops"]:
         zero = Table(title="CPU ops that launched no GPU work (metadata only)")
         zero.add_column("op")
@@ -130,7 +130,7 @@ def diff_tables(data: dict) -> list[Table]:
     for side in ("a", "b"):
         for op, ks in data["kernels_by_op"][side].items():
             by_op.add_row(side.upper(), short(op, 50), "; ".join(f"{short(k, 60)} x{c}" for k, c in ks.items()))
-    return [kernels, per, ops, by_op]
+    return [t for t in (kernels, per, ops, by_op) if t.row_count]
 
 
 def print_diff(data: dict, console: Console | None = None) -> None:

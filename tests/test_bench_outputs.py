@@ -1,0 +1,71 @@
+"""Result files from a real (tiny, CPU) run: JSON round-trips, CSV and Markdown hold the same rows, PNGs open."""
+
+import csv
+import json
+
+import matplotlib.image
+import torch
+
+from mlpfuse.bench import outputs, plots, roofline, sweep
+from mlpfuse.bench.presets import Case
+from mlpfuse.bench.variants import VARIANTS, Variant
+
+
+def _nan_build(problem):
+    def step():
+        return torch.full((problem.case.tokens, problem.case.dim), float("nan"))
+
+    return step
+
+
+def _result():
+    cases = [Case("swiglu", "silu", 8, 16, 32, "fp32", "fwd"), Case("mlp", "relu", 8, 16, 32, "fp32", "fwd+bwd")]
+    variants = [VARIANTS["eager"], VARIANTS["mlpfuse-torch"], Variant("all-nan", _nan_build), VARIANTS["liger"]]
+    peaks = roofline.Peaks("test-cpu", {"fp32": 0.05}, 10.0)
+    settings = sweep.Settings(rounds=2, target_ms=1.0, warmup=1, profile=False)
+    return sweep.run(cases, variants, torch.device("cpu"), peaks, settings, command="mlpfuse bench --test")
+
+
+def test_files_are_written_and_parse(tmp_path):
+    result = _result()
+    assert len(result.rows) == 8
+    data = json.loads(outputs.write_json(result, tmp_path / "r.json").read_text())  # strict JSON: no NaN/Infinity
+    assert data["meta"]["command"] == "mlpfuse bench --test"
+    assert data["meta"]["peaks"]["gemm_tflops"] == {"fp32": 0.05}
+    nan_rows = [r for r in data["rows"] if r["variant"] == "all-nan"]
+    assert [r["status"] for r in nan_rows] == ["wrong", "wrong"]
+    assert all(r["max_rel_error"] is None for r in nan_rows)  # infinite error, written as null
+    assert {r["status"] for r in data["rows"] if r["variant"] == "liger"} == {"skipped"}
+
+    outputs.write_csv(result, tmp_path / "r.csv")
+    with (tmp_path / "r.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert [(t["variant"], t["status"]) for t in table] == [(r["variant"], r["status"]) for r in result.rows]
+    ok = [t for t in table if t["status"] == "ok"]
+    assert ok and all(float(t["wall_us"]) > 0 and float(t["pct_of_floor"]) > 0 for t in ok)
+
+    md = outputs.write_markdown(result, tmp_path / "r.md").read_text()
+    sections = md.split("\n### ")[1:]
+    assert len(sections) == 2
+    for section in sections:
+        lines = [ln for ln in section.splitlines() if ln.startswith("|")]
+        header, rule, *body = lines
+        assert len(body) == 4
+        assert all(ln.count("|") == header.count("|") for ln in body)  # no cell broke the table
+    assert "swiglu 8x16x32 fp32 fwd" in md and "skipped: needs CUDA" in md
+    assert "measured peaks on test-cpu" in md
+
+
+def test_plots_for_a_sweep_and_for_single_shapes(tmp_path):
+    result = _result()
+    # one token count per shape: speed-ups drawn as bars
+    for path in (plots.speedup_plot(result, tmp_path / "bars.png"), plots.roofline_plot(result, tmp_path / "roof.png")):
+        image = matplotlib.image.imread(path)
+        assert image.ndim == 3 and min(image.shape[:2]) > 200
+    # a token sweep: lines
+    cases = [Case("geglu", "gelu_tanh", t, 16, 32, "fp32", "fwd") for t in (4, 16, 64)]
+    peaks = roofline.Peaks("test-cpu", {"fp32": 0.05}, 10.0)
+    sweep_result = sweep.run(cases, [VARIANTS["eager"], VARIANTS["mlpfuse-torch"]], torch.device("cpu"), peaks,
+                             sweep.Settings(rounds=1, target_ms=1.0, warmup=1, profile=False))
+    image = matplotlib.image.imread(plots.speedup_plot(sweep_result, tmp_path / "lines.png"))
+    assert image.ndim == 3 and min(image.shape[:2]) > 200

@@ -1,0 +1,77 @@
+"""`mlpfuse profile` through the real CLI on CPU (tiny shapes)."""
+
+import json
+import os
+
+import pytest
+
+from mlpfuse.cli import main
+from mlpfuse import workloads
+
+TINY_LINEAR = ["--device", "cpu", "--batch", "4", "--in-dim", "8", "--out-dim", "16"]
+TINY_MLP = ["--device", "cpu", "--batch", "2", "--seq", "3", "--dim", "8", "--hidden", "16"]
+
+
+def test_profile_linear_expectations_and_exit_code(tmp_path, capsys):
+    argv = ["profile", "linear", *TINY_LINEAR, "--out", str(tmp_path), "--json",
+            "--expect", "op=aten::addmm", "--expect", "no-op=aten::add", "--expect", "kernels=1"]
+    assert main(argv) == 1  # kernels=1 cannot hold on a CPU-only machine: broken -> exit 1
+    data = json.loads(capsys.readouterr().out)
+    assert [e["status"] for e in data["expectations"]] == ["confirmed", "confirmed", "broken"]
+    assert data["verdict"]["kind"] == "cpu-only"
+    assert "batch=4 in_dim=8 out_dim=16 bias=True dtype=float32" in data["workload"]
+    files = sorted(os.listdir(tmp_path))
+    assert files == ["linear-eager.analysis.json", "linear-eager.pt.trace.json.gz"]
+
+
+def test_profile_no_bias_has_no_addmm(tmp_path, capsys):
+    argv = ["profile", "linear", *TINY_LINEAR, "--no-bias", "--out", str(tmp_path), "--expect", "no-op=aten::addmm",
+            "--expect", "op=aten::mm"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("confirmed") == 2 and "broken" not in out
+
+
+def test_profile_geglu_cpu_ops(tmp_path, capsys):
+    assert main(["profile", "geglu-mlp", *TINY_MLP, "--out", str(tmp_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    ops = {o["name"]: o["per_step"] for o in data["ops"]}
+    assert ops["aten::linear"] == 3 and ops["aten::gelu"] == 1 and ops["aten::mul"] == 1
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["profile", "linear", "--seq", "4", "--device", "cpu"], "--seq"),
+    (["profile", "geglu-mlp", "--bias", "--device", "cpu"], "--bias"),
+    (["profile", "conv", "--device", "cpu"], "WORKLOAD"),
+    (["profile", "linear", "--dtype", "int3", "--device", "cpu"], "--dtype"),
+    (["profile", "linear", "--batch", "0", "--device", "cpu"], "--batch"),
+    (["profile", "linear", "--variant", "nope", "--device", "cpu"], "--variant"),
+    (["profile", "linear", "--device", "tpu"], "--device"),
+    (["profile", "linear", "--expect", "kernels>3", "--device", "cpu"], "--expect"),
+    (["profile", "linear", "--steps", "2", "--device", "cpu", *TINY_LINEAR[2:]], "steps"),
+])
+def test_profile_bad_input_exit_2(tmp_path, capsys, argv, words):
+    assert main([*argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err
+
+
+def test_variant_registry_reports_availability():
+    status = workloads.variant_status()
+    assert status["eager"] == (True, "") and status["compile"] == (True, "")
+    ok, reason = status["mlpfuse"]
+    assert ok or "mlpfuse.modules" in reason
+
+
+def test_mlpfuse_variant_computes_the_same_function():
+    ok, reason = workloads.VARIANTS["mlpfuse"].available()
+    if not ok:
+        pytest.skip(reason)
+    import torch
+
+    for name, sizes in (("linear", dict(batch=4, in_dim=8, out_dim=16)),
+                        ("geglu-mlp", dict(batch=2, seq=3, dim=8, hidden=16))):
+        eager = workloads.build(name, device="cpu", **sizes)
+        fused = workloads.build(name, variant="mlpfuse", device="cpu", **sizes)
+        with torch.no_grad():
+            torch.testing.assert_close(fused.fn(eager.x), eager.fn(eager.x), rtol=1e-4, atol=1e-5)

@@ -1,0 +1,64 @@
+"""`mlpfuse walkthrough` end to end on CPU: every case profiled (or recorded as not run, with a reason), the
+results folder complete, and the walkthrough's CPU-side facts visible in its own output files."""
+
+import json
+import os
+
+import pytest
+
+from mlpfuse import workloads
+from mlpfuse.cli import main
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("walkthrough")
+    assert main(["walkthrough", "--device", "cpu", "--out", str(out), "--steps", "3"]) == 0
+    with open(out / "summary.json") as fh:
+        return out, json.load(fh)
+
+
+def test_results_folder_has_traces_analyses_and_summary(results):
+    out, summary = results
+    files = set(os.listdir(out))
+    assert {"summary.md", "summary.json"} <= files
+    for case in summary["cases"]:
+        assert f"{case}.pt.trace.json.gz" in files and f"{case}.analysis.json" in files
+    run = set(summary["cases"]) | set(summary["failed"])
+    assert run == {"linear-eager", "linear-compile", "geglu-mlp-eager", "geglu-mlp-compile", "linear-mlpfuse",
+                   "geglu-mlp-mlpfuse"}
+    for reason in summary["failed"].values():
+        assert reason and "\n" not in reason
+
+
+def test_cpu_walkthrough_facts(results):
+    _, summary = results
+    cases = summary["cases"]
+    eager = {o["name"] for o in cases["linear-eager"]["ops"]}
+    assert {"aten::linear", "aten::t", "aten::addmm"} <= eager
+    assert all(c["verdict"]["kind"] == "cpu-only" and c["steps"] == 1 for c in cases.values())
+    if "linear-compile" in cases:  # torch.compile needs a C++ compiler on CPU
+        d = summary["diffs"]["linear-eager -> linear-compile"]
+        assert "aten::t" in {o["name"] for o in d["ops_removed"]}
+    mlp = {o["name"]: o["per_step"] for o in cases["geglu-mlp-eager"]["ops"]}
+    assert mlp["aten::linear"] == 3 and mlp["aten::gelu"] == 1 and mlp["aten::mul"] == 1
+
+
+def test_summary_md_names_every_case(results):
+    out, summary = results
+    text = (out / "summary.md").read_text()
+    for case in (*summary["cases"], *summary["failed"]):
+        assert f"| {case} |" in text
+
+
+def test_unavailable_variant_is_recorded_not_fatal(tmp_path, monkeypatch):
+    # A real registry entry whose availability check fails the way a missing fused module would.
+    broken = workloads.Variant("mlpfuse", "fused", workloads.VARIANTS["mlpfuse"].wrap,
+                               lambda: (False, "mlpfuse.modules cannot be imported (ImportError: test)"))
+    monkeypatch.setitem(workloads.VARIANTS, "mlpfuse", broken)
+    monkeypatch.setattr("mlpfuse.walkthrough.CASES", [("linear-eager", "linear", "eager"),
+                                                     ("linear-mlpfuse", "linear", "mlpfuse")])
+    assert main(["walkthrough", "--device", "cpu", "--out", str(tmp_path), "--steps", "3"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert list(summary["cases"]) == ["linear-eager"]
+    assert "cannot be imported" in summary["failed"]["linear-mlpfuse"]
