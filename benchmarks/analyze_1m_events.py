@@ -7,8 +7,7 @@ minus printing), median of --repeat runs.
 
     python benchmarks/analyze_1m_events.py [--events 1000000] [--repeat 3]
 
-Result, measured on the 2-core CPU machine used for development (Python 3.11, no GPU) — see
-benchmarks/README-profiler.md for the numbers and the date.
+Measured result (command, machine, date): benchmarks/README-profiler.md.
 """
 
 from __future__ import annotations
@@ -85,7 +84,8 @@ def main(argv=None) -> int:
     with gzip.open(gz, "wt", compresslevel=6) as fh:
         json.dump(trace, fh)
     del trace
-    print(f"{n} events; {os.path.getsize(plain) / 1e6:.0f} MB json, {os.path.getsize(gz) / 1e6:.0f} MB gz")
+    print(f"{n} events; {os.path.getsize(plain) / 1e6:.0f} MB json, {os.path.getsize(gz) / 1e6:.0f} MB gz; "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (other work slows the numbers)")
     for path in (plain, gz):
         times = []
         for _ in range(args.repeat):

@@ -1,19 +1,21 @@
-"""Check and time mlpfuse's one-launch decode MLP on a CUDA GPU against eager PyTorch, CUDA graphs, torch.compile
+"""Check and time mlpfuse's decode MLP kernels on a CUDA GPU against eager PyTorch, CUDA graphs, torch.compile
 and Liger.
 
     PYTHONPATH=src python3 benchmarks/bench_decode.py [--out DIR] [--sweep] [--rounds N]
 
-1. Numerics (bf16 for every M in 1..64 on both shapes, fp16/fp32 and odd shapes on a few M, every activation,
-   biases, all three reduction modes) against a float64 reference; outputs poisoned with NaN. Determinism
-   (bit-identical reruns) and CUDA-graph capture + replay with fresh inputs. Exit 1 on any failure.
-2. Ceilings: device-to-device copy bandwidth (bytes read + written).
-3. Optional (--sweep): tile configs for the atomic kernel, GPU time per call from a 20-call CUDA graph.
+1. Numerics (bf16 for every M in 1..64 on both shapes in every mode, fp16/fp32 and odd shapes on a few M, every
+   activation, biases, strided inputs) against a float64 reference; outputs poisoned with NaN. Determinism
+   (bit-identical reruns) and CUDA-graph capture + replay with fresh inputs. Exit 1 on any failure. The one-launch
+   mode 0, known to race, is counted, not failed.
+2. Ceiling: device-to-device copy bandwidth (bytes read + written).
+3. --sweep: tile configs per (shape, row bucket, family) by GPU time in a 20-call CUDA graph, then the mode per
+   bucket by wall time; both are written into the module's tables for the timing below and printed as source.
 4. Timing, bf16, GeGLU (gelu_tanh, no bias), tokens × dim × hidden for dim×hidden in 768×3072 and 4096×14336:
    after spinning the clocks up, variants are interleaved in rounds; medians over rounds.
      wall  = host clock over N back-to-back calls after a synchronize (host overhead included)
      gpu   = CUDA events over one replay of a CUDA graph holding 20 calls, / 20 (launch gaps removed)
      graph = host clock over N back-to-back replays of a one-call CUDA graph
-Prints a short table last; writes JSON + log under --out.
+Prints markdown tables last; writes JSON, the log and the tables under --out.
 """
 
 from __future__ import annotations
@@ -101,16 +103,21 @@ def check(name, y, ref, tol):
 def numerics():
     tol = {torch.bfloat16: 1e-2, torch.float16: 3e-3, torch.float32: 1e-3}
     worst = {}
+    bad_mode0 = [0, 0]
     for d, h in SHAPES:
         w = make_weights(d, h, torch.bfloat16)
         for m in range(1, 65):
             x = torch.randn(m, d, device="cuda").to(torch.bfloat16)
             ref = reference(x, *w, A.GELU_TANH)
-            for mode in (0, 1, 2, 3, 4):
+            for mode in (1, 2, 3, 4):
                 y = poisoned_call(lambda: K.decode_gated_mlp(x, *w, activation=A.GELU_TANH, _mode=mode), m, d,
                                   torch.bfloat16)
                 e = check(f"bf16 {m}x{d}x{h} mode{mode}", y, ref, tol[torch.bfloat16])
                 worst[f"bf16 {d}x{h} mode{mode}"] = max(worst.get(f"bf16 {d}x{h} mode{mode}", 0), e)
+            # Mode 0 (one launch, atomics + ticket) is known to race on the GPU: count, don't fail.
+            y = K.decode_gated_mlp(x, *w, activation=A.GELU_TANH, _mode=0)
+            bad_mode0[0] += rel_err(y, ref) > tol[torch.bfloat16]
+            bad_mode0[1] += 1
     # Other dtypes, odd shapes, biases, every activation, M past 64 (few combinations: each one compiles).
     cases = [(torch.float16, 760, 3000, True, [A.GELU_TANH], (1, 33, 64, 128)),
              (torch.float32, 17, 33, True, range(6), (7, 64)),
@@ -130,6 +137,7 @@ def numerics():
                     worst[k] = max(worst.get(k, 0), check(f"{k} act{act} m{m}", y, ref, tol[dtype]))
     for k, v in worst.items():
         log(f"numerics worst rel err {k}: {v:.2e}")
+    log(f"mode 0 (one launch, atomics + ticket; not used): wrong at {bad_mode0[0]} of {bad_mode0[1]} bf16 points")
     # Strided (non-contiguous) x and a packed gate_up weight viewed as two halves.
     d, h, m = 768, 3072, 9
     packed = torch.randn(2 * h, d, device="cuda", dtype=torch.bfloat16) * d**-0.5
@@ -148,7 +156,7 @@ def numerics():
         log(f"determinism mode{mode}: {'bit-identical' if same else 'DIFFERENT'} over 5 runs")
         if not same:
             FAILURES.append(f"mode{mode} not deterministic")
-    ys = [K.decode_gated_mlp(x, *w, activation=A.GELU_TANH, _mode=0) for _ in range(5)]
+    ys = [K.decode_gated_mlp(x, *w, activation=A.GELU_TANH, _mode=3) for _ in range(5)]
     log(f"atomic mode: {sum(not torch.equal(ys[0], y) for y in ys[1:])}/4 reruns differ bitwise from the first")
 
 
@@ -170,7 +178,7 @@ def numerics_shipped():
 
 
 def graph_capture_test():
-    for mode in (0, 1, 2, 3, 4):
+    for mode in (1, 2, 3, 4):
         d, h, m = 4096, 14336, 16
         w = make_weights(d, h, torch.bfloat16, bias=True, seed=3)
         x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
@@ -243,10 +251,10 @@ def make_variants(d, h):
         log(f"liger unavailable: {exc!r}")
     v["ours"] = lambda x: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH)
     v["ours_det"] = lambda x: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH, deterministic=True)
+    v["ours_det2"] = lambda x: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH, _mode=2)
     v["ours_det_1launch"] = lambda x: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH, _mode=1)
     v["ours_atomic_cast2"] = lambda x: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH, _mode=3)
     v["ours_split"] = lambda x: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH, _mode=4)
-    v["ours_atomic"] = lambda x: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH, _mode=0)
     return v, (wg, wu, wd)
 
 
@@ -361,7 +369,7 @@ def sweep(rounds):
                 log(f"sweep {m}x{d}x{h} {tag} best: " + "; ".join(f"{c} {t:.2f}us" for t, c in res[:3]))
                 return res[0] if res else (float("inf"), None)
 
-            t_atomic, c_atomic = best_of(0, atomic, "atomic")
+            t_atomic, c_atomic = best_of(3, atomic, "atomic")
             t_det, c_det = best_of(2, det, "det")
             down0 = (32, 128, 4, 4)
             _, c_gate = best_of(4, [g + down0 for g in split_gate], "split gate")
@@ -371,7 +379,8 @@ def sweep(rounds):
                     table[(size, bucket, fam)] = c
             # Policy by wall time per call (what an eager caller pays), between the tuned candidates.
             walls = {}
-            for mode, c in ((0, c_atomic), (2, c_det), (4, c_split)):
+            gpu = {3: t_atomic, 2: t_det, 4: t_split}
+            for mode, c in ((3, c_atomic), (2, c_det), (4, c_split)):
                 if c is None:
                     continue
                 fn = functools.partial(K.decode_gated_mlp, x, wg, wu, wd, activation=A.GELU_TANH, _mode=mode,
@@ -380,10 +389,11 @@ def sweep(rounds):
                 walls[mode] = statistics.median(wall_us(fn, 100) for _ in range(rounds))
             log(f"sweep {m}x{d}x{h} wall per call by mode: {walls}; GPU atomic {t_atomic:.1f} det {t_det:.1f} "
                 f"split {t_split:.1f}")
-            for det_flag, modes in ((False, (0, 4)), (True, (2, 4))):
-                cands = [(w, mode) for mode, w in walls.items() if mode in modes]
-                if cands:
-                    policy[(size, bucket, det_flag)] = min(cands)[1]
+            for det_flag, modes in ((False, (3, 4)), (True, (2, 4))):
+                cands = [mode for mode in walls if mode in modes]
+                if cands:  # fastest wall time; within 5 % of it, the lowest GPU time
+                    fastest = min(walls[c] for c in cands)
+                    policy[(size, bucket, det_flag)] = min((gpu[c], c) for c in cands if walls[c] <= 1.05 * fastest)[1]
     K._CONFIGS.update(table)
     K._POLICY.update(policy)
     K._plans.clear()
@@ -489,14 +499,14 @@ def summary(out, path=None):
         return r["median_us"] if r else float("inf")
 
     peers = ("eager", "compile", "liger")
-    ours = ("ours", "ours_det", "ours_atomic", "ours_split", "ours_det_1launch", "ours_atomic_cast2")
+    ours = ("ours", "ours_det", "ours_atomic_cast2", "ours_split", "ours_det2", "ours_det_1launch")
     lines = [f"GPU: {out['gpu']} (torch {out['torch']}, Triton {out['triton']}); device copy "
              f"{out['copy_bw'] / 1e12:.2f} TB/s (read + write). bf16, gelu_tanh GeGLU, no bias. Median µs per call "
              f"over interleaved rounds.", "",
              "Wall time per call (host clock over back-to-back eager calls, host overhead included):", "",
              "| tokens×dim×hidden | eager | torch.compile | Liger | **ours** | ours deterministic | "
-             "ours atomics (1 launch) | ours split (2 launches) | ours det. 1-launch | ours atomics + cast launch | "
-             "best peer / ours |",
+             "ours atomics + cast (mode 3) | ours split (mode 4) | ours det. partials (mode 2) | "
+             "ours det. 1-launch (mode 1) | best peer / ours |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for d, h in SHAPES:
         for m in TOKENS + CUTOVER_TOKENS:

@@ -9,7 +9,8 @@ handed NaN-filled blocks of the output sizes, so an element a kernel never write
 Pass: normwise relative error ≤ 1e-2 (bf16), ≤ 5e-3 (fp16), ≤ 1e-4 (fp32 with TF32 off), and no NaN anywhere.
 Prints a summary table; exits 1 on any failure or if the time budget stopped it before every case ran.
 
-    PYTHONPATH=src python3 benchmarks/numerics_gpu.py [--cases 240] [--workers 8] [--budget-s 300] [--out FILE]
+    PYTHONPATH=src python3 benchmarks/numerics_gpu.py [--cases 240] [--workers 8] [--budget-s 300] [--kinds K,..]
+                                                      [--out FILE]
 
 Workers are separate processes sharing the GPU, so Triton's compiles of the many kernel variants run in parallel.
 """
@@ -220,6 +221,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--budget-s", type=float, default=300.0, help="start no new case after this many seconds")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
     p.add_argument("--out", help="also write the report here")
     args = p.parse_args(argv)
 
@@ -231,7 +233,11 @@ def main(argv=None) -> int:
 
     from mlpfuse.ops import dispatch
 
-    cases = make_cases(args.cases, args.seed, dispatch.decode_max_m())
+    kinds = set(args.kinds.split(","))
+    if not kinds <= set(KINDS):
+        print(f"--kinds: expected a subset of {','.join(KINDS)}, got {args.kinds}", file=sys.stderr)
+        return 2
+    cases = [c for c in make_cases(args.cases, args.seed, dispatch.decode_max_m()) if c["kind"] in kinds]
     start = time.time()
     deadline = start + args.budget_s
     ctx = mp.get_context("spawn")

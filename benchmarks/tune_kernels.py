@@ -26,7 +26,7 @@ from mlpfuse import activations as A
 from mlpfuse.kernels.configs import KernelConfig
 from mlpfuse.kernels.gated_gemm import gated_gemm
 from mlpfuse.kernels.gemm_act import gemm_act
-from mlpfuse.kernels.glu_backward import matmul_glu_backward
+from mlpfuse.kernels.glu_backward import glu_backward_pointwise, matmul_glu_backward
 
 LOG: list[str] = []
 
@@ -98,6 +98,12 @@ def check_numerics(quick: bool) -> bool:
                     errs["bwd.dg"] = rel(dg, dh * ud * act.grad(gd))
                     errs["bwd.du"] = rel(du, dh * act.forward(gd))
                     errs["bwd.h"] = rel(hh, act.forward(gd) * ud)
+                    dhq = (dy @ wd) if dtype != torch.float32 else (dy.double() @ wd.double()).float()
+                    po = tuple(torch.full((M, N), float("nan"), device="cuda", dtype=dtype) for _ in range(2))
+                    pdg, pdu = glu_backward_pointwise(dhq, gq, uq, activation=act.id, out=po)
+                    dhd = dhq.double()
+                    errs["pointwise.dg"] = rel(pdg, dhd * ud * act.grad(gd))
+                    errs["pointwise.du"] = rel(pdu, dhd * act.forward(gd))
                     worst = max(errs.values(), key=lambda e: math.inf if math.isnan(e) else e)
                     bad = math.isnan(worst) or worst > TOL[dtype]
                     ok &= not bad
@@ -221,13 +227,13 @@ def time_shape(M, K, N, rounds, inner, do_compile, results):
     v["mlpfuse gated default"] = lambda: gated_gemm(x, wg, wu, activation=act)
     v["mlpfuse gated default save_preact"] = lambda: gated_gemm(x, wg, wu, activation=act, save_preact=True)
     v["mlpfuse GeGLU fwd (gated+down mm)"] = lambda: torch.mm(gated_gemm(x, wg, wu, activation=act), wd.T)
-    # backward pieces: eager = dh GEMM + pointwise GLU backward (dg, du) + h recompute
+    # backward pieces as eager autograd runs them for down(gelu(g)·u): dh GEMM, two muls, gelu_backward (h = gelu(g)·u
+    # was saved by the forward as the down projection's input, so eager needs no recompute; ours rewrites it).
+    ag0 = F.gelu(g0, approximate="tanh")
+
     def eager_bwd():
         dh = torch.mm(dy, wd)
-        ag = F.gelu(g0, approximate="tanh")
-        t = torch.tanh(0.7978845608028654 * (g0 + 0.044715 * g0 * g0 * g0))
-        d = 0.5 * (1 + t) + 0.5 * g0 * (1 - t * t) * 0.7978845608028654 * (1 + 0.134145 * g0 * g0)
-        return dh * u0 * d, dh * ag, ag * u0
+        return torch.ops.aten.gelu_backward(dh * u0, g0, approximate="tanh"), dh * ag0
 
     v["cublas dh mm"] = lambda: torch.mm(dy, wd)
     v["eager dh+GLU bwd"] = eager_bwd
@@ -238,6 +244,7 @@ def time_shape(M, K, N, rounds, inner, do_compile, results):
         if f:
             v[f"mlpfuse glu_bwd {name}"] = f
     v["mlpfuse glu_bwd default"] = lambda: matmul_glu_backward(dy, wd, g0, u0, activation=act)
+    v["cublas dh + mlpfuse glu pointwise"] = lambda: glu_backward_pointwise(torch.mm(dy, wd), g0, u0, activation=act)
     res = bench(v, rounds, inner)
     results[f"{M}x{K}x{N}"] = res
     return res
@@ -274,6 +281,10 @@ def time_small_m(results, rounds):
                 "eager": lambda: F.gelu(x @ wg.T, approximate="tanh") * (x @ wu.T),
                 "mlpfuse": lambda: gated_gemm(x, wg, wu, activation=A.GELU_TANH),
             }
+            if K == 768:  # FusedLinear(768 -> 3072, bias, gelu_tanh) at the same M
+                b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+                v["eager linear+gelu"] = lambda: F.gelu(F.linear(x, wg, b), approximate="tanh")
+                v["mlpfuse gemm_act"] = lambda: gemm_act(x, wg, b, activation=A.GELU_TANH)
             r = bench(v, rounds, 20)
             out[f"{M}x{K}x{N}"] = {k: r[k]["us"] for k in r}
     results["small_m"] = out
@@ -350,7 +361,7 @@ def main():
         ours = r["mlpfuse GeGLU fwd (gated+down mm)"]["us"]
         log(f"  {title} GeGLU fwd: mlpfuse {ours:.1f} us, best peer {best:.1f} us -> {ours / best:.3f}x")
         bpeers = {k: r[k]["us"] for k in ("eager dh+GLU bwd", "compile dh+GLU bwd") if k in r}
-        bours = r["mlpfuse glu_bwd default"]["us"]
+        bours = min(r["mlpfuse glu_bwd default"]["us"], r["cublas dh + mlpfuse glu pointwise"]["us"])
         log(f"  {title} dh GEMM + GLU bwd: mlpfuse {bours:.1f} us, best peer {min(bpeers.values()):.1f} us"
             f" -> {bours / min(bpeers.values()):.3f}x")
         save = r["mlpfuse gated default save_preact"]["us"] - r["mlpfuse gated default"]["us"]
@@ -361,7 +372,10 @@ def main():
     log(f"  linear+gelu: mlpfuse {ours:.1f} us vs eager {eager:.1f} us -> {eager / ours:.2f}x faster")
     log("\n== small M: eager (2 mm + gelu*mul) vs mlpfuse gated (us)")
     for k, d in sm.items():
-        log(f"  {k:22s} eager {d['eager']:8.1f}  mlpfuse {d['mlpfuse']:8.1f}  ratio {d['mlpfuse'] / d['eager']:.2f}")
+        line = f"  {k:22s} eager {d['eager']:8.1f}  mlpfuse {d['mlpfuse']:8.1f}  ratio {d['mlpfuse'] / d['eager']:.2f}"
+        if "mlpfuse gemm_act" in d:
+            line += f" | linear+gelu eager {d['eager linear+gelu']:7.1f} gemm_act {d['mlpfuse gemm_act']:7.1f}"
+        log(line)
     log(f"first call at a new M after warm-up: {results['first_call_new_M_ms']:.2f} ms")
     log(f"host us per call (M=16): {results['host_us_per_call']}")
     log(f"numerics pass: {num_ok}")

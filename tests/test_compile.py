@@ -110,6 +110,17 @@ def test_torchscript(name):
         torch.testing.assert_close(scripted(x), m(x))
 
 
+@pytest.mark.parametrize("name", ["gated", "fused_linear"])
+def test_jit_trace_records_the_op(name):
+    m = fresh(name)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        traced = torch.jit.trace(m, (x,))
+        assert "mlpfuse::" in str(traced.graph)
+        x2 = torch.randn(7, 16)
+        torch.testing.assert_close(traced(x2), m(x2))
+
+
 def test_opcheck_of_every_op():
     from torch.library import opcheck
 
@@ -139,12 +150,18 @@ def test_opcheck_of_every_op():
 def test_compile_with_the_triton_backend():
     torch._dynamo.reset()
     torch.manual_seed(0)
-    m = GatedMLP(16, 24, activation="gelu_tanh", backend="triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernels run in Triton's interpreter
+    m = GatedMLP(16, 24, activation="gelu_tanh", backend="triton", device=device)
     compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
-    x = torch.randn(5, 16)
-    y_ref, g_ref = eager_reference(m, x)
-    xx = x.clone().requires_grad_()
-    y = compiled(xx)
-    y.sum().backward()
+    x = torch.randn(5, 16, device=device)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        y_ref, g_ref = eager_reference(m, x)
+        xx = x.clone().requires_grad_()
+        y = compiled(xx)
+        y.sum().backward()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(xx.grad, g_ref[0], rtol=1e-5, atol=1e-5)

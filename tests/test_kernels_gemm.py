@@ -218,3 +218,20 @@ def test_bad_shapes_raise_value_error():
                    b_up=torch.randn(9, device=DEVICE), activation=A.SILU)
     with pytest.raises(ValueError, match="out"):
         gemm_act(x, torch.randn(8, 16, device=DEVICE), activation=A.SILU, out=torch.empty(4, 9, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("act_name", ACTS)
+def test_glu_backward_pointwise(act_name, dtype):
+    from mlpfuse.kernels.glu_backward import glu_backward_pointwise
+
+    gen = torch.Generator().manual_seed(hash((act_name, str(dtype), "p")) % 2**31)
+    act = A.get(act_name)
+    M, N = 19, 37
+    dh = randn(N, M, dtype=dtype, gen=gen).T  # transposed view: strides are honoured
+    g, u = randn(M, N, dtype=dtype, gen=gen), randn(M, N, dtype=dtype, gen=gen)
+    out = poisoned(M, N, dtype=dtype, n=2)
+    dg, du = glu_backward_pointwise(dh, g, u, activation=act.id, out=out)
+    dhd, gd, ud = dh.double(), g.double(), u.double()
+    assert_close(dg, dhd * ud * act.grad(gd), dtype, "dg")
+    assert_close(du, dhd * act.forward(gd), dtype, "du")

@@ -34,8 +34,11 @@ PLAIN = {
 @pytest.fixture(autouse=True)
 def _exact_fp32(monkeypatch):
     monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
-    if torch.cuda.is_available():
-        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    # Set and restored by hand: torch's cuBLAS flags module does not survive monkeypatch's undo.
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 @pytest.fixture
@@ -416,13 +419,13 @@ def test_gpu_auto_backend(dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_fp32_follows_allow_tf32(monkeypatch):
+def test_gpu_fp32_follows_allow_tf32():
     # With TF32 allowed, fp32 results carry tf32's ~1e-3 error; with it off they are IEEE-exact to ~1e-6.
     ts = gated_inputs((256,), 512, 512, torch.float32, False)
     want = plain_gated("gelu", *[t.double() for t in ts[:4]])
     errs = {}
     for tf32 in (False, True):
-        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
+        torch.backends.cuda.matmul.allow_tf32 = tf32  # the autouse fixture restores it
         with torch.no_grad():
             errs[tf32] = rel(ops.gated_mlp(*ts[:4], "gelu", backend="triton"), want)
     assert errs[False] < 1e-5 < errs[True], errs

@@ -122,6 +122,7 @@ def test_synthetic_trace_attribution_idle_and_counts():
     gaps = [(g["start_us"], g["dur_us"]) for g in a.data["gpu_gaps"]]
     assert gaps == [(0, 200), (300, 100), (410, 90)]
     assert a.op("A")["cpu_self_us"] == pytest.approx(99 - 30 - 10)
+    assert (a.op("A")["kernels"], a.op("A")["gpu_activities"], a.op("B")["kernels"]) == (1, 2, 1)
     assert a.verdict["kind"] == "overhead-bound" and a.verdict["gpu_busy_share"] == pytest.approx(110 / 500)
 
 

@@ -67,6 +67,8 @@ def test_linear_eager_is_one_bias_gemm_and_t_launches_nothing(an):
     assert "bias" in gemm and decode(gemm).fields["epilogue"] == ["bias"]
     # the GEMM is attributed to aten::addmm through the launch's correlation id
     assert gemm in a.data["kernels_by_op"]["aten::addmm"]
+    addmm = a.op("aten::addmm")
+    assert addmm["kernels"] == 1 and addmm["gpu_activities"] == 2  # the GEMM and a memset
     assert a.op("aten::t")["kernels"] == 0
     assert "aten::t" in {z["name"] for z in a.data["zero_kernel_ops"]}
     assert a.op("aten::add") is None
@@ -157,3 +159,18 @@ def test_training_trace_decodes_backward_kernels():
     assert {"TNT", "NNT", "NTT"} <= layouts  # forward and the two backward GEMM layouts
     assert a.per_step["gpu_memcpys"] == 1
     assert any(decode(n).fields.get("op") == "GeluBackwardCUDAKernelImpl" for n in a.kernel_names("elementwise"))
+
+
+def test_cli_text_output_shows_the_story(capsys, monkeypatch):
+    from mlpfuse.cli import main
+
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["analyze", fixture("linear_eager")]) == 0
+    out = capsys.readouterr().out
+    assert "epilogue=bias" in out and "aten::addmm" in out and "verdict: overhead-bound" in out
+    assert main(["diff", fixture("geglu_eager"), fixture("geglu_compile")]) == 0
+    out = capsys.readouterr().out
+    for text in ("removed", "vectorized_elementwise_kernel<GeluCUDAKernelImpl> bf16",
+                 "vectorized_elementwise_kernel<MulFunctor> bf16", "added", "triton_poi_fused__unsafe_view_gelu_mul_0",
+                 "gone in B", "aten::t"):
+        assert text in out, text

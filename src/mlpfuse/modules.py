@@ -31,10 +31,12 @@ _ACTIVATION_CLASSES = {
     "GELUTanh": "gelu_tanh",
     "NewGELUActivation": "gelu_tanh",
     "FastGELUActivation": "gelu_tanh",
+    "AccurateGELUActivation": "gelu_tanh",
     "GELUActivation": "gelu",
     "ReLU": "relu",
     "ReLUSquaredActivation": "relu2",
     "Identity": "identity",
+    "LinearActivation": "identity",
 }
 _ACTIVATION_ATTRS = ("act_fn", "activation_fn", "act", "activation")
 

@@ -1,25 +1,34 @@
-"""The whole gated MLP in one launch, for decode-sized batches (M <= DECODE_MAX_M).
+"""The gated MLP for decode-sized batches (M <= DECODE_MAX_M): weights streamed once, h never leaves the chip
+(or, in the split mode, crosses HBM once as a [M, H] vector of a few hundred KB).
 
     y = down(act(x·Wgᵀ + bg) · (x·Wuᵀ + bu)) + bd        x [M, D], Wg/Wu [H, D], Wd [D, H], y [M, D]
 
-At small M the MLP is bound by streaming its weights (3·H·D elements) once; every extra launch, memset or HBM
-round-trip of an intermediate costs more than the arithmetic. So one program owns a slice of BLOCK_H hidden units:
+At small M the MLP is bound by streaming its 3·H·D weights; launches, memsets and intermediates are what eager
+PyTorch loses time on. `mlpfuse_decode_mlp_kernel` gives each program a slice of BLOCK_H hidden units:
 
   phase 1  gᵀ, uᵀ [BLOCK_H, M] = Wg/Wu[slice, :] · xᵀ   (K-loop over D; x is tiny and stays in L2)
-           hᵀ = act(gᵀ + bg) · (uᵀ + bu), in fp32 registers, rounded once to the input dtype
+           hᵀ = act(gᵀ + bg) · (uᵀ + bu) in fp32 registers, rounded once to the input dtype
   phase 2  its partial of y:  yᵀ_p [D, M] = Wd[:, slice] · hᵀ   (loop over D in BLOCK_O row chunks)
 
 The weights are the MMA's left operand ("swap AB"): the tiny M becomes the MMA's N, so tiles stay full at M = 1.
-Each weight element is read by exactly one program. The partials y_p are summed one of three ways (MODE):
+Each weight element is read by exactly one program. How the partials become y (MODE):
 
-  0 atomics      fp32 `red.add` into a cached fp32 scratch; the last program to finish (a ticket counter, taken
-                 after a CTA barrier with acq_rel semantics) adds bd, casts to the output dtype and re-zeroes the
-                 scratch and the counter, so the next call needs no memset: one launch in all.
-  1 deterministic, one launch: partials stored to a [P, M, D] scratch; the last program sums them in program order.
-  2 deterministic, two launches: the same partials, summed by `mlpfuse_decode_reduce_kernel` spread over the GPU.
-  3 atomics, two launches: as 0 without the ticket; `mlpfuse_decode_reduce_kernel` casts and re-zeroes.
+  3 atomics + cast launch: fp32 `red.add` into a cached fp32 scratch; `mlpfuse_decode_reduce_kernel` adds bd,
+      casts, and re-zeroes the scratch for the next call (no memset). Two launches. Not bit-reproducible.
+  4 split: phase 1 only, h [M, H] stored in the input dtype; `mlpfuse_decode_down_kernel` owns output columns and
+      runs the whole K = H loop, so nothing is reduced across programs. Two launches, deterministic. Its cost
+      is that every down program re-reads h from L2, which beats fp32 atomics once M·D partials get large.
+  2 deterministic partials: [P, M, D] fp32 partials, summed in a fixed order by the reduce kernel.
+  0 atomics + ticket, 1 deterministic + ticket: the one-launch variants. After its partials, each program
+      fences, takes a ticket, and the last one casts (0) or sums (1) for everybody. On an H200 mode 0 gave
+      wrong results whenever BLOCK_M >= 32 or num_warps == 4 (mode 3, the same atomics without the ticket,
+      is exact), and mode 1's last program is far too slow (one SM sums every partial). Neither is used by
+      `decode_gated_mlp` unless asked for with `_mode`; they stay as the starting point for a fixed one-launch
+      version.
 
-Scratch buffers are cached per (device, stream): two streams running this kernel at once must not share them.
+`_POLICY` picks the mode per layer size class and M bucket from measurements (modes 3 and 4 without
+`deterministic`, mode 4 with it); `_CONFIGS` holds the tiles. Scratch buffers are cached per (device, stream):
+two streams running this kernel at once never share them.
 """
 
 from __future__ import annotations
@@ -33,8 +42,10 @@ import triton.language as tl
 from mlpfuse.activations import act_fwd
 from mlpfuse.errors import InputError
 
-# Largest M for which `auto` dispatch should use this kernel; measured on an H200 by benchmarks/bench_decode.py
-# (see benchmarks/results/decode-h200.md). The kernel itself accepts up to MAX_M rows.
+# Largest M for which `auto` dispatch should use these kernels. Measured on an H200 by benchmarks/bench_decode.py
+# (benchmarks/results/decode-h200.md): up to 64 rows they beat eager, torch.compile and Liger in wall time per
+# call on 768×3072 and 4096×14336 (at 64×4096×14336 by 2 % only, and inside a CUDA graph they lose 4 % there);
+# at 96 and 128 rows they lose on 4096×14336. The kernels themselves accept up to MAX_M rows.
 DECODE_MAX_M = 64
 MAX_M = 128
 
@@ -212,40 +223,54 @@ def _block_m(bucket: int) -> int:
     return max(16, bucket)  # tl.dot needs N >= 16; rows past M are masked
 
 
-# Measured on an H200 with benchmarks/bench_decode.py --sweep (best GPU time per call in a 20-call CUDA graph).
-# Size class "small": H·D <= 4M weights per matrix (e.g. 768×3072); "large": bigger (e.g. 4096×14336).
-# Families: "atomic" (modes 0, 3) and "det" (modes 1, 2) give (BLOCK_H, BLOCK_D, BLOCK_O, num_warps, num_stages);
-# "split" (mode 4) gives the gate/up kernel's (BLOCK_H, BLOCK_D, -, num_warps, num_stages) followed by the down
-# kernel's (BLOCK_O, BLOCK_K, num_warps, num_stages).
+# Measured on an H200 with `benchmarks/bench_decode.py --sweep` (best GPU time per call in a 20-call CUDA graph;
+# log in benchmarks/results/decode-h200.md). Size class "small": H·D <= 4M weights per matrix (e.g. 768×3072);
+# "large": bigger (e.g. 4096×14336). Families: "atomic" (modes 0, 3) and "det" (modes 1, 2) give (BLOCK_H,
+# BLOCK_D, BLOCK_O, num_warps, num_stages); "split" (mode 4) gives the gate/up kernel's (BLOCK_H, BLOCK_D, -,
+# num_warps, num_stages) followed by the down kernel's (BLOCK_O, BLOCK_K, num_warps, num_stages).
 _CONFIGS = {
-    ("small", 4, "atomic"): (64, 128, 128, 8, 3),
-    ("small", 16, "atomic"): (64, 128, 128, 8, 3),
-    ("small", 32, "atomic"): (64, 128, 128, 8, 3),
-    ("small", 64, "atomic"): (64, 64, 64, 4, 4),
-    ("small", 128, "atomic"): (64, 64, 32, 8, 4),
-    ("large", 4, "atomic"): (64, 128, 128, 8, 3),
-    ("large", 16, "atomic"): (128, 128, 64, 8, 3),
-    ("large", 32, "atomic"): (128, 64, 32, 8, 4),
-    ("large", 64, "atomic"): (128, 64, 32, 8, 4),
-    ("large", 128, "atomic"): (128, 64, 32, 8, 4),
-    ("small", 4, "det"): (128, 128, 64, 8, 3),
-    ("small", 16, "det"): (128, 128, 64, 8, 3),
-    ("small", 32, "det"): (128, 128, 64, 8, 3),
-    ("small", 64, "det"): (64, 128, 64, 4, 3),
-    ("small", 128, "det"): (64, 64, 32, 8, 3),
+    ("large", 4, "atomic"): (128, 128, 128, 8, 3),
     ("large", 4, "det"): (128, 128, 64, 8, 3),
+    ("large", 4, "split"): (64, 64, 0, 4, 4, 32, 128, 4, 4),
+    ("large", 16, "atomic"): (128, 128, 128, 8, 3),
     ("large", 16, "det"): (128, 128, 64, 8, 3),
+    ("large", 16, "split"): (64, 64, 0, 4, 4, 16, 256, 4, 3),
+    ("large", 32, "atomic"): (128, 128, 64, 4, 3),
     ("large", 32, "det"): (128, 128, 64, 8, 3),
-    ("large", 64, "det"): (64, 128, 64, 4, 3),
-    ("large", 128, "det"): (64, 64, 32, 8, 3),
+    ("large", 32, "split"): (128, 64, 0, 8, 4, 32, 256, 8, 3),
+    ("large", 64, "atomic"): (128, 64, 64, 4, 4),
+    ("large", 64, "det"): (128, 64, 32, 8, 4),
+    ("large", 64, "split"): (128, 64, 0, 8, 4, 32, 256, 8, 3),
+    ("large", 128, "atomic"): (128, 64, 32, 8, 4),
+    ("large", 128, "det"): (128, 64, 32, 8, 4),
+    ("large", 128, "split"): (128, 64, 0, 8, 4, 64, 128, 8, 3),
+    ("small", 4, "atomic"): (64, 128, 128, 8, 3),
+    ("small", 4, "det"): (64, 128, 64, 8, 3),
+    ("small", 4, "split"): (64, 64, 0, 4, 4, 16, 256, 4, 3),
+    ("small", 16, "atomic"): (64, 128, 128, 8, 3),
+    ("small", 16, "det"): (64, 128, 64, 8, 3),
+    ("small", 16, "split"): (64, 64, 0, 4, 4, 16, 256, 4, 3),
+    ("small", 32, "atomic"): (64, 128, 128, 8, 3),
+    ("small", 32, "det"): (64, 128, 64, 8, 3),
+    ("small", 32, "split"): (64, 64, 0, 4, 4, 16, 256, 4, 3),
+    ("small", 64, "atomic"): (64, 64, 64, 4, 4),
+    ("small", 64, "det"): (64, 128, 64, 8, 3),
+    ("small", 64, "split"): (64, 64, 0, 4, 4, 16, 256, 4, 3),
+    ("small", 128, "atomic"): (64, 128, 128, 8, 3),
+    ("small", 128, "det"): (64, 128, 64, 8, 3),
+    ("small", 128, "split"): (32, 128, 0, 4, 3, 64, 128, 8, 3),
 }
-for _size in ("small", "large"):
-    for _bucket_m in (4, 16, 32, 64, 128):
-        _CONFIGS[(_size, _bucket_m, "split")] = (32 if _size == "small" else 64, 128, 0, 4, 3, 32, 128, 4, 4)
 
-# Which mode a call gets, per (size class, bucket, deterministic). Measured: see benchmarks/results/decode-h200.md.
-_POLICY = {(size, b, det): (2 if det else 0) for size in ("small", "large") for b in (4, 16, 32, 64, 128)
-           for det in (False, True)}
+# Which mode a call gets, per (size class, bucket, deterministic): the fastest correct mode by wall time per call
+# (within 5 %: the lower GPU time), from the same H200 run. Modes 0 and 1 are never chosen: their one-launch
+# ticket is racy on the GPU (see the module docstring).
+_POLICY = {
+    **{(size, b, True): 4 for size in ("small", "large") for b in (4, 16, 32, 64, 128)},
+    ("small", 4, False): 3, ("small", 16, False): 3, ("small", 32, False): 3, ("small", 64, False): 4,
+    ("small", 128, False): 4,
+    ("large", 4, False): 3, ("large", 16, False): 3, ("large", 32, False): 4, ("large", 64, False): 4,
+    ("large", 128, False): 4,
+}
 
 
 def _size_class(d: int, h: int) -> str:
@@ -391,30 +416,36 @@ def _launch(plan, which, grid, args, stream):
 def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, activation: int,
                      deterministic: bool = False, allow_tf32: bool = True, _mode: int | None = None,
                      _config: tuple | None = None):
-    """y [M, D] = down(act(x·w_gateᵀ + b_gate) · (x·w_upᵀ + b_up)) + b_down in one kernel launch.
+    """y [M, D] = down(act(x·w_gateᵀ + b_gate) · (x·w_upᵀ + b_up)) + b_down in two small launches.
 
     x [M, D] with M <= MAX_M; w_gate, w_up [H, D]; w_down [D, H]; biases [H], [H], [D] or None; all one dtype
-    (bf16/fp16/fp32) and device, any strides. `deterministic=True` gives bit-identical results run to run
-    (partials summed in a fixed order by a second, small launch). `allow_tf32` selects tf32 for fp32 inputs.
-    `_mode` / `_config` override the reduction scheme and the tile config (benchmarks only).
+    (bf16/fp16/fp32) and device, any strides. `deterministic=True` gives bit-identical results run to run (the
+    split mode; without it the faster of atomics and split is taken per layer size and M, see `_POLICY`).
+    `allow_tf32` selects tf32 for fp32 inputs. Graph-capturable; allocates only the output once warm.
+    `_mode` / `_config` override the scheme and the tile config (benchmarks and tests only).
     """
-    # Biases are read as contiguous vectors; a strided one (rare) is copied.
-    if b_gate is not None and b_gate.stride(0) != 1:
-        b_gate = b_gate.contiguous()
-    if b_up is not None and b_up.stride(0) != 1:
-        b_up = b_up.contiguous()
-    if b_down is not None and b_down.stride(0) != 1:
-        b_down = b_down.contiguous()
-    m = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
-    bucket = _bucket(m)
-    mode = _mode if _mode is not None else _POLICY[(_size_class(w_down.shape[0], w_down.shape[1]), bucket,
-                                                    bool(deterministic))] if m else 0
-    xs = x.stride() if m else None
-    # A hit means exactly these dtypes/shapes/strides/alignments/devices were validated and compiled before.
-    key = (bucket, activation, mode, allow_tf32, _config,
-           (x.dtype, x.shape[1], xs, x.data_ptr() & 15, x.get_device()), _tensor_key(w_gate), _tensor_key(w_up),
-           _tensor_key(w_down), _tensor_key(b_gate), _tensor_key(b_up), _tensor_key(b_down)) if m else None
-    plan = _plans.get(key)
+    m = 0
+    try:
+        # Biases are read as contiguous vectors; a strided one (rare) is copied.
+        if b_gate is not None and b_gate.stride(0) != 1:
+            b_gate = b_gate.contiguous()
+        if b_up is not None and b_up.stride(0) != 1:
+            b_up = b_up.contiguous()
+        if b_down is not None and b_down.stride(0) != 1:
+            b_down = b_down.contiguous()
+        m = x.shape[0]
+        bucket = _bucket(m)
+        mode = _mode if _mode is not None else _POLICY[(_size_class(w_down.shape[0], w_down.shape[1]), bucket,
+                                                        bool(deterministic))]
+        xs = x.stride()
+        # A hit means exactly these dtypes/shapes/strides/alignments/devices were validated and compiled before
+        # (M itself is not part of it: it is checked on every call).
+        key = (bucket, activation, mode, allow_tf32, _config,
+               (x.dtype, x.dim(), x.shape[1], xs, x.data_ptr() & 15, x.get_device()), _tensor_key(w_gate),
+               _tensor_key(w_up), _tensor_key(w_down), _tensor_key(b_gate), _tensor_key(b_up), _tensor_key(b_down))
+    except (AttributeError, TypeError, IndexError, ValueError):
+        key = None  # not tensors of the expected ranks: _check names the culprit
+    plan = _plans.get(key) if m <= MAX_M else None
     if plan is None:
         _check(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation)
     d = x.shape[1]

@@ -18,14 +18,15 @@ import numpy as np
 
 from mlpfuse.errors import InputError
 from mlpfuse.profiling import kernel_names
-from mlpfuse.profiling.trace import KERNEL, MEMCPY, MEMSET, Event, Trace
+from mlpfuse.profiling.trace import KERNEL, MEMSET, Event, Trace
 
 SCHEMA = "mlpfuse.analysis/1"
 
-# Verdict threshold: share of the step's GPU window during which a kernel, memset or memcpy runs.
+# Verdict threshold: share of the step's GPU window during which a kernel, memset or memcpy runs. At or above it
+# the kernels decide the step time (compute-bound); below it the GPU mostly waits for the CPU (overhead-bound).
+# Within overhead-bound, "launch-bound" is added when a GPU activity lasts less than the CPU call that launched it.
 COMPUTE_BOUND_BUSY_SHARE = 0.5
-# A kernel shorter than the CPU time spent launching it means the CPU cannot keep the GPU fed.
-MAX_GAPS = 5
+MAX_GAPS = 5  # largest idle gaps listed, over all steps
 
 _STEP_NAME = re.compile(r"^ProfilerStep#\d+$")
 
@@ -56,7 +57,8 @@ class Step:
 def find_steps(trace: Trace, label: str | None = None) -> tuple[list[Step], str]:
     """Steps and where they came from: `ProfilerStep#N` spans, else spans of the user label."""
     if label is None:
-        spans = [e for e in (*trace.annotations, *trace.cpu_ops) if _STEP_NAME.match(e.name)]
+        spans = [e for e in (*trace.annotations, *trace.cpu_ops)
+                 if e.name.startswith("ProfilerStep#") and _STEP_NAME.match(e.name)]
         if spans:
             return _outermost(spans), "ProfilerStep"
         label = trace.metadata.get("mlpfuse_label")
@@ -97,36 +99,43 @@ class Links:
 
 def link(trace: Trace) -> Links:
     ops, runtime, gpu = trace.cpu_ops, trace.runtime, trace.gpu
-    op_parent = [-1] * len(ops)
+    n_ops = len(ops)
+    op_parent = [-1] * n_ops
     op_self = [e.dur for e in ops]
     launcher = [-1] * len(runtime)
 
-    # One sweep per thread over ops and runtime calls in start order keeps a stack of open ops (with their
-    # end times alongside, so the hot loop touches no attributes).
-    by_thread: dict[Any, list[tuple[float, float, int]]] = defaultdict(list)
-    n_ops = len(ops)
-    for i, e in enumerate(ops):
-        by_thread[(e.pid, e.tid)].append((e.ts, -e.dur, i))
-    for i, e in enumerate(runtime):
-        by_thread[(e.pid, e.tid)].append((e.ts, -e.dur, n_ops + i))  # ops first on ties: they may enclose
-    for items in by_thread.values():
-        items.sort()
-        stack: list[int] = []
-        stack_end: list[float] = []
-        for ts, neg_dur, i in items:
-            end = ts - neg_dur - 1e-6
-            while stack_end and stack_end[-1] < end:
-                stack_end.pop()
-                stack.pop()
-            top = stack[-1] if stack else -1
-            if i < n_ops:
-                op_parent[i] = top
-                if top >= 0:
-                    op_self[top] += neg_dur
-                stack.append(i)
-                stack_end.append(end + 1e-6)
-            else:
-                launcher[i - n_ops] = top
+    # One sweep over ops and runtime calls ordered by (thread, start, longest first) keeps a stack of open ops
+    # per thread. Index i < n_ops is an op, else a runtime call; on ties ops come first, since they may enclose.
+    both = ops + runtime
+    n = len(both)
+    threads: dict[Any, int] = {}
+    thread = np.fromiter((threads.setdefault((e.pid, e.tid), len(threads)) for e in both), np.int64, n)
+    ts = np.fromiter((e.ts for e in both), np.float64, n)
+    dur = np.fromiter((e.dur for e in both), np.float64, n)
+    order = np.lexsort((np.arange(n), -dur, ts, thread)).tolist()
+    ends = (ts + dur).tolist()
+    thread_of = thread.tolist()
+    dur_of = dur.tolist()
+    current = -1
+    stack: list[int] = []
+    stack_end: list[float] = []
+    for i in order:
+        if thread_of[i] != current:
+            current, stack, stack_end = thread_of[i], [], []
+        end = ends[i]
+        limit = end - 1e-6
+        while stack_end and stack_end[-1] < limit:
+            stack_end.pop()
+            stack.pop()
+        top = stack[-1] if stack else -1
+        if i < n_ops:
+            op_parent[i] = top
+            if top >= 0:
+                op_self[top] -= dur_of[i]
+            stack.append(i)
+            stack_end.append(end)
+        else:
+            launcher[i - n_ops] = top
 
     by_corr = {e.correlation: i for i, e in enumerate(runtime) if e.correlation is not None}
     by_ext: dict[int, int] = {}
@@ -143,7 +152,8 @@ def link(trace: Trace) -> Links:
         elif e.external_id is not None:
             # Kineto also stamps GPU activity with the launching op's External id; use it when the launch is missing.
             gpu_op[g] = by_ext.get(e.external_id, -1)
-    return Links(op_parent, [max(0.0, s) for s in op_self], launcher, gpu_runtime, gpu_op)
+    return Links(op_parent, np.maximum(np.asarray(op_self, dtype=np.float64), 0.0).tolist(), launcher, gpu_runtime,
+                 gpu_op)
 
 
 def step_indices(steps: list[Step], times: list[float]) -> list[int]:
@@ -174,7 +184,7 @@ def _op_rows(ops: list[Event], op_step: list[int], self_us: list[float], launche
     for name, i in ids.items():
         if count[i]:
             rows[name] = {"name": name, "count": int(count[i]), "cpu_total_us": float(total[i]),
-                          "cpu_self_us": float(own[i]), "kernels": 0, "kernel_names": Counter(),
+                          "cpu_self_us": float(own[i]), "kernels": 0, "gpu_activities": 0, "kernel_names": Counter(),
                           "launched_any": int(launched[i])}
     return rows
 
@@ -266,7 +276,8 @@ def analyze_trace(trace: Trace, label: str | None = None) -> "Analysis":
         op_name = ops[o].name if o >= 0 else "(no CPU op)"
         by_op[op_name][e.name] += 1
         if o >= 0 and op_name in op_rows:
-            op_rows[op_name]["kernels"] += 1
+            op_rows[op_name]["gpu_activities"] += 1
+            op_rows[op_name]["kernels"] += e.cat == KERNEL
             op_rows[op_name]["kernel_names"][e.name] += 1
         key = (e.name, e.cat)
         row = kernel_rows.get(key)
@@ -369,6 +380,7 @@ def _op_table(rows: dict, n: int) -> list[dict]:
             "cpu_total_us": row["cpu_total_us"],
             "cpu_self_us": row["cpu_self_us"],
             "kernels": row["kernels"] / n,
+            "gpu_activities": row["gpu_activities"] / n,
             "kernel_names": dict(row["kernel_names"].most_common()),
             "launches_gpu_work": row["launched_any"] > 0,
         })
@@ -424,6 +436,7 @@ class Analysis:
 
     def __init__(self, data: dict):
         self.data = data
+        self.expectations: list = []  # results of `profile(..., expect=[...])`
 
     @classmethod
     def from_dict(cls, data: dict, path: str = "<analysis>") -> "Analysis":

@@ -10,7 +10,8 @@ import os
 import re
 import tempfile
 import time
-from typing import Any, Callable, Iterable
+import warnings
+from typing import Any, Callable
 
 from mlpfuse.errors import InputError
 
@@ -64,20 +65,23 @@ def capture(
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     sync()
-    with profile(
-        activities=activities,
-        schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-        record_shapes=record_shapes,
-        with_stack=with_stack,
-    ) as prof:
-        for index in range(steps):
-            if index == wait + warmup:
-                # The label travels inside the trace (top-level key) so analysis finds the steps even where
-                # ProfilerStep spans are absent; metadata is only accepted while the profiler is recording.
-                prof.add_metadata("mlpfuse_label", label)
-            with record_function(label):
-                fn(*args, **kwargs)
-                sync()
-            prof.step()
+    with warnings.catch_warnings():
+        # torch warns that a schedule cycle clears earlier events; one cycle (repeat=1) is what we ask for.
+        warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle.*")
+        with profile(
+            activities=activities,
+            schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+            record_shapes=record_shapes,
+            with_stack=with_stack,
+        ) as prof:
+            for index in range(steps):
+                if index == wait + warmup:
+                    # The label travels inside the trace (top-level key) so analysis finds the steps even where
+                    # ProfilerStep spans are absent; metadata is only accepted while the profiler is recording.
+                    prof.add_metadata("mlpfuse_label", label)
+                with record_function(label):
+                    fn(*args, **kwargs)
+                    sync()
+                prof.step()
     prof.export_chrome_trace(path)
     return path

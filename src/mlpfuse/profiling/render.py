@@ -9,8 +9,18 @@ NAME_WIDTH = 70
 
 
 def short(name: str, width: int = NAME_WIDTH) -> str:
-    """Keep kernel names readable: ATen template names run to hundreds of characters."""
-    return name if len(name) <= width else name[: width - 1] + "…"
+    """Keep kernel names readable: ATen template names run to hundreds of characters, and their first 70 say
+    nothing; show those as `kernel<functor> dtype` (the JSON keeps every name in full)."""
+    if len(name) <= width:
+        return name
+    from mlpfuse.profiling.kernel_names import decode
+
+    d = decode(name)
+    if d.library == "aten" and "op" in d.fields:
+        compact = f"{d.fields['kernel']}<{d.fields['op']}>" + (f" {d.fields['dtype']}" if "dtype" in d.fields else "")
+        if len(compact) <= width:
+            return compact
+    return name[: width - 1] + "…"
 
 
 def _fields(decoded: dict) -> str:
