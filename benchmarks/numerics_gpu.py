@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing as mp
-import os
 import platform
 import random
 import sys
