@@ -1,7 +1,8 @@
 """Pieces shared by the GEMM-with-epilogue kernels: tile order, TMA eligibility, output buffers.
 
-Every GEMM here runs a persistent grid: at most one program per SM, each looping over output tiles in grouped
-order (GROUP_M row-tiles share one sweep over the columns, so a band of x and the weight columns it meets stay in L2).
+Every GEMM here runs a persistent grid: a fixed number of programs per SM (one, or two when small tiles let one CTA's
+epilogue hide behind another's main loop), each looping over output tiles in grouped order (GROUP_M row-tiles share
+one sweep over the columns, so a band of x and the weight columns it meets stay in L2).
 Operands come either through TMA tensor descriptors (Hopper and newer, 16-byte aligned rows, unit inner stride) or
 through masked pointer loads (any GPU, any strides, the interpreter); the two paths share the same kernel body and
 differ only in a constexpr branch at the loads.
@@ -17,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from mlpfuse.errors import InputError
 
 
 @triton.jit
@@ -121,15 +124,15 @@ def outputs(out, shapes: Sequence[tuple[int, int]], like: torch.Tensor, argument
         return [torch.empty(s, device=like.device, dtype=like.dtype) for s in shapes]
     outs = [out] if isinstance(out, torch.Tensor) else list(out)
     if len(outs) != len(shapes):
-        raise ValueError(f"{argument}: expected {len(shapes)} tensor(s), got {len(outs)}")
+        raise InputError(f"{argument}: expected {len(shapes)} tensor(s), got {len(outs)}")
     for o, s in zip(outs, shapes):
         if tuple(o.shape) != tuple(s) or o.dtype != like.dtype or o.device != like.device:
-            raise ValueError(f"{argument}: expected {like.dtype} tensors of shape {tuple(s)} on {like.device}")
+            raise InputError(f"{argument}: expected {like.dtype} tensors of shape {tuple(s)} on {like.device}")
     return outs
 
 
 def check_2d(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
     if t.dim() != 2:
-        raise ValueError(f"{name}: expected a 2-D tensor, got shape {tuple(t.shape)}")
+        raise InputError(f"{name}: expected a 2-D tensor, got shape {tuple(t.shape)}")
     if t.dtype != like.dtype or t.device != like.device:
-        raise ValueError(f"{name}: expected {like.dtype} on {like.device}, got {t.dtype} on {t.device}")
+        raise InputError(f"{name}: expected {like.dtype} on {like.device}, got {t.dtype} on {t.device}")

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from mlpfuse.activations import act_fwd
+from mlpfuse.errors import InputError
 from mlpfuse.kernels import _common as C
 from mlpfuse.kernels._common import tile_coords
 from mlpfuse.kernels.configs import KernelConfig, pick
@@ -116,10 +117,10 @@ def gated_gemm(
     M, K = x.shape
     N = w_gate.shape[0]
     if tuple(w_gate.shape) != (N, K) or tuple(w_up.shape) != (N, K):
-        raise ValueError(f"w_gate, w_up: expected shape ({N}, {K}), got {tuple(w_gate.shape)}, {tuple(w_up.shape)}")
+        raise InputError(f"w_gate, w_up: expected shape ({N}, {K}), got {tuple(w_gate.shape)}, {tuple(w_up.shape)}")
     for name, b in (("b_gate", b_gate), ("b_up", b_up)):
         if b is not None and (tuple(b.shape) != (N,) or b.dtype != x.dtype or b.device != x.device):
-            raise ValueError(f"{name}: expected a {x.dtype} tensor of shape ({N},) on {x.device}")
+            raise InputError(f"{name}: expected a {x.dtype} tensor of shape ({N},) on {x.device}")
     outs = C.outputs(out, [(M, N)] * (3 if save_preact else 1), x)
     if M == 0 or N == 0:
         return tuple(outs) if save_preact else outs[0]

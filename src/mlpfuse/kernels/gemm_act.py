@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from mlpfuse.activations import act_fwd
+from mlpfuse.errors import InputError
 from mlpfuse.kernels import _common as C
 from mlpfuse.kernels._common import tile_coords
 from mlpfuse.kernels.configs import KernelConfig, pick
@@ -84,9 +85,9 @@ def gemm_act(
     M, K = x.shape
     N = w.shape[0]
     if w.shape[1] != K:
-        raise ValueError(f"w: expected shape ({N}, {K}), got {tuple(w.shape)}")
+        raise InputError(f"w: expected shape ({N}, {K}), got {tuple(w.shape)}")
     if bias is not None and (tuple(bias.shape) != (N,) or bias.dtype != x.dtype or bias.device != x.device):
-        raise ValueError(f"bias: expected a {x.dtype} tensor of shape ({N},) on {x.device}")
+        raise InputError(f"bias: expected a {x.dtype} tensor of shape ({N},) on {x.device}")
     outs = C.outputs(out, [(M, N)] * (2 if save_preact else 1), x)
     if M == 0 or N == 0:
         return tuple(outs) if save_preact else outs[0]

@@ -5,6 +5,10 @@
 
 dh never reaches HBM: the epilogue loads the matching g and u tiles and writes dg and du (the inputs of the dx/dWg/dWu
 GEMMs) and h (the input of the dWd GEMM, recomputed here rather than saved by the forward).
+
+Measured on an H200 (benchmarks/results/kernels-h200.md) the fused form loses: without warp specialization the
+epilogue's five [M, N] streams do not overlap the main loop, and cuBLAS's dh GEMM followed by the single pass of
+`glu_backward_pointwise` (below) is faster (130 vs 200 µs at 8192×768×3072). Both are kept; the dispatch picks.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import triton
 import triton.language as tl
 
 from mlpfuse.activations import act_fwd, act_grad
+from mlpfuse.errors import InputError
 from mlpfuse.kernels import _common as C
 from mlpfuse.kernels._common import tile_coords
 from mlpfuse.kernels.configs import KernelConfig, pick
@@ -119,9 +124,9 @@ def matmul_glu_backward(
     M, D = dy.shape
     N = w_down.shape[1]
     if w_down.shape[0] != D:
-        raise ValueError(f"w_down: expected shape ({D}, N), got {tuple(w_down.shape)}")
+        raise InputError(f"w_down: expected shape ({D}, N), got {tuple(w_down.shape)}")
     if tuple(g.shape) != (M, N) or tuple(u.shape) != (M, N):
-        raise ValueError(f"g, u: expected shape ({M}, {N}), got {tuple(g.shape)}, {tuple(u.shape)}")
+        raise InputError(f"g, u: expected shape ({M}, {N}), got {tuple(g.shape)}, {tuple(u.shape)}")
     dg, du, h = C.outputs(out, [(M, N)] * 3, dy)
     if M == 0 or N == 0:
         return dg, du, h
@@ -171,7 +176,7 @@ def glu_backward_pointwise(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *
     for name, t in (("dh", dh), ("g", g), ("u", u)):
         C.check_2d(name, t, dh)
     if g.shape != dh.shape or u.shape != dh.shape:
-        raise ValueError(f"g, u: expected shape {tuple(dh.shape)}, got {tuple(g.shape)}, {tuple(u.shape)}")
+        raise InputError(f"g, u: expected shape {tuple(dh.shape)}, got {tuple(g.shape)}, {tuple(u.shape)}")
     M, N = dh.shape
     dg, du = C.outputs(out, [(M, N)] * 2, dh)
     if M == 0 or N == 0:
