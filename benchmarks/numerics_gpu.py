@@ -162,11 +162,11 @@ def run_case(case) -> dict:
     out_dim = case["h"] if linear else case["d"]
     _poison(torch, [(*x.shape[:-1], out_dim), (m, case["h"]), (m, case["h"])], dtype)
     if linear:
-        path = dispatch.linear_act_path("triton", x.reshape(-1, x.shape[-1]), 0)
+        path = dispatch.linear_act_path("triton", x.reshape(-1, x.shape[-1]), case["h"], 0)
         y = ops.linear_act(x, leaves[1], leaves[2], case["act"], backend="triton")
         want = _plain(torch, case["act"], case, leaves64[0], leaves64[1:2], leaves64[2:3])
     else:
-        path = dispatch.gated_mlp_path("triton", x.reshape(-1, x.shape[-1]), train)
+        path = dispatch.gated_mlp_path("triton", x.reshape(-1, x.shape[-1]), case["h"], train)
         ctx = torch.enable_grad() if train else torch.no_grad()
         with ctx:
             y = ops.gated_mlp(x, *leaves[1:4], case["act"], *leaves[4:7], backend="triton")

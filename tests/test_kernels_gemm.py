@@ -235,3 +235,27 @@ def test_glu_backward_pointwise(act_name, dtype):
     dhd, gd, ud = dh.double(), g.double(), u.double()
     assert_close(dg, dhd * ud * act.grad(gd), dtype, "dg")
     assert_close(du, dhd * act.forward(gd), dtype, "du")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("act_name", ["gelu_tanh", "silu", "relu2"])
+def test_glu_backward_split(act_name, dtype):
+    # The training path's pass after cuBLAS's dh: dg, du, h and the bias gradients (fp32 column sums), with rows
+    # spread over several programs so the per-program sums meet in the atomics.
+    from mlpfuse.kernels.glu_backward import glu_backward_split
+
+    gen = torch.Generator().manual_seed(7 + ACTS.index(act_name))
+    act = A.get(act_name)
+    M, N = 45, 37
+    dh, g, u = (randn(M, N, dtype=dtype, gen=gen) for _ in range(3))
+    dg, du, h, dbg, dbu = glu_backward_split(dh, g, u, activation=act.id, want_h=True, bias_sums=True)
+    dhd, gd, ud = dh.double(), g.double(), u.double()
+    dg_ref, du_ref = dhd * ud * act.grad(gd), dhd * act.forward(gd)
+    assert_close(dg, dg_ref, dtype, "dg")
+    assert_close(du, du_ref, dtype, "du")
+    assert_close(h, act.forward(gd) * ud, dtype, "h")
+    assert dbg.dtype == dbu.dtype == torch.float32
+    assert_close(dbg, dg_ref.sum(0), torch.float32 if dtype == torch.float32 else dtype, "dgate_bias")
+    assert_close(dbu, du_ref.sum(0), torch.float32 if dtype == torch.float32 else dtype, "dup_bias")
+    # Without the extras nothing else is computed.
+    assert glu_backward_split(dh, g, u, activation=act.id)[2:] == (None, None, None)

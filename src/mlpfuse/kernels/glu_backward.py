@@ -151,41 +151,87 @@ def matmul_glu_backward(
 
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_glu_backward_pointwise_kernel(
-    dh, g, u, dg, du,
+    dh, g, u, dg, du, h, dbg, dbu,
     M, N,
-    shm, shn, sgm, sgn, sum_, sun, sdgm, sdgn, sdum, sdun,
-    ACT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    shm, shn, sgm, sgn, sum_, sun, sdgm, sdgn, sdum, sdun, shhm, shhn,
+    ACT: tl.constexpr, WRITE_H: tl.constexpr, BIAS_SUMS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr,
 ):
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    # One program walks ROWS rows of a BN-wide column strip, so the bias gradients (column sums of dg and du) stay
+    # in fp32 registers and cost one atomic per column per program instead of rounding dg/du to 16 bits first.
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    d = tl.load(dh + rm[:, None] * shm + rn[None, :] * shn, mask=mask, other=0.0).to(tl.float32)
-    gv = tl.load(g + rm[:, None] * sgm + rn[None, :] * sgn, mask=mask, other=0.0).to(tl.float32)
-    uv = tl.load(u + rm[:, None] * sum_ + rn[None, :] * sun, mask=mask, other=0.0).to(tl.float32)
+    mask_n = rn < N
+    sum_g = tl.zeros((BN,), tl.float32)
+    sum_u = tl.zeros((BN,), tl.float32)
     out_ty = dg.dtype.element_ty
-    tl.store(dg + rm[:, None] * sdgm + rn[None, :] * sdgn, (d * uv * act_grad(gv, ACT)).to(out_ty), mask=mask)
-    tl.store(du + rm[:, None] * sdum + rn[None, :] * sdun, (d * act_fwd(gv, ACT)).to(out_ty), mask=mask)
+    for r0 in range(0, ROWS, BM):
+        rm = tl.program_id(0) * ROWS + r0 + tl.arange(0, BM)
+        mask = (rm[:, None] < M) & mask_n[None, :]
+        d = tl.load(dh + rm[:, None] * shm + rn[None, :] * shn, mask=mask, other=0.0).to(tl.float32)
+        gv = tl.load(g + rm[:, None] * sgm + rn[None, :] * sgn, mask=mask, other=0.0).to(tl.float32)
+        uv = tl.load(u + rm[:, None] * sum_ + rn[None, :] * sun, mask=mask, other=0.0).to(tl.float32)
+        a = act_fwd(gv, ACT)
+        dgv = d * uv * act_grad(gv, ACT)
+        duv = d * a
+        tl.store(dg + rm[:, None] * sdgm + rn[None, :] * sdgn, dgv.to(out_ty), mask=mask)
+        tl.store(du + rm[:, None] * sdum + rn[None, :] * sdun, duv.to(out_ty), mask=mask)
+        if WRITE_H:
+            tl.store(h + rm[:, None] * shhm + rn[None, :] * shhn, (a * uv).to(out_ty), mask=mask)
+        if BIAS_SUMS:
+            sum_g += tl.sum(dgv, axis=0)  # masked elements have d = 0, so they add nothing
+            sum_u += tl.sum(duv, axis=0)
+    if BIAS_SUMS:
+        tl.atomic_add(dbg + rn, sum_g, mask=mask_n, sem="relaxed")
+        tl.atomic_add(dbu + rn, sum_u, mask=mask_n, sem="relaxed")
 
 
-def glu_backward_pointwise(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *, activation: int, out=None):
-    """(dg, du) = (dh·u·act'(g), dh·act(g)) in one pass, for a dh computed elsewhere (e.g. by cuBLAS).
+def glu_backward_split(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *, activation: int, want_h: bool = False,
+                       bias_sums: bool = False):
+    """(dg, du, h, dgate_bias, dup_bias) from a dh computed elsewhere (e.g. by cuBLAS), in one pass over dh, g, u.
 
-    The split form of `matmul_glu_backward`: on an H200 at 8192×768×3072 the fused epilogue (Triton 3.6, no warp
-    specialization) ran slower than cuBLAS's dh GEMM plus this single pass (benchmarks/results/kernels-h200.md).
+    dg = dh·u·act'(g), du = dh·act(g); h = act(g)·u when `want_h` (the dW_down GEMM's input), else None; the bias
+    gradients (column sums of dg and du, accumulated in fp32) when `bias_sums`, else None. The split form of
+    `matmul_glu_backward`: on an H200 at 8192×768×3072 the fused epilogue (Triton 3.6, no warp specialization) ran
+    slower than cuBLAS's dh GEMM plus this single pass (benchmarks/results/kernels-h200.md). The bias sums use
+    fp32 atomics, so their last bits may vary run to run.
     """
+    _check_pointwise_args(dh, g, u)
+    M, N = dh.shape
+    dg, du = torch.empty_like(dh), torch.empty_like(dh)
+    h = torch.empty_like(dh) if want_h else None
+    dbg = torch.zeros(N, device=dh.device, dtype=torch.float32) if bias_sums else None
+    dbu = torch.zeros(N, device=dh.device, dtype=torch.float32) if bias_sums else None
+    if M > 0 and N > 0:
+        _launch_pointwise(dh, g, u, dg, du, h, dbg, dbu, activation)
+    return dg, du, h, dbg, dbu
+
+
+def _check_pointwise_args(dh, g, u):
     for name, t in (("dh", dh), ("g", g), ("u", u)):
         C.check_2d(name, t, dh)
     if g.shape != dh.shape or u.shape != dh.shape:
         raise InputError(f"g, u: expected shape {tuple(dh.shape)}, got {tuple(g.shape)}, {tuple(u.shape)}")
+
+
+def _launch_pointwise(dh, g, u, dg, du, h, dbg, dbu, activation):
+    M, N = dh.shape
+    on_gpu = dh.device.type == "cuda"
+    BM, BN = (8, 256) if on_gpu else (4, 16)
+    rows = 64 if on_gpu else 8
+    hh = h if h is not None else dg  # a placeholder the kernel never touches (WRITE_H is off)
+    mlpfuse_glu_backward_pointwise_kernel[(-(-M // rows), -(-N // BN))](
+        dh, g, u, dg, du, hh, dbg if dbg is not None else dg, dbu if dbu is not None else dg, M, N,
+        dh.stride(0), dh.stride(1), g.stride(0), g.stride(1), u.stride(0), u.stride(1),
+        dg.stride(0), dg.stride(1), du.stride(0), du.stride(1), hh.stride(0), hh.stride(1),
+        ACT=activation, WRITE_H=h is not None, BIAS_SUMS=dbg is not None, BM=BM, BN=BN, ROWS=rows, num_warps=4,
+    )
+
+
+def glu_backward_pointwise(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *, activation: int, out=None):
+    """(dg, du) = (dh·u·act'(g), dh·act(g)) in one pass; `out` takes caller-owned (dg, du)."""
+    _check_pointwise_args(dh, g, u)
     M, N = dh.shape
     dg, du = C.outputs(out, [(M, N)] * 2, dh)
-    if M == 0 or N == 0:
-        return dg, du
-    BM, BN = (8, 256) if dh.device.type == "cuda" else (8, 16)
-    mlpfuse_glu_backward_pointwise_kernel[(-(-M // BM), -(-N // BN))](
-        dh, g, u, dg, du, M, N,
-        dh.stride(0), dh.stride(1), g.stride(0), g.stride(1), u.stride(0), u.stride(1),
-        dg.stride(0), dg.stride(1), du.stride(0), du.stride(1),
-        ACT=activation, BM=BM, BN=BN, num_warps=4,
-    )
+    if M > 0 and N > 0:
+        _launch_pointwise(dh, g, u, dg, du, None, None, None, activation)
     return dg, du

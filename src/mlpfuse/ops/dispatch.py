@@ -27,11 +27,19 @@ ENV_VAR = "MLPFUSE_BACKEND"
 # costs two of the forward's three GEMMs again.
 SAVE_PREACT = True
 
-# The `auto` policy. PROVISIONAL until the benchmark sweep replaces them with measured cut-overs: the only H200
-# measurement so far (DESIGN.md, 8192×768×3072 bf16) has a plain Triton gate+up GEMM with the GeGLU epilogue
-# (168.5 µs) beating cuBLAS gate+up plus eager GELU·mul (119.5 + 70.8 µs); nothing smaller was measured yet.
-GATED_MIN_M = 512  # tokens from which the gated GEMM replaces two cuBLAS GEMMs + GELU·mul
-LINEAR_ACT_MIN_M = 512  # tokens from which GEMM+bias+activation replaces addmm + activation
+# The `auto` policy, measured on an NVIDIA H200 (bf16, torch 2.11, Triton 3.6) with
+#   PYTHONPATH=src python3 benchmarks/tune_kernels.py          (benchmarks/results/kernels-h200.md, crossover sweep)
+# Gated GEMM vs cuBLAS gate+up + eager GELU·mul, µs: M=1024 at 768/3072 33.5 → 52.1 (eager wins), M=2048 54.1 →
+# 52.9, M=4096 99.8 → 69.9; at 4096/14336: M=1024 397 → 381, M=4096 1643 → 1525. Below that the kernel's host
+# launch cost (~50 µs with TMA descriptors) decides, so small problems stay on cuBLAS.
+GATED_MIN_M = 1024  # tokens, and ...
+GATED_MIN_WORK = 8e9  # ... M·hidden·dim multiply-adds from which the gated GEMM replaces 2 GEMMs + GELU·mul
+# gemm_act vs addmm + activation at 768→3072: M=2048 27.5 → 45.1 µs (eager wins), M=4096 49.1 → 45.7.
+LINEAR_ACT_MIN_WORK = 9e9  # M·out·in multiply-adds from which GEMM+bias+activation replaces addmm + activation
+# The GLU backward: "split" = cuBLAS dh = dy·Wd, then one Triton pass writing dg, du, h and fp32 bias sums;
+# "fused" = one Triton GEMM whose epilogue writes dg, du, h. Same run: split 130.2 / 1694.2 µs, fused 199.6 /
+# 2083.5 µs at 8192×768×3072 / 8192×4096×14336 (cuBLAS dh + eager GLU backward: 179.3 / 1982.7).
+GLU_BACKWARD = "split"
 MIN_ARCH = 9  # Hopper: the kernels' fast mainloop (TMA, persistent grid) needs sm90
 FAST_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -121,8 +129,9 @@ def _require_triton(x: torch.Tensor, module: str) -> None:
         raise InputError(f"backend: 'triton' cannot run this call: {reason}")
 
 
-def gated_mlp_path(backend: str, x: torch.Tensor, training: bool) -> str:
-    """TORCH, GATED or DECODE for a gated MLP call on 2-D x. `backend` is an argument as given ('' = default)."""
+def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -> str:
+    """TORCH, GATED or DECODE for a gated MLP call on 2-D x [M, dim] with `hidden` units. `backend` is an argument
+    as given ('' = default)."""
     name = resolve_backend(backend)
     m = x.shape[0]
     if name == "torch":
@@ -137,10 +146,11 @@ def gated_mlp_path(backend: str, x: torch.Tensor, training: bool) -> str:
         return TORCH
     if use_decode:
         return DECODE
-    return GATED if m >= GATED_MIN_M else TORCH
+    n, k = x.shape[1], hidden
+    return GATED if m >= GATED_MIN_M and m * n * k >= GATED_MIN_WORK else TORCH
 
 
-def linear_act_path(backend: str, x: torch.Tensor, activation_id: int) -> str:
+def linear_act_path(backend: str, x: torch.Tensor, out_features: int, activation_id: int) -> str:
     """"torch" or "triton" for a linear+activation call on 2-D x."""
     name = resolve_backend(backend)
     if name == "torch":
@@ -151,7 +161,7 @@ def linear_act_path(backend: str, x: torch.Tensor, activation_id: int) -> str:
     # Without an activation, cuBLAS's addmm already is one kernel with the bias in its epilogue.
     if activation_id == 0 or not _fast_gpu(x) or triton_unavailable(x, "gemm_act") is not None:
         return "torch"
-    return "triton" if x.shape[0] >= LINEAR_ACT_MIN_M else "torch"
+    return "triton" if x.shape[0] * x.shape[1] * out_features >= LINEAR_ACT_MIN_WORK else "torch"
 
 
 def allow_tf32() -> bool:

@@ -31,7 +31,7 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training:
     _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
     act = activations.get(activation)
     x2 = rows(x)
-    path = dispatch.gated_mlp_path(backend, x2, training)
+    path = dispatch.gated_mlp_path(backend, x2, wg.shape[0], training)
     g = u = None
     if path == dispatch.TORCH or x2.shape[0] == 0:
         out = reference.gated_mlp_forward(x2, wg, wu, wd, bg, bu, bd, act, save_preact=save)
@@ -129,7 +129,7 @@ def _gated_mlp_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     act = activations.get(activation)
     x2, dy2 = rows(x), rows(dy.to(x.dtype))
-    path = dispatch.gated_mlp_path(backend, x2, True)
+    path = dispatch.gated_mlp_path(backend, x2, gate_weight.shape[0], True)
     triton = path != dispatch.TORCH and x2.shape[0] > 0
     if recompute:
         if triton:
@@ -146,15 +146,25 @@ def _gated_mlp_backward_op(
         )
         dx, dwg, dwu, dwd, dbg, dbu, dbd = grads
     else:
-        glu_bwd = dispatch.kernel("glu_backward").matmul_glu_backward
-        dg, du, h = glu_bwd(dy2, down_weight, g, u, activation=act.id, allow_tf32=dispatch.allow_tf32())
+        tf32 = dispatch.allow_tf32()
+        dbg = dbu = None
+        if dispatch.GLU_BACKWARD == "fused":
+            glu_bwd = dispatch.kernel("glu_backward").matmul_glu_backward
+            dg, du, h = glu_bwd(dy2, down_weight, g, u, activation=act.id, allow_tf32=tf32)
+        else:
+            dh = dy2.mm(down_weight)
+            split = dispatch.kernel("glu_backward").glu_backward_split
+            dg, du, h, dbg, dbu = split(dh, g, u, activation=act.id, want_h=need_dw,
+                                        bias_sums=need_dgate_bias or need_dup_bias)
         dx = dg.mm(gate_weight).addmm_(du, up_weight) if need_dx else None
         dwg = dwu = dwd = None
         if need_dw:
             dwg, dwu, dwd = dg.t().mm(x2), du.t().mm(x2), dy2.t().mm(h)
+        # Bias gradients are column sums taken in fp32 (the split pass already has them from before dg and du
+        # were rounded to the input dtype).
         dbg, dbu, dbd = (
-            t.sum(0, dtype=torch.float32).to(x.dtype) if need else None
-            for t, need in zip((dg, du, dy2), bias_grads)
+            (fp32 if fp32 is not None else t.sum(0, dtype=torch.float32)).to(x.dtype) if need else None
+            for t, fp32, need in zip((dg, du, dy2), (dbg, dbu, None), bias_grads)
         )
     dx = dx.reshape(x.shape) if dx is not None else None
     return tuple(t if t is not None else nothing(x) for t in (dx, dwg, dwu, dwd, dbg, dbu, dbd))

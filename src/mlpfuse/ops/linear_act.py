@@ -23,7 +23,7 @@ def _forward(x, weight, bias, activation: str, backend: str, save: bool):
     act = activations.get(activation)
     save = save and act.id != activations.IDENTITY
     x2 = rows(x)
-    path = dispatch.linear_act_path(backend, x2, act.id)
+    path = dispatch.linear_act_path(backend, x2, weight.shape[0], act.id)
     if path == "torch" or x2.shape[0] == 0:
         out = reference.linear_act_forward(x2, weight, bias, act, save_preact=save)
     else:
