@@ -9,7 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; never a window, works headless
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import NullFormatter, ScalarFormatter  # noqa: E402
+from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
 
 from mlpfuse.bench.sweep import BenchResult  # noqa: E402
 
@@ -56,7 +56,9 @@ def speedup_plot(result: BenchResult, path: Path) -> Path | None:
             ax.plot(xs, ys, label=variant, linestyle="-" if len(xs) > 1 else "none", **style[variant])
         ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
         ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.set_xticks(sorted({r["tokens"] for r in grows}))  # the measured token counts, nothing in between
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("tokens")
         ax.set_ylabel(f"speed-up vs best peer ({metric})")
         wl, act, d, h, dt, md = key

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One GPU session: the steps named on the command line, in order, each under its own time limit, then one archive
+# of everything they wrote and a short summary printed last.
+#   bash benchmarks/gpu_session.sh OUTDIR STEP[:SECONDS] ...
+# Steps: numerics, tests, walkthrough, bench-blog, bench-linear, bench-large, bench-decode, bench-small,
+#        bench-sweep, kernels, decode.
+# Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: gpu_session.sh OUTDIR STEP...}; shift
+W=$OUT/work; mkdir -p "$W"
+export PYTHONUNBUFFERED=1 COLUMNS=160 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mlpfuse-site .whl/*.whl \
+        && export PYTHONPATH=$PYTHONPATH:/tmp/mlpfuse-site
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$W/gpu.txt" 2>&1
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" >> "$W/gpu.txt" 2>&1
+SUMMARY=$W/summary.txt; : > "$SUMMARY"
+
+run_step() {  # name seconds command...
+    local name=$1 secs=$2; shift 2
+    local t0=$SECONDS
+    timeout "$secs" "$@" > "$W/$name.log" 2>&1
+    local rc=$?
+    printf '%-14s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" >> "$SUMMARY"
+}
+
+for spec in "$@"; do
+    step=${spec%%:*}; secs=${spec#*:}; [ "$secs" = "$spec" ] && secs=300
+    case $step in
+        numerics) run_step numerics "$secs" python3 benchmarks/numerics_gpu.py --workers 12 --budget-s $((secs - 30)) --out "$W/numerics-h200.txt" ;;
+        tests) run_step tests "$secs" python3 -m pytest -q -p no:cacheprovider -x tests ;;
+        walkthrough) run_step walkthrough "$secs" python3 -m mlpfuse walkthrough --out "$W/walkthrough" ;;
+        bench-blog) run_step bench-blog "$secs" python3 -m mlpfuse bench --preset blog --workload geglu --mode fwd,fwd+bwd --out "$W/bench-blog" ;;
+        bench-linear) run_step bench-linear "$secs" python3 -m mlpfuse bench --workload linear --tokens 8192 --dim 768 --hidden 3072 --activation gelu_tanh --out "$W/bench-linear" ;;
+        bench-large) run_step bench-large "$secs" python3 -m mlpfuse bench --preset llama-8b --workload geglu --mode fwd --out "$W/bench-large" ;;
+        bench-decode) run_step bench-decode "$secs" python3 -m mlpfuse bench --preset decode --workload geglu --out "$W/bench-decode" ;;
+        bench-small) run_step bench-small "$secs" python3 -m mlpfuse bench --preset small --workload geglu --out "$W/bench-small" ;;
+        bench-sweep) run_step bench-sweep "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 768 --hidden 3072 --workload geglu --out "$W/bench-sweep" ;;
+        kernels) run_step kernels "$secs" python3 benchmarks/tune_kernels.py --out "$W/kernels" ;;
+        decode) run_step decode "$secs" python3 benchmarks/bench_decode.py --out "$W/decode" ;;
+        *) echo "unknown step $step" >> "$SUMMARY" ;;
+    esac
+done
+
+tar -C "$OUT" -czf "$OUT/session.tar.gz" work
+cp "$SUMMARY" "$OUT/summary.txt"
+echo "=== tails ==="
+for f in "$W"/*.log; do echo "--- $(basename "$f")"; tail -n 6 "$f"; done
+for f in "$W"/bench-*/results.md; do [ -f "$f" ] && { echo "=== $f"; head -c 2500 "$f"; echo; }; done
+echo "=== summary ==="; cat "$SUMMARY"
