@@ -85,8 +85,8 @@ def test_linear_act_matches_autograd(act, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_low_precision_rounds_once(dtype):
-    # The pointwise part runs in fp32: 16-bit results stay within one rounding of the fp64 value (bf16 ~ 2^-8).
+def test_low_precision_stays_within_the_dtype_bound(dtype):
+    # Computed the way eager PyTorch does (a rounding per kernel): within the bounds the kernels are held to.
     ps = _params(33, 24, 40, True, seed=5)
     y64 = reference.gated_mlp(ps[0], *ps[1:4], "gelu_tanh", *ps[4:])
     low = [p.to(dtype) for p in ps]

@@ -1,7 +1,9 @@
 """Every activation mlpfuse knows, defined once.
 
-Each entry carries its name, aliases, a torch forward, a torch derivative (d act / d x, used by the reference and
-the torch backend's fused backward) and an integer id. Triton kernels take that id as a `tl.constexpr` and call
+Each entry carries its name, aliases, a torch forward, its derivative as a formula (d act / d x: the documented
+math, checked against autograd), a vector-Jacobian product `vjp(grad, x) = grad · act'(x)` through PyTorch's own
+fused backward kernels where it has one (what the torch backend runs: one kernel, like eager autograd), and an
+integer id. Triton kernels take that id as a `tl.constexpr` and call
 `act_fwd` / `act_grad` below, so the branch is resolved at compile time and every kernel shares one definition.
 
 Math (x is the pre-activation, in fp32 inside kernels):
@@ -55,21 +57,30 @@ class Activation:
     aliases: tuple[str, ...]
     forward: Callable[[torch.Tensor], torch.Tensor]
     grad: Callable[[torch.Tensor], torch.Tensor]
+    vjp: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+
+_aten = torch.ops.aten
 
 _TABLE = (
-    Activation("identity", IDENTITY, ("none", "linear"), lambda x: x, torch.ones_like),
+    Activation("identity", IDENTITY, ("none", "linear"), lambda x: x, torch.ones_like, lambda dy, x: dy),
     Activation(
         "gelu_tanh",
         GELU_TANH,
         ("gelu_pytorch_tanh", "gelu_new"),
         lambda x: F.gelu(x, approximate="tanh"),
         _gelu_tanh_grad,
+        lambda dy, x: _aten.gelu_backward(dy, x, approximate="tanh"),
     ),
-    Activation("gelu", GELU, (), F.gelu, _gelu_grad),
-    Activation("silu", SILU, ("swish",), F.silu, _silu_grad),
-    Activation("relu", RELU, (), torch.relu, lambda x: (x > 0).to(x.dtype)),
-    Activation("relu2", RELU2, (), lambda x: torch.relu(x).square(), lambda x: 2 * torch.relu(x)),
+    Activation("gelu", GELU, (), F.gelu, _gelu_grad, lambda dy, x: _aten.gelu_backward(dy, x)),
+    Activation("silu", SILU, ("swish",), F.silu, _silu_grad, lambda dy, x: _aten.silu_backward(dy, x)),
+    Activation(
+        "relu", RELU, (), torch.relu, lambda x: (x > 0).to(x.dtype), lambda dy, x: _aten.threshold_backward(dy, x, 0)
+    ),
+    Activation(
+        "relu2", RELU2, (), lambda x: torch.relu(x).square(), lambda x: 2 * torch.relu(x),
+        lambda dy, x: dy * (2 * torch.relu(x)),
+    ),
 )
 _BY_NAME = {name: a for a in _TABLE for name in (a.name, *a.aliases)}
 

@@ -1,8 +1,10 @@
 """The fused MLP math in plain PyTorch: the `torch` backend, the CPU path, and the oracle for the kernels.
 
-Every function takes 2-D activations (`x [M, K]`) and nn.Linear-layout weights (`w [out, in]`). It follows the
-same recipe as the Triton kernels: GEMMs in the input dtype (fp32 accumulation inside the matmul), the activation
-and the GLU product in fp32 (fp64 for fp64 inputs), one rounding to the input dtype where a kernel would store.
+Every function takes 2-D activations (`x [M, K]`) and nn.Linear-layout weights (`w [out, in]`). It computes the way
+eager PyTorch does, so the `torch` backend is never slower than the unfused module: GEMMs and pointwise kernels in
+the input dtype (PyTorch's pointwise kernels compute 16-bit inputs in fp32 and round once per kernel), the
+activation's backward through PyTorch's fused backward kernels (`activations.Activation.vjp`), bias gradients summed
+with fp32 accumulation. In fp64 it is the oracle.
 
 Gated MLP, with act' the activation's derivative and ⊙ the elementwise product:
     forward   g = x·Wgᵀ + bg,  u = x·Wuᵀ + bu,  h = act(g) ⊙ u,  y = h·Wdᵀ + bd
@@ -28,13 +30,9 @@ from torch import Tensor
 from mlpfuse import activations
 
 
-def _wide(t: Tensor) -> Tensor:
-    """The dtype pointwise math runs in: fp32 for 16-bit inputs, the input's own dtype otherwise."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def _colsum(t: Tensor, dtype: torch.dtype) -> Tensor:
-    return _wide(t).sum(0).to(dtype)
+def _colsum(t: Tensor) -> Tensor:
+    """Column sums accumulated in fp32 (or wider), returned in t's dtype."""
+    return t.sum(0, dtype=torch.promote_types(t.dtype, torch.float32)).to(t.dtype)
 
 
 class GatedMLPGrads(NamedTuple):
@@ -61,9 +59,8 @@ def gated_preact(x: Tensor, gate_weight: Tensor, up_weight: Tensor, gate_bias=No
 
 
 def glu(g: Tensor, u: Tensor, activation) -> Tensor:
-    """h = act(g)·u, computed wide and rounded once."""
-    act = activations.get(activation)
-    return (act.forward(_wide(g)) * _wide(u)).to(g.dtype)
+    """h = act(g)·u."""
+    return activations.get(activation).forward(g) * u
 
 
 def gated_mlp_forward(
@@ -100,22 +97,18 @@ def gated_mlp_backward(
 ) -> GatedMLPGrads:
     """All gradients of the gated MLP from dy and the saved pre-activations g, u."""
     act = activations.get(activation)
-    dtype = x.dtype
-    dh = _wide(dy.mm(down_weight))
-    gw, uw = _wide(g), _wide(u)
-    a = act.forward(gw)
-    dg_w = dh * uw * act.grad(gw)
-    du_w = dh * a
-    dg, du = dg_w.to(dtype), du_w.to(dtype)
+    dh = dy.mm(down_weight)
+    a = act.forward(g)
+    du = dh * a
+    dg = act.vjp(dh * u, g)
     dx = dwg = dwu = dwd = None
     if need_dx:
         dx = dg.mm(gate_weight).addmm_(du, up_weight)
     if need_dw:
-        h = (a * uw).to(dtype)
-        dwg, dwu, dwd = dg.t().mm(x), du.t().mm(x), dy.t().mm(h)
-    dbg = dg_w.sum(0).to(dtype) if bias_grads[0] else None
-    dbu = du_w.sum(0).to(dtype) if bias_grads[1] else None
-    dbd = _colsum(dy, dtype) if bias_grads[2] else None
+        dwg, dwu, dwd = dg.t().mm(x), du.t().mm(x), dy.t().mm(a * u)
+    dbg = _colsum(dg) if bias_grads[0] else None
+    dbu = _colsum(du) if bias_grads[1] else None
+    dbd = _colsum(dy) if bias_grads[2] else None
     return GatedMLPGrads(dx, dwg, dwu, dwd, dbg, dbu, dbd)
 
 
@@ -127,7 +120,7 @@ def linear_act_forward(
     z = F.linear(x, weight, bias)
     if act.id == activations.IDENTITY:
         return (z, None) if save_preact else z
-    y = act.forward(_wide(z)).to(z.dtype)
+    y = act.forward(z)
     return (y, z) if save_preact else y
 
 
@@ -144,15 +137,10 @@ def linear_act_backward(
 ) -> LinearActGrads:
     """Gradients of act(x·Wᵀ + b) from dy and the pre-activation z (z may be None for identity)."""
     act = activations.get(activation)
-    if act.id == activations.IDENTITY:
-        dz_w = _wide(dy)
-        dz = dy
-    else:
-        dz_w = _wide(dy) * act.grad(_wide(z))
-        dz = dz_w.to(dy.dtype)
+    dz = dy if act.id == activations.IDENTITY else act.vjp(dy, z)
     dx = dz.mm(weight) if need_dx else None
     dw = dz.t().mm(x) if need_dw else None
-    db = dz_w.sum(0).to(dy.dtype) if need_db else None
+    db = _colsum(dz) if need_db else None
     return LinearActGrads(dx, dw, db)
 
 
