@@ -63,6 +63,33 @@ def _(x, weight, bias, activation, backend, save_preact):
     return y, nothing(x)
 
 
+def _backward_impl(
+    dy: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    z: Tensor,
+    activation: str,
+    recompute: bool,
+    need_dx: bool,
+    need_dw: bool,
+    need_db: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dx, dW, db (empty placeholders where not needed); what the backward op and eager training run."""
+    act = activations.get(activation)
+    x2, dy2 = rows(x), rows(dy.to(x.dtype))
+    if act.id == activations.IDENTITY:
+        z = None
+    elif recompute:
+        # cuBLAS's addmm is the best way to get z back; the activation's epilogue has nothing to add here.
+        z = F.linear(x2, weight, bias)
+    dx, dw, db = reference.linear_act_backward(
+        dy2, x2, weight, z, act, need_dx=need_dx, need_dw=need_dw, need_db=need_db
+    )
+    dx = dx.reshape(x.shape) if dx is not None else None
+    return tuple(t if t is not None else nothing(x) for t in (dx, dw, db))
+
+
 @torch.library.custom_op("mlpfuse::linear_act_backward", mutates_args=())
 def _linear_act_backward_op(
     dy: Tensor,
@@ -76,18 +103,7 @@ def _linear_act_backward_op(
     need_dw: bool,
     need_db: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    act = activations.get(activation)
-    x2, dy2 = rows(x), rows(dy.to(x.dtype))
-    if act.id == activations.IDENTITY:
-        z = None
-    elif recompute:
-        # cuBLAS's addmm is the best way to get z back; the activation's epilogue has nothing to add here.
-        z = F.linear(x2, weight, bias)
-    dx, dw, db = reference.linear_act_backward(
-        dy2, x2, weight, z, act, need_dx=need_dx, need_dw=need_dw, need_db=need_db
-    )
-    dx = dx.reshape(x.shape) if dx is not None else None
-    return tuple(t if t is not None else nothing(x) for t in (dx, dw, db))
+    return _backward_impl(dy, x, weight, bias, z, activation, recompute, need_dx, need_dw, need_db)
 
 
 @_linear_act_backward_op.register_fake
@@ -108,11 +124,12 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(x, weight, bias, *((output[1],) if saved else ()))
 
 
-def _backward(ctx, dy, *_):
+def _backward(ctx, dy, *_, impl=None):
+    """Gradients for autograd; `impl` None runs the registered backward op (what compile and export record)."""
     x, weight, bias = ctx.saved_tensors[:3]
     z = ctx.saved_tensors[3] if not ctx.recompute else nothing(dy)
     need = ctx.needs_input_grad
-    grads = torch.ops.mlpfuse.linear_act_backward(
+    grads = (impl or torch.ops.mlpfuse.linear_act_backward)(
         dy, x, weight, bias, z, ctx.activation, ctx.recompute, need[0], need[1], bias is not None and need[2]
     )
     return (*(t if need[i] else None for i, t in enumerate(grads)), None, None) + ((None,) if ctx.train else ())
@@ -120,6 +137,21 @@ def _backward(ctx, dy, *_):
 
 _linear_act_op.register_autograd(_backward, setup_context=_setup)
 _linear_act_train_op.register_autograd(_backward, setup_context=_setup)
+
+
+class _EagerTraining(torch.autograd.Function):
+    """Plain eager training without the custom-op machinery's host cost (see ops/gated_mlp.py); same math."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation: str, backend: str):
+        y, z = _forward(x, weight, bias, activation, backend, dispatch.SAVE_PREACT)
+        ctx.activation, ctx.recompute, ctx.train = activation, z is None, False
+        ctx.save_for_backward(x, weight, bias, *(() if z is None else (z,)))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _backward(ctx, dy, impl=_backward_impl)
 
 
 def linear_act_call(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> Tensor:
@@ -132,6 +164,8 @@ def linear_act_call(x: Tensor, weight: Tensor, bias: Optional[Tensor], activatio
     if not torch.jit.is_scripting():
         if not grad and eager_tensor(x):
             return _forward(x, weight, bias, activation, backend, False)[0]  # eager inference: no dispatcher trip
+        if grad and eager_tensor(x):
+            return _EagerTraining.apply(x, weight, bias, activation, backend)
     if grad:
         return torch.ops.mlpfuse.linear_act_train(x, weight, bias, activation, backend, dispatch.SAVE_PREACT)[0]
     return torch.ops.mlpfuse.linear_act(x, weight, bias, activation, backend)
