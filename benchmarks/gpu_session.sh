@@ -30,7 +30,7 @@ for spec in "$@"; do
     step=${spec%%:*}; secs=${spec#*:}; [ "$secs" = "$spec" ] && secs=300
     case $step in
         numerics) run_step numerics "$secs" python3 benchmarks/numerics_gpu.py --workers 12 --budget-s $((secs - 30)) --out "$W/numerics-h200.txt" ;;
-        tests) run_step tests "$secs" python3 -m pytest -q -p no:cacheprovider -x tests ;;
+        tests) run_step tests "$secs" python3 -m pytest -q -p no:cacheprovider tests ;;
         walkthrough) run_step walkthrough "$secs" python3 -m mlpfuse walkthrough --out "$W/walkthrough" ;;
         bench-blog) run_step bench-blog "$secs" python3 -m mlpfuse bench --preset blog --workload geglu --mode fwd,fwd+bwd --out "$W/bench-blog" ;;
         bench-linear) run_step bench-linear "$secs" python3 -m mlpfuse bench --workload linear --tokens 8192 --dim 768 --hidden 3072 --activation gelu_tanh --out "$W/bench-linear" ;;

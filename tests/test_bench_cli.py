@@ -38,7 +38,8 @@ def test_bad_input_exits_2_with_one_line(flags, expected, capsys, tmp_path):
 def test_tiny_cpu_run_end_to_end(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "250")  # a wide terminal: the table's cells stay on one line
     out = tmp_path / "run"
-    flags = ["--workload", "geglu,mlp", "--mode", "fwd,fwd+bwd", "--variants", "eager,mlpfuse-torch,eager-cudagraph"]
+    flags = ["--workload", "geglu,mlp", "--mode", "fwd,fwd+bwd", "--variants", "eager,mlpfuse-torch,eager-cudagraph",
+             "--device", "cpu"]
     assert main([*TINY, *flags, "--out", str(out)]) == 0
     stdout = capsys.readouterr().out
     assert "vs best peer" in stdout and "skipped: needs CUDA" in stdout
@@ -48,6 +49,7 @@ def test_tiny_cpu_run_end_to_end(tmp_path, capsys, monkeypatch):
     assert len(rows) == 2 * 2 * 2 * 3  # tokens × workloads × modes × variants
     assert data["meta"]["device_type"] == "cpu" and data["meta"]["peaks"]["gemm_tflops"]["fp32"] > 0
     assert data["meta"]["command"].startswith("mlpfuse bench --tokens 8,32 --dim 32 --hidden 64 --workload geglu,mlp")
+    assert "--device cpu" in data["meta"]["command"]
     eager = [r for r in rows if r["variant"] == "eager"]
     assert all(r["status"] == "ok" and r["wall_us"] > 0 and r["max_rel_error"] < 1e-5 for r in eager)
     assert all(r["status"] == "skipped" for r in rows if r["variant"] == "eager-cudagraph")

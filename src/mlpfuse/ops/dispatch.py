@@ -40,6 +40,12 @@ LINEAR_ACT_MIN_WORK = 9e9  # M·out·in multiply-adds from which GEMM+bias+activ
 # "fused" = one Triton GEMM whose epilogue writes dg, du, h. Same run: split 130.2 / 1694.2 µs, fused 199.6 /
 # 2083.5 µs at 8192×768×3072 / 8192×4096×14336 (cuBLAS dh + eager GLU backward: 179.3 / 1982.7).
 GLU_BACKWARD = "split"
+# Under autograd `auto` keeps the torch path. Same bench run (mlpfuse bench --preset blog --mode fwd+bwd, H200):
+# fwd+bwd at 8192×768×3072 took 908–950 µs on the Triton path against 744 µs eager and 774 µs on the torch path.
+# The Triton path's GPU work is smaller (615 vs 683 µs busy, benchmarks/profile_training.py), but its host side
+# (two Triton launches with TMA descriptors, ~80 µs, plus the op layer) leaves the GPU idle: it is not chosen by
+# `auto` until that host cost is gone. backend="triton" still runs it.
+GATED_TRAINING = False
 MIN_ARCH = 9  # Hopper: the kernels' fast mainloop (TMA, persistent grid) needs sm90
 FAST_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -146,6 +152,8 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
         return TORCH
     if use_decode:
         return DECODE
+    if training and not GATED_TRAINING:
+        return TORCH
     n, k = x.shape[1], hidden
     return GATED if m >= GATED_MIN_M and m * n * k >= GATED_MIN_WORK else TORCH
 
