@@ -472,22 +472,41 @@ def test_autocast_runs_in_the_autocast_dtype():
     assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in ts)
 
 
+@needs_triton
 def test_eager_training_skips_the_custom_op_machinery_with_identical_gradients():
-    # Plain eager training runs an autograd.Function (host cost); the registered op (what compile/export record)
-    # must give the same values and gradients.
-    ts = gated_inputs((5, 3), 12, 20, torch.float64, True, seed=11)
+    # Plain eager training on the kernel path runs an autograd.Function (host cost); the registered op (what
+    # compile/export record) must give the same values and gradients.
+    ts = gated_inputs((5, 3), 12, 20, torch.float32, True, seed=11)
     results = []
     for via_op in (False, True):
         leaves = [t.clone().requires_grad_() for t in ts]
         if via_op:
-            y = torch.ops.mlpfuse.gated_mlp_train(*leaves, "silu", "torch", True)[0]
+            y = torch.ops.mlpfuse.gated_mlp_train(*leaves, "silu", "triton", True)[0]
         else:
-            y = ops.gated_mlp(leaves[0], *leaves[1:4], "silu", *leaves[4:], backend="torch")
+            y = ops.gated_mlp(leaves[0], *leaves[1:4], "silu", *leaves[4:], backend="triton")
             assert type(y.grad_fn).__name__ == "_EagerTrainingBackward"
         y.backward(seeded_like(y, 5))
         results.append([y.detach(), *(t.grad for t in leaves)])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     x, w, b = (t.clone().requires_grad_() for t in ts[:1] + [ts[1], ts[4]])
-    z = ops.linear_act(x, w, b, "gelu", backend="torch")
+    z = ops.linear_act(x, w, b, "gelu", backend="triton")
     assert type(z.grad_fn).__name__ == "_EagerTrainingBackward"
+
+
+def test_eager_training_on_the_torch_path_is_plain_autograd():
+    # The torch path under autograd is eager PyTorch: autograd's own nodes, and the same gradients as the
+    # registered op's hand-written backward.
+    ts = gated_inputs((4, 3), 12, 20, torch.float64, True, seed=12)
+    grads = []
+    for via_op in (False, True):
+        leaves = [t.clone().requires_grad_() for t in ts]
+        if via_op:
+            y = torch.ops.mlpfuse.gated_mlp_train(*leaves, "gelu_tanh", "torch", True)[0]
+        else:
+            y = ops.gated_mlp(leaves[0], *leaves[1:4], "gelu_tanh", *leaves[4:], backend="torch")
+            assert "mlpfuse" not in type(y.grad_fn).__name__ and "Eager" not in type(y.grad_fn).__name__
+        y.backward(seeded_like(y, 6))
+        grads.append([t.grad for t in leaves])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)

@@ -297,6 +297,11 @@ def gated_mlp_call(
             return _forward(*args, activation, backend, False, False)[0]
         if grad and eager_tensor(x):
             args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+            _checks.gated_mlp_args(*args)
+            if dispatch.gated_mlp_path(backend, rows(x), gate_weight.shape[0], True) == dispatch.TORCH:
+                # The torch path under autograd is eager PyTorch itself: autograd records the reference's ops and
+                # saves what eager saves, so training is never slower than the unfused module.
+                return _forward(*args, activation, backend, True, False)[0]
             return _EagerTraining.apply(*args, activation, backend)
     if grad:
         return torch.ops.mlpfuse.gated_mlp_train(

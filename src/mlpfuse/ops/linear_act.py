@@ -165,6 +165,10 @@ def linear_act_call(x: Tensor, weight: Tensor, bias: Optional[Tensor], activatio
         if not grad and eager_tensor(x):
             return _forward(x, weight, bias, activation, backend, False)[0]  # eager inference: no dispatcher trip
         if grad and eager_tensor(x):
+            _checks.linear_act_args(x, weight, bias)
+            act_id = activations.get(activation).id
+            if dispatch.linear_act_path(backend, rows(x), weight.shape[0], act_id) == "torch":
+                return _forward(x, weight, bias, activation, backend, False)[0]  # eager autograd, as in gated_mlp
             return _EagerTraining.apply(x, weight, bias, activation, backend)
     if grad:
         return torch.ops.mlpfuse.linear_act_train(x, weight, bias, activation, backend, dispatch.SAVE_PREACT)[0]
