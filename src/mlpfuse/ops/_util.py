@@ -8,6 +8,8 @@ from torch import Tensor
 
 def rows(t: Tensor) -> Tensor:
     """t as [tokens, features]: a view whenever the leading dimensions allow it (reshape copies otherwise)."""
+    if t.dim() == 2 and (t.stride(1) == 1 or t.stride(0) == 1):
+        return t  # already 2-D with a unit-stride dimension: the common case, on every call
     t2 = t.unsqueeze(0) if t.dim() == 1 else t.flatten(0, -2)
     if t2.stride(0) != 1 and t2.stride(1) != 1 and t2.numel() > 0:
         # Neither dimension is unit-stride (e.g. an expanded gradient): kernels need one of them to be.

@@ -57,9 +57,13 @@ TORCH, GATED, DECODE = "torch", "gated", "decode"
 
 def resolve_backend(backend: str) -> str:
     """The backend a call uses: the argument, else MLPFUSE_BACKEND, else auto. Unknown names raise InputError."""
+    if backend in BACKENDS:  # the common cases first: this runs on every call
+        return backend
     argument = "backend"
     if not backend:
-        backend, argument = os.environ.get(ENV_VAR, "") or "auto", ENV_VAR
+        backend, argument = os.environ.get(ENV_VAR) or "auto", ENV_VAR
+        if backend in BACKENDS:
+            return backend
     name = backend.strip().lower()
     if name not in BACKENDS:
         raise InputError(f"{argument}: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")

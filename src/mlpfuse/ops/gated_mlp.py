@@ -48,7 +48,7 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training:
         )
         h, g, u = out if save else (out, None, None)
         y = F.linear(h, wd, bd)
-    return y.reshape(*x.shape[:-1], wd.shape[0]), g, u
+    return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], wd.shape[0])), g, u
 
 
 @torch.library.custom_op("mlpfuse::gated_mlp", mutates_args=())

@@ -30,7 +30,7 @@ def _forward(x, weight, bias, activation: str, backend: str, save: bool):
         gemm_act = dispatch.kernel("gemm_act").gemm_act
         out = gemm_act(x2, weight, bias, activation=act.id, save_preact=save, allow_tf32=dispatch.allow_tf32())
     y, z = out if save else (out, None)
-    return y.reshape(*x.shape[:-1], weight.shape[0]), z
+    return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])), z
 
 
 @torch.library.custom_op("mlpfuse::linear_act", mutates_args=())
