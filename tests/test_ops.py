@@ -510,3 +510,14 @@ def test_eager_training_on_the_torch_path_is_plain_autograd():
         grads.append([t.grad for t in leaves])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+def test_auto_decode_cutover_depends_on_layer_size(monkeypatch):
+    # The measured cut-over: large layers leave the decode path above DECODE_LARGE_MAX_M tokens, small ones keep it.
+    monkeypatch.setattr(dispatch, "_auto_may_use", lambda device, dtype, module: True)
+    monkeypatch.setattr(dispatch, "decode_max_m", lambda: 64)
+    big, small = 4096 * 14336 // 4096, 3072
+    assert dispatch.gated_mlp_path("auto", torch.empty(32, 4096), big, False) == dispatch.DECODE
+    assert dispatch.gated_mlp_path("auto", torch.empty(64, 4096), big, False) == dispatch.TORCH
+    assert dispatch.gated_mlp_path("auto", torch.empty(64, 768), small, False) == dispatch.DECODE
+    assert dispatch.gated_mlp_path("auto", torch.empty(64, 768), small, True) == dispatch.TORCH

@@ -40,6 +40,10 @@ LINEAR_ACT_MIN_WORK = 9e9  # M·out·in multiply-adds from which GEMM+bias+activ
 # "fused" = one Triton GEMM whose epilogue writes dg, du, h. Same run: split 130.2 / 1694.2 µs, fused 199.6 /
 # 2083.5 µs at 8192×768×3072 / 8192×4096×14336 (cuBLAS dh + eager GLU backward: 179.3 / 1982.7).
 GLU_BACKWARD = "split"
+# The decode path (M <= decode_mlp.DECODE_MAX_M, no autograd) on large layers: at 4096×14336 it won at 1–32 tokens
+# (32: 106.6 vs eager 108.9 µs per call) and lost at 64 (119.1 vs 116.5), benchmarks/results/nvidia-h200/decode.
+DECODE_LARGE_LAYER = 1 << 24  # dim·hidden from which ...
+DECODE_LARGE_MAX_M = 32  # ... the decode path stops at this many tokens
 # Under autograd `auto` keeps the torch path. Same bench run (mlpfuse bench --preset blog --mode fwd+bwd, H200):
 # fwd+bwd at 8192×768×3072 took 908–950 µs on the Triton path against 744 µs eager and 774 µs on the torch path.
 # The Triton path's GPU work is smaller (615 vs 683 µs busy, benchmarks/profile_training.py), but its host side
@@ -153,6 +157,8 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
     if name == "torch":
         return TORCH
     use_decode = not training and 0 < m <= decode_max_m()
+    if use_decode and name == "auto" and m > DECODE_LARGE_MAX_M and x.shape[1] * hidden >= DECODE_LARGE_LAYER:
+        use_decode = False
     if name == "triton":
         _require_triton(x, "gated_gemm")
         if use_decode and triton_unavailable(x, "decode_mlp") is None:
