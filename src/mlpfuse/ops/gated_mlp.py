@@ -170,30 +170,8 @@ def _backward_impl(
     return tuple(t if t is not None else nothing(x) for t in (dx, dwg, dwu, dwd, dbg, dbu, dbd))
 
 
-@torch.library.custom_op("mlpfuse::gated_mlp_backward", mutates_args=())
-def _gated_mlp_backward_op(
-    dy: Tensor,
-    x: Tensor,
-    gate_weight: Tensor,
-    up_weight: Tensor,
-    down_weight: Tensor,
-    gate_bias: Optional[Tensor],
-    up_bias: Optional[Tensor],
-    g: Tensor,
-    u: Tensor,
-    activation: str,
-    backend: str,
-    recompute: bool,
-    need_dx: bool,
-    need_dw: bool,
-    need_dgate_bias: bool,
-    need_dup_bias: bool,
-    need_ddown_bias: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _backward_impl(
-        dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, g, u, activation, backend, recompute,
-        need_dx, need_dw, need_dgate_bias, need_dup_bias, need_ddown_bias,
-    )
+# The registered op is the implementation itself; eager training calls `_backward_impl` directly.
+_gated_mlp_backward_op = torch.library.custom_op("mlpfuse::gated_mlp_backward", mutates_args=())(_backward_impl)
 
 
 @_gated_mlp_backward_op.register_fake

@@ -90,20 +90,8 @@ def _backward_impl(
     return tuple(t if t is not None else nothing(x) for t in (dx, dw, db))
 
 
-@torch.library.custom_op("mlpfuse::linear_act_backward", mutates_args=())
-def _linear_act_backward_op(
-    dy: Tensor,
-    x: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    z: Tensor,
-    activation: str,
-    recompute: bool,
-    need_dx: bool,
-    need_dw: bool,
-    need_db: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return _backward_impl(dy, x, weight, bias, z, activation, recompute, need_dx, need_dw, need_db)
+# The registered op is the implementation itself; eager training calls `_backward_impl` directly.
+_linear_act_backward_op = torch.library.custom_op("mlpfuse::linear_act_backward", mutates_args=())(_backward_impl)
 
 
 @_linear_act_backward_op.register_fake
