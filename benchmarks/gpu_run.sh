@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# One GPU session: the steps named on the command line, in order, each under its own time limit, then one archive
+# One GPU run: the steps named on the command line, in order, each under its own time limit, then one archive
 # of everything they wrote and a short summary printed last.
-#   bash benchmarks/gpu_session.sh OUTDIR STEP[:SECONDS] ...
+#   bash benchmarks/gpu_run.sh OUTDIR STEP[:SECONDS] ...
 # Steps: numerics, tests, walkthrough, bench-blog, bench-linear, bench-large, bench-decode, bench-small,
 #        bench-sweep, kernels, decode, profile-train.
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: gpu_session.sh OUTDIR STEP...}; shift
+OUT=${1:?usage: gpu_run.sh OUTDIR STEP...}; shift
 W=$OUT/work; mkdir -p "$W"
 export PYTHONUNBUFFERED=1 COLUMNS=160 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -45,7 +45,7 @@ for spec in "$@"; do
     esac
 done
 
-tar -C "$OUT" -czf "$OUT/session.tar.gz" work
+tar -C "$OUT" -czf "$OUT/results.tar.gz" work
 cp "$SUMMARY" "$OUT/summary.txt"
 echo "=== tails ==="
 for f in "$W"/*.log; do echo "--- $(basename "$f")"; tail -n 6 "$f"; done
