@@ -19,9 +19,11 @@ case "${1:-run}" in
     run) pip_install -e . ;;
     test)
         pip_install -e ".[test]"
-        # The CPU suite runs the Triton kernels through Triton's interpreter; CUDA builds of torch ship Triton.
-        if ! "$PY" -c "import triton" >/dev/null 2>&1; then
-            pip_install "triton==3.6.0"
+        # Without CUDA the suite runs the Triton kernels through Triton's interpreter (Triton 3.6, which needs
+        # numpy < 2.4). A CUDA machine keeps its own Triton and numpy.
+        if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+            "$PY" -c "import triton" >/dev/null 2>&1 || pip_install "triton==3.6.0"
+            pip_install "numpy<2.4"
         fi
         ;;
     *) echo "install.sh: unknown target '$1' (expected: run or test)" >&2; exit 2 ;;
