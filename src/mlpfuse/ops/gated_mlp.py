@@ -210,6 +210,7 @@ def _setup(ctx, inputs, output):
     ctx.train = len(inputs) == 10
     ctx.recompute = not (ctx.train and inputs[9])
     ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, *((output[1], output[2]) if not ctx.recompute else ()))
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for g and u, which only the backward reads
 
 
 def _backward_inference(ctx, dy):
