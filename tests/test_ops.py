@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from mlpfuse import activations, kernels, ops
 from mlpfuse.errors import InputError
 from mlpfuse.ops import dispatch
+from oracle import PLAIN
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = kernels.available()
@@ -21,14 +22,6 @@ ACTS = ["identity", *activations.NAMES]
 # Relative error (Frobenius norm) allowed against float64; fp32 on GPU may use tf32 unless it is switched off.
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 
-PLAIN = {
-    "identity": lambda z: z,
-    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
-    "gelu": F.gelu,
-    "silu": F.silu,
-    "relu": F.relu,
-    "relu2": lambda z: F.relu(z) ** 2,
-}
 
 
 @pytest.fixture(autouse=True)

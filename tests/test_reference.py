@@ -5,18 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from mlpfuse import activations, reference
+from oracle import PLAIN
 
 ACTS = ["identity", *activations.NAMES]
 
-# The independent forms: what an unfused model writes, differentiated by torch.autograd.
-PLAIN = {
-    "identity": lambda z: z,
-    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
-    "gelu": F.gelu,
-    "silu": F.silu,
-    "relu": F.relu,
-    "relu2": lambda z: F.relu(z) ** 2,
-}
 
 
 def _params(m, d, h, bias, seed):
