@@ -3,7 +3,7 @@
 # of everything they wrote and a short summary printed last.
 #   bash benchmarks/gpu_run.sh OUTDIR STEP[:SECONDS] ...
 # Steps: numerics, tests, walkthrough, bench-blog, bench-linear, bench-large, bench-decode, bench-small,
-#        bench-sweep, kernels, decode, profile-train.
+#        bench-sweep, kernels, decode, host, one-launch, profile-train.
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
 cd "$(dirname "$0")/.."
@@ -40,6 +40,8 @@ for spec in "$@"; do
         bench-sweep) run_step bench-sweep "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 768 --hidden 3072 --workload geglu --out "$W/bench-sweep" ;;
         kernels) run_step kernels "$secs" python3 benchmarks/tune_kernels.py --out "$W/kernels" ;;
         decode) run_step decode "$secs" python3 benchmarks/bench_decode.py --out "$W/decode" ;;
+        host) run_step host "$secs" python3 benchmarks/host_overhead.py --out "$W/host" ;;
+        one-launch) run_step one-launch "$secs" python3 benchmarks/decode_one_launch.py ;;
         profile-train) run_step profile-train "$secs" python3 benchmarks/profile_training.py --out "$W/profile-train" ;;
         *) echo "unknown step $step" >> "$SUMMARY" ;;
     esac

@@ -89,6 +89,18 @@ def _linear_using(weight: nn.Parameter, bias: Optional[nn.Parameter]) -> nn.Line
     return lin
 
 
+@torch.jit.unused
+def _weight_bias(linear: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
+    """(weight, bias) of a Linear-like child: straight from its parameter dict when they live there, else (e.g.
+    parametrized weights) through attribute access."""
+    params = linear._parameters
+    w = params.get("weight")
+    if w is None:
+        w = linear.weight
+    b = params["bias"] if "bias" in params else getattr(linear, "bias", None)
+    return w, b
+
+
 def _same_kind(named: list[tuple[str, Optional[Tensor]]]) -> None:
     first_name, first = named[0]
     for name, t in named[1:]:
@@ -128,6 +140,14 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias, device=device, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        if not torch.jit.is_scripting():
+            # Plain dict reads instead of six nn.Module.__getattr__ calls: at decode sizes the host time per call
+            # is the cost.
+            mods = self._modules
+            wg, bg = _weight_bias(mods["gate_proj"])
+            wu, bu = _weight_bias(mods["up_proj"])
+            wd, bd = _weight_bias(mods["down_proj"])
+            return gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend)
         return gated_mlp_call(
             x,
             self.gate_proj.weight,

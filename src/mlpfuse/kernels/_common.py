@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mlpfuse.errors import InputError
@@ -136,3 +137,54 @@ def check_2d(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
         raise InputError(f"{name}: expected a 2-D tensor, got shape {tuple(t.shape)}")
     if t.dtype != like.dtype or t.device != like.device:
         raise InputError(f"{name}: expected {like.dtype} on {like.device}, got {t.dtype} on {t.device}")
+
+
+DIRECT_LAUNCH = True  # False sends every launch through Triton's own path (benchmarks compare the two)
+
+
+def _launch_hooks_set() -> bool:
+    """Whether a Triton launch hook (e.g. a profiler's) is installed: then every launch goes through Triton."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class Launcher:
+    """Launches of one Triton kernel, the compiled kernel cached per caller-given key.
+
+    The first call for a key goes through Triton (`kernel[grid](...)`: binding, specialization, compile or cache
+    lookup) and keeps the CompiledKernel it returns; later calls with the same key hand the arguments straight to
+    its launcher. Triton's per-call binding and specialization of a ~30-argument kernel costs more host time than a
+    small GEMM runs on the GPU (benchmarks/host_overhead.py measures both paths).
+
+    The key is the caller's promise: equal keys mean equal specialization, so it must determine every constexpr,
+    the launch options, the dtypes, the 16-byte alignment of every pointer argument, and the value class (== 1,
+    multiple of 16) of every integer argument not marked do_not_specialize. Descriptors specialize on their dtype and
+    block shape only. `args` are the runtime arguments and `consts` the constexpr values, in the kernel's order
+    (constexprs last).
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._compiled: dict = {}
+
+    def __call__(self, key, grid, args, consts, num_warps: int, num_stages: int) -> None:
+        if key is not None and DIRECT_LAUNCH and not interpreting():
+            device = torch.cuda.current_device()
+            compiled = self._compiled.get((key, device))
+            if compiled is not None and not _launch_hooks_set():
+                stream = torch._C._cuda_getCurrentRawStream(device)
+                compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, compiled.function,
+                             compiled.packed_metadata, None, None, None, *args, *consts)
+                return
+            compiled = self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
+            self._compiled[(key, device)] = compiled
+            return
+        self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
+
+    def clear(self) -> None:
+        self._compiled.clear()
+
+
+def align16(t) -> bool:
+    """The pointer-alignment fact Triton specializes a tensor argument on."""
+    return t.data_ptr() % 16 == 0

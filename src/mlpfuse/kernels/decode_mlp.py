@@ -13,20 +13,18 @@ PyTorch loses time on. `mlpfuse_decode_mlp_kernel` gives each program a slice of
 The weights are the MMA's left operand ("swap AB"): the tiny M becomes the MMA's N, so tiles stay full at M = 1.
 Each weight element is read by exactly one program. How the partials become y (MODE):
 
-  3 atomics + cast launch: fp32 `red.add` into a cached fp32 scratch; `mlpfuse_decode_reduce_kernel` adds bd,
-      casts, and re-zeroes the scratch for the next call (no memset). Two launches. Not bit-reproducible.
+  0 one launch: fp32 `red.add` of the partials into a cached fp32 accumulator; then every thread fences its own
+      atomics, the CTA meets at a barrier, and one acq_rel ticket per program counts arrivals. The last program
+      to arrive casts the accumulator (+ bd) into y and re-zeroes it for the next call. One launch, so the
+      cheapest on the host; its cost is that tail, run by one SM after all others are done. Not bit-reproducible.
+  3 atomics + cast launch: the same atomics; `mlpfuse_decode_reduce_kernel` adds bd, casts, and re-zeroes the
+      accumulator with many programs. Two launches.
   4 split: phase 1 only, h [M, H] stored in the input dtype; `mlpfuse_decode_down_kernel` owns output columns and
       runs the whole K = H loop, so nothing is reduced across programs. Two launches, deterministic. Its cost
       is that every down program re-reads h from L2, which beats fp32 atomics once M·D partials get large.
   2 deterministic partials: [P, M, D] fp32 partials, summed in a fixed order by the reduce kernel.
-  0 atomics + ticket, 1 deterministic + ticket: the one-launch variants. After its partials, each program
-      fences, takes a ticket, and the last one casts (0) or sums (1) for everybody. On an H200 mode 0 gave
-      wrong results whenever BLOCK_M >= 32 or num_warps == 4 (mode 3, the same atomics without the ticket,
-      is exact), and mode 1's last program is far too slow (one SM sums every partial). Neither is used by
-      `decode_gated_mlp` unless asked for with `_mode`; they stay as the starting point for a fixed one-launch
-      version.
 
-`_POLICY` picks the mode per layer size class and M bucket from measurements (modes 3 and 4 without
+`_POLICY` picks the mode per layer size class and M bucket from measurements (modes 0, 3 or 4 without
 `deterministic`, mode 4 with it); `_CONFIGS` holds the tiles. Scratch buffers are cached per (device, stream):
 two streams running this kernel at once never share them.
 """
@@ -55,22 +53,26 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _reduce_tile(src_ptr, n_parts, stride_part, out_ptr, bd_ptr, offs_m, mask_m, offs_o, mask_o, D,
-                 stride_om, stride_od, ZERO_SRC: tl.constexpr, HAS_BD: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_F: tl.constexpr):
-    """out[m, o] = sum_p src[p, m, o] (+ bd[o]), summed in p order; optionally re-zero src (n_parts == 1)."""
-    mask = mask_m[:, None] & mask_o[None, :]
-    src = src_ptr + offs_m[:, None] * D + offs_o[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_F), tl.float32)
-    for p in range(n_parts):
-        # .cg: other programs wrote this through L2; never trust a stale L1 line.
-        acc += tl.load(src + p * stride_part, mask=mask, other=0.0, cache_modifier=".cg")
-    if HAS_BD:
-        acc += tl.load(bd_ptr + offs_o, mask=mask_o, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_o[None, :] * stride_od,
-             acc.to(out_ptr.dtype.element_ty), mask=mask)
-    if ZERO_SRC:
-        tl.store(src, tl.zeros((BLOCK_M, BLOCK_F), tl.float32), mask=mask)
+def _finalize(acc_ptr, out_ptr, bd_ptr, M, D, stride_om, stride_od, HAS_BD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One program: y = acc (+ bd) cast to the output dtype, over the flattened [M, D], then acc re-zeroed for the
+    next call. Wide steps (BLOCK_T elements, many loads in flight per thread): this runs on one SM after all the
+    others are done, so its few dependent steps are the kernel's tail."""
+    offs = tl.arange(0, BLOCK_T)
+    total = M * D
+    for start in range(0, total, BLOCK_T):
+        idx = start + offs
+        mask = idx < total
+        # .cg: the partials were added in L2 by other programs; never trust a stale L1 line.
+        v = tl.load(acc_ptr + idx, mask=mask, other=0.0, cache_modifier=".cg")
+        row = idx // D
+        col = idx - row * D
+        if HAS_BD:
+            v += tl.load(bd_ptr + col, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_om + col * stride_od, v.to(out_ptr.dtype.element_ty), mask=mask)
+        # Every thread's reads before anyone's zeroes: the compiler may give the load and the store different
+        # thread layouts, and nothing else orders one thread's global store after another thread's load.
+        tl.debug_barrier()
+        tl.store(acc_ptr + idx, tl.zeros((BLOCK_T,), tl.float32), mask=mask)
 
 
 @triton.jit
@@ -133,15 +135,15 @@ def mlpfuse_decode_mlp_kernel(
             y_t = tl.dot(wd, h_t, input_precision=DOT_PRECISION)  # [BLOCK_O, BLOCK_M]
             y_off = offs_m[None, :] * D + offs_o[:, None]
             y_mask = mask_o[:, None] & mask_m[None, :]
-            if MODE == 0 or MODE == 3:
-                tl.atomic_add(acc_ptr + y_off, y_t, mask=y_mask, sem="relaxed")
-            else:
+            if MODE == 2:
                 tl.store(part_ptr + pid * M * D + y_off, y_t, mask=y_mask)
+            else:
+                tl.atomic_add(acc_ptr + y_off, y_t, mask=y_mask, sem="relaxed")
 
-        if MODE == 0 or MODE == 1:
-            # Each thread fences its own partial writes, the barrier gathers the CTA, then one acq_rel ticket
-            # publishes them GPU-wide and, for the last program, acquires everyone else's. (The interpreter runs
-            # programs one after another and has no inline asm: FENCE is off there.)
+        if MODE == 0:
+            # One launch: each thread fences its own atomics, the barrier gathers the CTA, then one acq_rel ticket
+            # publishes them GPU-wide and, for the last program, acquires everyone else's; the last program casts.
+            # (The interpreter runs programs one after another and has no inline asm: FENCE is off there.)
             if FENCE:
                 _fence_gpu(offs_m)
             tl.debug_barrier()
@@ -149,16 +151,8 @@ def mlpfuse_decode_mlp_kernel(
             if ticket == n_progs - 1:
                 if FENCE:
                     _fence_gpu(offs_m)
-                offs_f = tl.arange(0, BLOCK_F)
-                for o0 in range(0, D, BLOCK_F):
-                    offs_o = o0 + offs_f
-                    if MODE == 0:
-                        _reduce_tile(acc_ptr, 1, 0, out_ptr, bd_ptr, offs_m, mask_m, offs_o, offs_o < D, D,
-                                     stride_om, stride_od, True, HAS_BD, BLOCK_M, BLOCK_F)
-                    else:
-                        _reduce_tile(part_ptr, n_progs, M * D, out_ptr, bd_ptr, offs_m, mask_m, offs_o, offs_o < D,
-                                     D, stride_om, stride_od, False, HAS_BD, BLOCK_M, BLOCK_F)
-                tl.store(cnt_ptr, 0)  # ready for the next launch: the scratch is all zeros again
+                _finalize(acc_ptr, out_ptr, bd_ptr, M, D, stride_om, stride_od, HAS_BD, BLOCK_F)
+                tl.store(cnt_ptr, 0)  # ready for the next launch: the accumulator is all zeros again
 
 
 @triton.jit(do_not_specialize=["M", "n_parts"])
@@ -225,8 +219,8 @@ def _block_m(bucket: int) -> int:
 
 # Measured on an H200 with `benchmarks/bench_decode.py --sweep` (best GPU time per call in a 20-call CUDA graph;
 # log in benchmarks/results/decode-h200.md). Size class "small": H·D <= 4M weights per matrix (e.g. 768×3072);
-# "large": bigger (e.g. 4096×14336). Families: "atomic" (modes 0, 3) and "det" (modes 1, 2) give (BLOCK_H,
-# BLOCK_D, BLOCK_O, num_warps, num_stages); "split" (mode 4) gives the gate/up kernel's (BLOCK_H, BLOCK_D, -,
+# "large": bigger (e.g. 4096×14336). Families: "atomic" (mode 3, and mode 0 where "one" has no entry), "one"
+# (mode 0) and "det" (mode 2) give (BLOCK_H, BLOCK_D, BLOCK_O, num_warps, num_stages); "split" (mode 4) gives the gate/up kernel's (BLOCK_H, BLOCK_D, -,
 # num_warps, num_stages) followed by the down kernel's (BLOCK_O, BLOCK_K, num_warps, num_stages).
 _CONFIGS = {
     ("large", 4, "atomic"): (128, 128, 128, 8, 3),
@@ -278,8 +272,10 @@ def _size_class(d: int, h: int) -> str:
 
 
 def default_config(d: int, h: int, bucket: int, elem_size: int, mode: int) -> tuple:
-    family = "split" if mode == 4 else "det" if mode in (1, 2) else "atomic"
-    cfg = list(_CONFIGS[(_size_class(d, h), bucket, family)])
+    size = _size_class(d, h)
+    family = "split" if mode == 4 else "det" if mode == 2 else "one" if (size, bucket, "one") in _CONFIGS and mode == 0 \
+        else "atomic"
+    cfg = list(_CONFIGS[(size, bucket, family)])
     if elem_size == 4:  # fp32 tiles are twice the bytes: halve the K steps to keep the pipelines in shared memory
         cfg[1] = max(32, cfg[1] // 2)
         if mode == 4:
@@ -298,6 +294,7 @@ def default_config(d: int, h: int, bucket: int, elem_size: int, mode: int) -> tu
 # Host side. Everything that can be derived once per (shape, dtype, layout) is cached: a call that hits the cache
 # costs one key tuple, one output allocation and one direct launch of the compiled kernel.
 
+_FINAL_BLOCK = 64 if _INTERPRET else 4096  # elements per step of mode 0's tail (16 per thread at 8 warps)
 _DIRECT_LAUNCH = not _INTERPRET  # benchmarks switch it off to measure Triton's own launch path
 _scratch: dict = {}  # (device index, stream) -> [acc fp32, counter int32, partials fp32]
 _graveyard: list = []  # outgrown buffers: a CUDA graph captured earlier may still point at them
@@ -380,7 +377,7 @@ def _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow
     fp32 = x.dtype == torch.float32
     consts = (activation, b_gate is not None, b_up is not None, b_down is not None, mode,
               "tf32" if (not fp32 or allow_tf32) else "ieee", block_m, block_h, block_d, block_o,
-              64 if block_m <= 32 else 32, not _INTERPRET)
+              _FINAL_BLOCK, not _INTERPRET)
     block_f = 256  # a constant, not a function of M: one compile serves every M
     down = {}
     if mode == 4:
@@ -424,6 +421,8 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
     `allow_tf32` selects tf32 for fp32 inputs. Graph-capturable; allocates only the output once warm.
     `_mode` / `_config` override the scheme and the tile config (benchmarks and tests only).
     """
+    if _mode is not None and _mode not in (0, 2, 3, 4):
+        raise InputError(f"_mode: expected 0, 2, 3, 4 or None, got {_mode!r}")
     m = 0
     try:
         # Biases are read as contiguous vectors; a strided one (rare) is copied.
@@ -459,7 +458,7 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
         plan = _plans[key] = _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow_tf32,
                                    bucket, _config)
     n_progs = plan.n_progs
-    acc, cnt, part = _get_scratch(x, MAX_M * d if mode in (0, 3) else 0, n_progs * m * d if mode in (1, 2) else 0)
+    acc, cnt, part = _get_scratch(x, MAX_M * d if mode in (0, 3) else 0, n_progs * m * d if mode == 2 else 0)
     hbuf = _get_hbuf(x, m * h) if mode == 4 else out
     stream = torch._C._cuda_getCurrentRawStream(x.get_device()) if x.is_cuda else None
     bd = out if b_down is None else b_down  # `out` stands in for absent biases; never read

@@ -93,6 +93,9 @@ def mlpfuse_gated_gemm_kernel(
             tl.store(u + rm[:, None] * s_um + rn[None, :] * s_un, acc_u.to(out_ty), mask=mask)
 
 
+_launch = C.Launcher(mlpfuse_gated_gemm_kernel)
+
+
 def gated_gemm(
     x: torch.Tensor,
     w_gate: torch.Tensor,
@@ -140,19 +143,22 @@ def gated_gemm(
         pair = C.pair_desc(w_gate, w_up, [2, BN, BK]) if cfg.pair else None
         if pair is None:
             ga, ua = C.desc(w_gate, [BN, BK]), C.desc(w_up, [BN, BK])
-    mlpfuse_gated_gemm_kernel[(C.grid_size(cfg, sms, M, N),)](
-        xa, ga, ua, pair[0] if pair else None,
-        b_gate if b_gate is not None else x, b_up if b_up is not None else x,
-        h, g, u, C.desc(h, [BM, BN]) if tma_store else None,
+    bg_arg = b_gate if b_gate is not None else x
+    bu_arg = b_up if b_up is not None else x
+    consts = (activation, b_gate is not None, b_up is not None, save_preact, use_tma, pair is not None,
+              bool(pair and pair[1]), tma_store, C.dot_precision(x.dtype, allow_tf32),
+              BM, BN, BK, cfg.group_m, cfg.flatten, cfg.warp_specialize)
+    # Everything the compiled kernel is specialized on except M (not specialized): the constexprs, the config, the
+    # dtype, N, K, every stride, and the alignment of every pointer argument.
+    key = (consts, cfg, x.dtype, N, K, x.stride(), w_gate.stride(), w_up.stride(), h.stride(), g.stride(),
+           u.stride(), C.align16(x), C.align16(w_gate), C.align16(w_up), C.align16(bg_arg), C.align16(bu_arg),
+           C.align16(h), C.align16(g), C.align16(u))
+    _launch(key, (C.grid_size(cfg, sms, M, N),), (
+        xa, ga, ua, pair[0] if pair else None, bg_arg, bu_arg, h, g, u, C.desc(h, [BM, BN]) if tma_store else None,
         M, N, K,
         x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1),
         h.stride(0), h.stride(1), g.stride(0), g.stride(1), u.stride(0), u.stride(1),
-        ACT=activation, HAS_BG=b_gate is not None, HAS_BU=b_up is not None, SAVE=save_preact,
-        TMA=use_tma, PAIR=pair is not None, UP_FIRST=bool(pair and pair[1]), TMA_STORE=tma_store,
-        DOT_PREC=C.dot_precision(x.dtype, allow_tf32),
-        BM=BM, BN=BN, BK=BK, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten, WS=cfg.warp_specialize,
-        num_stages=cfg.num_stages, num_warps=cfg.num_warps,
-    )
+    ), consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if save_preact:
         return h, g, u
     return h

@@ -64,6 +64,9 @@ def mlpfuse_gemm_act_kernel(
             tl.store(z + rm[:, None] * szm + rn[None, :] * szn, acc.to(out_ty), mask=mask)
 
 
+_launch = C.Launcher(mlpfuse_gemm_act_kernel)
+
+
 def gemm_act(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -101,15 +104,17 @@ def gemm_act(
     use_tma = cfg.tma and C.tma_capable(dev) and K > 0 and C.tma_ok(x) and C.tma_ok(w)
     tma_store = use_tma and cfg.tma_store and C.tma_ok(y)
     xa, wa = (C.desc(x, [BM, BK]), C.desc(w, [BN, BK])) if use_tma else (x, w)
-    mlpfuse_gemm_act_kernel[(C.grid_size(cfg, sms, M, N),)](
-        xa, wa, bias if bias is not None else x, y, z, C.desc(y, [BM, BN]) if tma_store else None,
+    b_arg = bias if bias is not None else x
+    consts = (activation, bias is not None, save_preact, use_tma, tma_store, C.dot_precision(x.dtype, allow_tf32),
+              BM, BN, BK, cfg.group_m, cfg.flatten)
+    # What the compiled kernel is specialized on (all but M): see C.Launcher.
+    key = (consts, cfg, x.dtype, N, K, x.stride(), w.stride(), y.stride(), z.stride(), C.align16(x), C.align16(w),
+           C.align16(b_arg), C.align16(y), C.align16(z))
+    _launch(key, (C.grid_size(cfg, sms, M, N),), (
+        xa, wa, b_arg, y, z, C.desc(y, [BM, BN]) if tma_store else None,
         M, N, K,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1), z.stride(0), z.stride(1),
-        ACT=activation, HAS_BIAS=bias is not None, SAVE=save_preact,
-        TMA=use_tma, TMA_STORE=tma_store, DOT_PREC=C.dot_precision(x.dtype, allow_tf32),
-        BM=BM, BN=BN, BK=BK, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten,
-        num_stages=cfg.num_stages, num_warps=cfg.num_warps,
-    )
+    ), consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if save_preact:
         return y, z
     return y

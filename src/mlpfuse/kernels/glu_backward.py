@@ -213,18 +213,26 @@ def _check_pointwise_args(dh, g, u):
         raise InputError(f"g, u: expected shape {tuple(dh.shape)}, got {tuple(g.shape)}, {tuple(u.shape)}")
 
 
+_launch_pointwise_kernel = C.Launcher(mlpfuse_glu_backward_pointwise_kernel)
+
+
 def _launch_pointwise(dh, g, u, dg, du, h, dbg, dbu, activation):
     M, N = dh.shape
     on_gpu = dh.device.type == "cuda"
     BM, BN = (8, 256) if on_gpu else (4, 16)
     rows = 64 if on_gpu else 8
     hh = h if h is not None else dg  # a placeholder the kernel never touches (WRITE_H is off)
-    mlpfuse_glu_backward_pointwise_kernel[(-(-M // rows), -(-N // BN))](
-        dh, g, u, dg, du, hh, dbg if dbg is not None else dg, dbu if dbu is not None else dg, M, N,
+    bg_arg = dbg if dbg is not None else dg
+    bu_arg = dbu if dbu is not None else dg
+    tensors = (dh, g, u, dg, du, hh, bg_arg, bu_arg)
+    consts = (activation, h is not None, dbg is not None, BM, BN, rows)
+    # What the compiled kernel is specialized on (all but M): see C.Launcher.
+    key = (consts, dh.dtype, N, tuple(t.stride() for t in tensors[:6]), tuple(C.align16(t) for t in tensors))
+    _launch_pointwise_kernel(key, (-(-M // rows), -(-N // BN)), (
+        *tensors, M, N,
         dh.stride(0), dh.stride(1), g.stride(0), g.stride(1), u.stride(0), u.stride(1),
         dg.stride(0), dg.stride(1), du.stride(0), du.stride(1), hh.stride(0), hh.stride(1),
-        ACT=activation, WRITE_H=h is not None, BIAS_SUMS=dbg is not None, BM=BM, BN=BN, ROWS=rows, num_warps=4,
-    )
+    ), consts, num_warps=4, num_stages=3)
 
 
 def glu_backward_pointwise(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *, activation: int, out=None):

@@ -40,7 +40,8 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training:
         # torch.use_deterministic_algorithms(True) selects the kernel's run-to-run identical reduction.
         y = dispatch.kernel("decode_mlp").decode_gated_mlp(
             x2, wg, wu, wd, bg, bu, bd, activation=act.id,
-            deterministic=torch.are_deterministic_algorithms_enabled(), allow_tf32=dispatch.allow_tf32(),
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            allow_tf32=x2.dtype != torch.float32 or dispatch.allow_tf32(),
         )
     else:
         out = dispatch.kernel("gated_gemm").gated_gemm(
