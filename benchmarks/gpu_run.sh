@@ -2,8 +2,8 @@
 # One GPU run: the steps named on the command line, in order, each under its own time limit, then one archive
 # of everything they wrote and a short summary printed last.
 #   bash benchmarks/gpu_run.sh OUTDIR STEP[:SECONDS] ...
-# Steps: numerics, tests, walkthrough, bench-blog, bench-linear, bench-large, bench-decode, bench-small,
-#        bench-sweep, kernels, decode, host, one-launch, profile-train.
+# Steps: numerics, tests, walkthrough, bench-blog, bench-linear, bench-large, bench-large-train, bench-decode, bench-small,
+#        bench-sweep, kernels, decode, decode-sweep, host, one-launch, profile-train.
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
 cd "$(dirname "$0")/.."
@@ -35,11 +35,13 @@ for spec in "$@"; do
         bench-blog) run_step bench-blog "$secs" python3 -m mlpfuse bench --preset blog --workload geglu --mode fwd,fwd+bwd --out "$W/bench-blog" ;;
         bench-linear) run_step bench-linear "$secs" python3 -m mlpfuse bench --workload linear --tokens 8192 --dim 768 --hidden 3072 --activation gelu_tanh --out "$W/bench-linear" ;;
         bench-large) run_step bench-large "$secs" python3 -m mlpfuse bench --preset llama-8b --workload geglu --mode fwd --out "$W/bench-large" ;;
+        bench-large-train) run_step bench-large-train "$secs" python3 -m mlpfuse bench --preset llama-8b --workload geglu --mode fwd+bwd --out "$W/bench-large-train" ;;
         bench-decode) run_step bench-decode "$secs" python3 -m mlpfuse bench --preset decode --workload geglu --out "$W/bench-decode" ;;
         bench-small) run_step bench-small "$secs" python3 -m mlpfuse bench --preset small --workload geglu --out "$W/bench-small" ;;
         bench-sweep) run_step bench-sweep "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 768 --hidden 3072 --workload geglu --out "$W/bench-sweep" ;;
         kernels) run_step kernels "$secs" python3 benchmarks/tune_kernels.py --out "$W/kernels" ;;
         decode) run_step decode "$secs" python3 benchmarks/bench_decode.py --out "$W/decode" ;;
+        decode-sweep) run_step decode-sweep "$secs" python3 benchmarks/bench_decode.py --sweep --out "$W/decode" ;;
         host) run_step host "$secs" python3 benchmarks/host_overhead.py --out "$W/host" ;;
         one-launch) run_step one-launch "$secs" python3 benchmarks/decode_one_launch.py ;;
         profile-train) run_step profile-train "$secs" python3 benchmarks/profile_training.py --out "$W/profile-train" ;;

@@ -514,3 +514,6 @@ def test_auto_decode_cutover_depends_on_layer_size(monkeypatch):
     assert dispatch.gated_mlp_path("auto", torch.empty(64, 4096), big, False) == dispatch.TORCH
     assert dispatch.gated_mlp_path("auto", torch.empty(64, 768), small, False) == dispatch.DECODE
     assert dispatch.gated_mlp_path("auto", torch.empty(64, 768), small, True) == dispatch.TORCH
+    # Training at the blog shape takes the fused path (measured faster than eager), small batches stay on cuBLAS.
+    assert dispatch.gated_mlp_path("auto", torch.empty(8192, 768), 3072, True) == dispatch.GATED
+    assert dispatch.gated_mlp_path("auto", torch.empty(512, 768), 3072, True) == dispatch.TORCH

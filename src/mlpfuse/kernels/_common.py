@@ -66,16 +66,13 @@ def tma_capable(device: torch.device) -> bool:
 
 def tma_ok(t: torch.Tensor) -> bool:
     """A 2-D tensor can back a TMA descriptor: unit inner stride, 16-byte aligned base and row pitch, no empty dim."""
+    shape = t.shape
+    if len(shape) != 2:
+        return False
+    rows, cols = shape
+    s0, s1 = t.stride()
     es = t.element_size()
-    return (
-        t.dim() == 2
-        and t.shape[0] > 0
-        and t.shape[1] > 0
-        and t.stride(1) == 1
-        and (t.stride(0) * es) % 16 == 0
-        and (t.shape[1] * es) % 16 == 0
-        and t.data_ptr() % 16 == 0
-    )
+    return rows > 0 and cols > 0 and s1 == 1 and (s0 * es) % 16 == 0 and (cols * es) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def desc(t: torch.Tensor, block: Sequence[int], shape=None, strides=None) -> TensorDescriptor:

@@ -44,12 +44,13 @@ GLU_BACKWARD = "split"
 # (32: 106.6 vs eager 108.9 µs per call) and lost at 64 (119.1 vs 116.5), benchmarks/results/nvidia-h200/decode.
 DECODE_LARGE_LAYER = 1 << 24  # dim·hidden from which ...
 DECODE_LARGE_MAX_M = 32  # ... the decode path stops at this many tokens
-# Under autograd `auto` keeps the torch path. Same bench run (mlpfuse bench --preset blog --mode fwd+bwd, H200):
-# fwd+bwd at 8192×768×3072 took 908–950 µs on the Triton path against 744 µs eager and 774 µs on the torch path.
-# The Triton path's GPU work is smaller (615 vs 683 µs busy, benchmarks/profile_training.py), but its host side
-# (two Triton launches with TMA descriptors, ~80 µs, plus the op layer) leaves the GPU idle: it is not chosen by
-# `auto` until that host cost is gone. backend="triton" still runs it.
-GATED_TRAINING = False
+# Under autograd `auto` takes the Triton path (gated forward kernel saving g and u, cuBLAS dh, one GLU-backward pass)
+# on the same shapes as the forward. It does less GPU work than eager (615 vs 683 µs busy per step at
+# 8192×768×3072, benchmarks/profile_training.py) and, since its launches skip Triton's per-call binding
+# (kernels._common.Launcher), it is no longer host-bound: `mlpfuse bench --preset blog --mode fwd+bwd` on an H200,
+# GPU µs per step: Triton path 697.9, eager 760.8, torch.compile 767.3, Liger 687.2, eager CUDA graph 699.8;
+# benchmarks/host_overhead.py: 693.0 µs per step vs eager 739.2 (Triton's own launcher: 714.2).
+GATED_TRAINING = True
 MIN_ARCH = 9  # Hopper: the kernels' fast mainloop (TMA, persistent grid) needs sm90
 FAST_DTYPES = (torch.bfloat16, torch.float16)
 
