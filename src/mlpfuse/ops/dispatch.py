@@ -5,7 +5,7 @@ CUDA, or CPU through Triton's interpreter when TRITON_INTERPRET=1), "auto" (the 
 string means "not given": the environment variable MLPFUSE_BACKEND, else "auto".
 
 `auto` picks a Triton kernel only on CUDA, only where that kernel was measured to beat eager PyTorch; everywhere
-else it runs the torch backend. The decode kernel (one launch for the whole MLP) never runs when a gradient is
+else it runs the torch backend. The decode kernels (the whole MLP in one or two launches) never run when a gradient is
 needed: the training path stays the same whatever the batch size.
 """
 
@@ -31,7 +31,8 @@ SAVE_PREACT = True
 #   PYTHONPATH=src python3 benchmarks/tune_kernels.py          (benchmarks/results/kernels-h200.md, crossover sweep)
 # Gated GEMM vs cuBLAS gate+up + eager GELU·mul, µs: M=1024 at 768/3072 33.5 → 52.1 (eager wins), M=2048 54.1 →
 # 52.9, M=4096 99.8 → 69.9; at 4096/14336: M=1024 397 → 381, M=4096 1643 → 1525. Below that the kernel's host
-# launch cost (~50 µs with TMA descriptors) decides, so small problems stay on cuBLAS.
+# cost decides (30.6 µs a call even with the cached launch, vs 9.2 µs for one cuBLAS GEMM, measured with
+# benchmarks/host_overhead.py), so small problems stay on cuBLAS.
 GATED_MIN_M = 1024  # tokens, and ...
 GATED_MIN_WORK = 8e9  # ... M·hidden·dim multiply-adds from which the gated GEMM replaces 2 GEMMs + GELU·mul
 # gemm_act vs addmm + activation at 768→3072: M=2048 27.5 → 45.1 µs (eager wins), M=4096 49.1 → 45.7.
