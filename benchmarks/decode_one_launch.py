@@ -1,6 +1,6 @@
-"""Diagnose the one-launch decode kernel (mode 0: atomics into an fp32 accumulator, a ticket, the last program
-casts and re-zeroes) on a CUDA GPU: correctness for every M in 1..64 on both layer shapes, per fence/read variant,
-with what a wrong call leaves behind (NaN in the output = never finalized, non-zero accumulator = late partials,
+"""Check the one-launch decode kernel (mode 0: atomics into an fp32 accumulator, a ticket, the last program casts
+and re-zeroes) on a CUDA GPU: correctness for every M in 1..64 on both layer shapes and with 4-warp tiles, with
+what a wrong call leaves behind (NaN in the output = never finalized, non-zero accumulator = late partials,
 counter != 0), then GPU and wall time against the two-launch modes 3 and 4.
 
     PYTHONPATH=src python3 benchmarks/decode_one_launch.py [--reps 3]
@@ -21,24 +21,12 @@ from bench_decode import capture, event_us, make_weights, poisoned_call, referen
 from mlpfuse import activations as A  # noqa: E402
 from mlpfuse.kernels import decode_mlp as K  # noqa: E402
 
-VARIANTS = {  # name -> (fence kind, atomic-exchange read)
-    "acqrel": (1, False),
-    "sc": (2, False),
-    "acqrel+xchg": (1, True),
-    "sc+xchg": (2, True),
-}
-
-
-def set_variant(fence, xchg):
-    K._FENCE, K._XCHG = fence, xchg
-    K._plans.clear()
-
 
 def rel(y, ref):
     return ((y.double() - ref).norm() / ref.norm()).item()
 
 
-def check_variant(name, d, h, reps, configs):
+def check(name, d, h, reps, configs):
     wg, wu, wd, *_ = make_weights(d, h, torch.bfloat16, seed=3)
     bad = []
     for cfg in configs:
@@ -58,7 +46,7 @@ def check_variant(name, d, h, reps, configs):
                     bad.append((m, r, cfg, round(e, 4), nan, dirty, c))
                     acc.zero_()
                     cnt.zero_()
-    print(f"{name:12s} {d}x{h}: {len(bad)} bad of {64 * reps * len(configs)}"
+    print(f"{name:16s} {d}x{h}: {len(bad)} bad of {64 * reps * len(configs)}"
           + (f"; first: {bad[:6]}" if bad else ""), flush=True)
     return len(bad)
 
@@ -66,31 +54,21 @@ def check_variant(name, d, h, reps, configs):
 def timing(d, h, tokens, rounds=5):
     wg, wu, wd, *_ = make_weights(d, h, torch.bfloat16, seed=3)
     rows = []
+    names = {0: "one launch (0)", 3: "atomics + cast (3)", 4: "split (4)"}
     for m in tokens:
         x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
-        fns = {}
-        for name, (fence, xchg) in VARIANTS.items():
-            fns[f"1launch {name}"] = (fence, xchg, 0)
-        fns["2launch atomics (3)"] = (1, False, 3)
-        fns["2launch split (4)"] = (1, False, 4)
-        res = {k: ([], []) for k in fns}
-        graphs = {}
-        for k, (fence, xchg, mode) in fns.items():
-            set_variant(fence, xchg)
-            f = (lambda mode=mode: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH, _mode=mode))
-            graphs[k] = (capture(lambda _x, f=f: f(), x, 20), fence, xchg, f)
+        fns = {mode: (lambda mode=mode: K.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH, _mode=mode))
+               for mode in names}
+        graphs = {mode: capture(lambda _x, f=f: f(), x, 20) for mode, f in fns.items()}
+        res = {mode: ([], []) for mode in names}
         for _ in range(rounds):
-            for k, (g, fence, xchg, f) in graphs.items():
-                set_variant(fence, xchg)
-                f()
-                res[k][0].append(event_us(g.replay, 20))
-                res[k][1].append(wall_us(f, 200 if d * h < 4e6 else 40))
-        for k, (gpu, wall) in res.items():
-            gpu.sort()
-            wall.sort()
-            rows.append((f"{m}x{d}x{h}", k, gpu[len(gpu) // 2], wall[len(wall) // 2]))
-            print(f"  {m:3d}x{d}x{h} {k:22s} gpu {gpu[len(gpu) // 2]:7.2f} us  wall {wall[len(wall) // 2]:7.2f} us",
-                  flush=True)
+            for mode, f in fns.items():
+                res[mode][0].append(event_us(graphs[mode].replay, 20))
+                res[mode][1].append(wall_us(f, 200 if d * h < 4e6 else 40))
+        for mode, (gpu, wall) in res.items():
+            g, w = sorted(gpu)[len(gpu) // 2], sorted(wall)[len(wall) // 2]
+            rows.append((f"{m}x{d}x{h}", names[mode], g, w))
+            print(f"  {m:3d}x{d}x{h} {names[mode]:20s} gpu {g:7.2f} us  wall {w:7.2f} us", flush=True)
     return rows
 
 
@@ -102,14 +80,9 @@ def main():
     t0 = time.time()
     spin_clocks(0.5)
     total = 0
-    for name, (fence, xchg) in VARIANTS.items():
-        set_variant(fence, xchg)
-        for d, h in ((768, 3072), (4096, 14336)):
-            total += check_variant(name, d, h, args.reps, [None])
-    # The 4-warp configs that failed at 16 rows before, on the small shape.
-    for name, (fence, xchg) in VARIANTS.items():
-        set_variant(fence, xchg)
-        total += check_variant(name + " 4w", 768, 3072, 1, [(32, 128, 64, 4, 3), (64, 64, 64, 4, 4)])
+    for d, h in ((768, 3072), (4096, 14336)):
+        total += check("policy tiles", d, h, args.reps, [None])
+    total += check("4-warp tiles", 768, 3072, 1, [(32, 128, 64, 4, 3), (64, 64, 64, 4, 4)])
     print(f"correctness done in {time.time() - t0:.0f}s, {total} bad calls", flush=True)
     rows = timing(768, 3072, (1, 16, 64)) + timing(4096, 14336, (1, 16, 32))
     print("| shape | variant | GPU us (20-call graph) | wall us |")

@@ -3,7 +3,7 @@
 # of everything they wrote and a short summary printed last.
 #   bash benchmarks/gpu_run.sh OUTDIR STEP[:SECONDS] ...
 # Steps: numerics, tests, walkthrough, bench-blog, bench-linear, bench-large, bench-large-train, bench-decode, bench-small,
-#        bench-sweep, kernels, decode, decode-sweep, host, one-launch, profile-train.
+#        bench-sweep, kernels, tune-linear, tune-blog, tune-llama, decode, decode-sweep, host, one-launch, profile-train.
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
 cd "$(dirname "$0")/.."
@@ -40,6 +40,9 @@ for spec in "$@"; do
         bench-small) run_step bench-small "$secs" python3 -m mlpfuse bench --preset small --workload geglu --out "$W/bench-small" ;;
         bench-sweep) run_step bench-sweep "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 768 --hidden 3072 --workload geglu --out "$W/bench-sweep" ;;
         kernels) run_step kernels "$secs" python3 benchmarks/tune_kernels.py --out "$W/kernels" ;;
+        tune-linear) run_step tune-linear "$secs" python3 benchmarks/tune_kernels.py --skip-numerics --only linear --out "$W" ;;
+        tune-llama) run_step tune-llama "$secs" python3 benchmarks/tune_kernels.py --skip-numerics --only llama --out "$W" ;;
+        tune-blog) run_step tune-blog "$secs" python3 benchmarks/tune_kernels.py --skip-numerics --only blog --out "$W" ;;
         decode) run_step decode "$secs" python3 benchmarks/bench_decode.py --out "$W/decode" ;;
         decode-sweep) run_step decode-sweep "$secs" python3 benchmarks/bench_decode.py --sweep --out "$W/decode" ;;
         host) run_step host "$secs" python3 benchmarks/host_overhead.py --out "$W/host" ;;

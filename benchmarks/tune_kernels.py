@@ -172,6 +172,9 @@ GATED_CANDIDATES = {
     "pair 128x64x64 s3w4 x2": K(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2),
     "pair 128x64x64 s3w4 x2 tmastore": K(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2, tma_store=True),
     "pair 128x64x64 s3w4 x2 g4": K(128, 64, 64, group_m=4, num_stages=3, num_warps=4, programs_per_sm=2),
+    "pair 256x64x64 s3w8": K(256, 64, 64, num_stages=3, num_warps=8),
+    "pair 128x64x64 s3w4 x2 ws": K(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2, warp_specialize=True),
+    "pair 128x64x64 s3w4 x2 flatten": K(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2, flatten=True),
 }
 BWD_CANDIDATES = {
     "128x128x64 s4w8": K(128, 128, 64, num_stages=4, num_warps=8),
@@ -183,6 +186,11 @@ ACT_CANDIDATES = {
     "128x256x64 s3w8": K(128, 256, 64, num_stages=3, num_warps=8),
     "128x128x64 s3w4 x2": K(128, 128, 64, num_stages=3, num_warps=4, programs_per_sm=2),
     "128x128x64 s3w8 x2": K(128, 128, 64, num_stages=3, num_warps=8, programs_per_sm=2),
+    "128x128x64 s3w8 x2 tmastore": K(128, 128, 64, num_stages=3, num_warps=8, programs_per_sm=2, tma_store=True),
+    "128x128x64 s3w8 x2 g16": K(128, 128, 64, group_m=16, num_stages=3, num_warps=8, programs_per_sm=2),
+    "128x128x128 s3w8": K(128, 128, 128, num_stages=3, num_warps=8),
+    "256x128x64 s3w8": K(256, 128, 64, num_stages=3, num_warps=8),
+    "128x128x64 s3w8 x2 flatten": K(128, 128, 64, num_stages=3, num_warps=8, programs_per_sm=2, flatten=True),
 }
 
 
@@ -328,6 +336,7 @@ def main():
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--skip-numerics", action="store_true")
+    p.add_argument("--only", choices=("linear", "blog", "llama"), help="time one shape's candidates only (no summary)")
     args = p.parse_args()
     import triton
 
@@ -338,6 +347,16 @@ def main():
     log(f"numerics took {time.time() - t0:.0f}s")
     spin_up()
     results = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__, "numerics_pass": num_ok}
+    if args.only:
+        if args.only == "linear":
+            r = time_linear(8192, 768, 3072, rounds=30, inner=10, results=results)
+        elif args.only == "blog":
+            r = time_shape(8192, 768, 3072, rounds=30, inner=10, do_compile=False, results=results)
+        else:
+            r = time_shape(8192, 4096, 14336, rounds=7, inner=2, do_compile=False, results=results)
+        for k, d in r.items():
+            log(f"  {k:44s} {d['us']:9.1f}  {d['spread'] * 100:4.1f}%")
+        return 0 if num_ok else 1
     r1 = time_shape(8192, 768, 3072, rounds=40, inner=10, do_compile=not args.no_compile, results=results)
     log(f"shape 1 done {time.time() - t0:.0f}s")
     r2 = time_shape(8192, 4096, 14336, rounds=7 if args.quick else 10, inner=2, do_compile=not args.no_compile,

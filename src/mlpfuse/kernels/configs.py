@@ -22,7 +22,7 @@ class KernelConfig:
     num_warps: int = 8
     tma: bool = True  # operands through TMA descriptors where the tensors allow it
     tma_store: bool = False  # main output through a TMA store (async; needs a 16-byte aligned output)
-    flatten: bool = False  # pipeline across tile boundaries of the persistent loop (slower on H200: 166 vs 138 µs)
+    flatten: bool = False  # pipeline across tile boundaries of the persistent loop (tl.range(flatten=True))
     pair: bool = True  # gated only: gate and up tiles through one 3-D descriptor, one [BM, 2·BN] MMA per K step
     warp_specialize: bool = False
     programs_per_sm: int = 1  # persistent grid size = SMs × this (more when small tiles let CTAs share an SM)
@@ -40,10 +40,13 @@ _INTERPRET = KernelConfig(16, 16, 16, group_m=2, num_stages=1, num_warps=4)
 # Hopper (sm_90), 16-bit operands, keyed by op and size class; picked from `benchmarks/tune_kernels.py` runs on an
 # H200 (benchmarks/results/kernels-h200.md). Gated: the paired [BM, 2·64] MMA with two CTAs per SM (one's epilogue
 # hides behind the other's main loop) beat one 128×256-class CTA per SM by 3 % at 8192×768×3072 and tied at
-# 8192×4096×14336. glu_bwd: one CTA of 8 warps, deeper pipeline (the epilogue's g/u traffic needs the registers).
+# 8192×4096×14336. Flattening the persistent loop (the next tile's loads overlap this tile's epilogue) then took the
+# gated kernel from 137.4–140.2 to 126.5–127.4 µs at 8192×768×3072 in two runs of `tune_kernels.py --only blog`
+# and left 8192×4096×14336 level (2753 vs 2750 µs, `--only llama`); on gemm_act it was slower (104.7 vs 83.7 µs,
+# `--only linear`). glu_bwd: one CTA of 8 warps, deeper pipeline (the epilogue's g/u traffic needs the registers).
 _SM90_16 = {
-    ("gated", "large"): KernelConfig(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2),
-    ("gated", "small"): KernelConfig(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2),
+    ("gated", "large"): KernelConfig(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2, flatten=True),
+    ("gated", "small"): KernelConfig(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2, flatten=True),
     ("gemm_act", "large"): KernelConfig(128, 128, 64, num_stages=3, num_warps=8, programs_per_sm=2),
     ("gemm_act", "small"): KernelConfig(128, 128, 64, num_stages=3, num_warps=8, programs_per_sm=2),
     ("glu_bwd", "large"): KernelConfig(128, 128, 64, num_stages=4, num_warps=8),
