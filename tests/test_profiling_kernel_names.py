@@ -38,6 +38,9 @@ CASES = [
     ("mlpfuse_glu_backward_kernel", "gemm", "mlpfuse", {"kernel": "glu_backward"}),
     ("mlpfuse_gemm_act_kernel", "gemm", "mlpfuse", {"kernel": "gemm_act"}),
     ("mlpfuse_decode_mlp_kernel", "gemm", "mlpfuse", {"kernel": "decode_mlp"}),
+    ("mlpfuse_glu_backward_pointwise_kernel", "elementwise", "mlpfuse", {"kernel": "glu_backward_pointwise"}),
+    ("mlpfuse_decode_reduce_kernel", "reduction", "mlpfuse", {"kernel": "decode_reduce"}),
+    ("mlpfuse_decode_down_kernel", "gemm", "mlpfuse", {"kernel": "decode_down"}),
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float, float, "
      "float>, unsigned int, float, 4, 4> >(at::native::ReduceOp<float, at::native::MeanOps<float, float, float, "
      "float>, unsigned int, float, 4, 4>)", "reduction", "aten", {"op": "MeanOps", "dtype": "fp32"}),

@@ -246,6 +246,15 @@ def _parse_nccl(m: re.Match, name: str) -> dict:
     return out
 
 
+def _mlpfuse_family(m: re.Match) -> str:
+    kind = m.group("kind")
+    if kind.endswith("pointwise"):
+        return "elementwise"
+    if kind.endswith("reduce"):
+        return "reduction"
+    return "gemm"
+
+
 def _parse_mlpfuse(m: re.Match, name: str) -> dict:
     return {"kernel": m.group("kind")}
 
@@ -260,7 +269,7 @@ Rule = tuple[re.Pattern, "str | Callable[[re.Match], str]", "str | None", Callab
 _RULES: list[Rule] = [
     (re.compile(r"^(?:Memset|memset)"), "memset", None, _nothing),
     (re.compile(r"^(?:Memcpy|memcpy)"), "copy", None, _nothing),
-    (re.compile(r"^mlpfuse_(?P<kind>\w+?)(?:_kernel)?$"), "gemm", "mlpfuse", _parse_mlpfuse),
+    (re.compile(r"^mlpfuse_(?P<kind>\w+?)(?:_kernel)?$"), _mlpfuse_family, "mlpfuse", _parse_mlpfuse),
     (re.compile(r"^nvjet_"), "gemm", "nvjet", _parse_nvjet),
     (re.compile(r"^triton_(?P<kind>poi|red|per|tem)_fused_?(?P<ops>.*?)_(?P<idx>\d+)$"), _inductor_family,
      "inductor", _parse_inductor),
