@@ -6,7 +6,8 @@
    the bottleneck: perf_counter over N back-to-back calls, one synchronize at the end, median of rounds. Each
    Triton kernel through Triton's own launcher (`kernel[grid](...)`: binding and specialization on every call) and
    through mlpfuse's cached direct launch (`kernels._common.Launcher`), next to the cuBLAS call it replaces.
-2. The decode path's layers: the kernel API, ops.gated_mlp, the GatedMLP module, and eager's module.
+2. The decode path's layers at 1, 16 and 64 rows: the kernel API, ops.gated_mlp, the GatedMLP module (its
+   decode shortcut), and eager's module.
 3. One training step (forward + backward) at 8192×768×3072: wall per step for eager and for GatedMLP on the
    Triton path with either launcher, and on `auto`.
 """
@@ -97,11 +98,14 @@ def main():
     eager = Eager(d, h).to(dev, dt)
     fused = mlpfuse.GatedMLP.from_module(eager, activation="gelu_tanh")
     with torch.no_grad():
-        row("decode kernel API (decode_gated_mlp)", per_call_us(
-            lambda: decode_mlp.decode_gated_mlp(x, wg, wu, wd, activation=A.GELU_TANH)))
-        row("ops.gated_mlp (auto)", per_call_us(lambda: mlpfuse.ops.gated_mlp(x, wg, wu, wd, "gelu_tanh")))
-        row("GatedMLP module (auto)", per_call_us(lambda: fused(x)))
-        row("eager module", per_call_us(lambda: eager(x)))
+        for rows_ in (1, 16, 64):
+            xm = torch.randn(rows_, d, device=dev, dtype=dt)
+            row(f"{rows_} rows: decode kernel API (decode_gated_mlp)", per_call_us(
+                lambda: decode_mlp.decode_gated_mlp(xm, wg, wu, wd, activation=A.GELU_TANH)))
+            row(f"{rows_} rows: ops.gated_mlp (auto)", per_call_us(
+                lambda: mlpfuse.ops.gated_mlp(xm, wg, wu, wd, "gelu_tanh")))
+            row(f"{rows_} rows: GatedMLP module (auto)", per_call_us(lambda: fused(xm)))
+            row(f"{rows_} rows: eager module", per_call_us(lambda: eager(xm)))
         row("torch.empty(64, 768)", per_call_us(lambda: torch.empty(m, d, device=dev, dtype=dt)))
 
     # Training step at the blog shape.

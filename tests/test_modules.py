@@ -251,3 +251,49 @@ def test_module_backend_none_follows_the_environment(monkeypatch):
         m(torch.randn(2, 4))
     monkeypatch.setenv("MLPFUSE_BACKEND", "torch")
     assert m(torch.randn(2, 4)).shape == (2, 4)
+
+
+def test_decode_shortcut_declines_what_it_does_not_serve():
+    # The shortcut only takes plain CUDA tensors with autograd off; everything else goes through the op layer
+    # (checked here on CPU, where it must decline and the module still computes the right thing).
+    m = GatedMLP(8, 12, activation="silu", dtype=F64)
+    x = torch.randn(3, 8, dtype=F64)
+    w = (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, None, None, None)
+    with torch.no_grad():
+        assert m._decode(x, *w, "silu", "") is None
+        ref = m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
+        torch.testing.assert_close(m(x), ref)
+    assert m._decode.key is None  # never decided: nothing reached the kernel path
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode shortcut runs on CUDA tensors")
+def test_decode_shortcut_on_gpu_matches_the_reference():
+    torch.manual_seed(0)
+    dim, hidden = 768, 3072
+    m = GatedMLP(dim, hidden, activation="gelu_tanh", bias=True, device="cuda", dtype=torch.bfloat16)
+    w64 = [t.double() for t in (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, m.gate_proj.bias,
+                                m.up_proj.bias, m.down_proj.bias)]
+
+    def ref(x):
+        x = x.double()
+        g, u = x @ w64[0].T + w64[3], x @ w64[1].T + w64[4]
+        return (F.gelu(g, approximate="tanh") * u) @ w64[2].T + w64[5]
+
+    with torch.inference_mode():
+        for shape in ((1, dim), (7, dim), (2, 8, dim), (64, dim), (65, dim), (300, dim)):
+            x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+            y = m(x)
+            assert y.shape == shape and y.dtype == torch.bfloat16
+            r = ref(x)
+            assert ((y.double() - r).norm() / r.norm()).item() < 1e-2, shape
+    from mlpfuse.ops import dispatch
+
+    if dispatch.decode_max_m() and torch.cuda.get_device_capability()[0] >= dispatch.MIN_ARCH:
+        assert m._decode.limit == dispatch.decode_max_m()  # this layer takes the decode path up to its limit
+    # With autograd on, the shortcut declines (the training path runs, with gradients).
+    x = torch.randn(4, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, m.gate_proj.bias, m.up_proj.bias,
+         m.down_proj.bias)
+    assert m._decode(x, *w, "gelu_tanh", "") is None
+    m(x).sum().backward()
+    assert x.grad is not None

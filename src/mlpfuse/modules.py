@@ -18,7 +18,7 @@ from torch import Tensor
 from mlpfuse import activations
 from mlpfuse.errors import InputError
 from mlpfuse.ops import dispatch
-from mlpfuse.ops.gated_mlp import gated_mlp_call
+from mlpfuse.ops.gated_mlp import DecodeShortcut, gated_mlp_call
 from mlpfuse.ops.linear_act import linear_act_call
 
 # Activation module classes (torch.nn and transformers' ACT2FN) mapped to our names. GELU (torch.nn) reads its
@@ -138,6 +138,7 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=bias, device=device, dtype=dtype)
         self.up_proj = nn.Linear(dim, hidden, bias=bias, device=device, dtype=dtype)
         self.down_proj = nn.Linear(hidden, dim, bias=bias, device=device, dtype=dtype)
+        self._decode = DecodeShortcut()
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.jit.is_scripting():
@@ -147,6 +148,12 @@ class GatedMLP(nn.Module):
             wg, bg = _weight_bias(mods["gate_proj"])
             wu, bu = _weight_bias(mods["up_proj"])
             wd, bd = _weight_bias(mods["down_proj"])
+            shortcut = self.__dict__.get("_decode")
+            if shortcut is None:  # a module unpickled from before the shortcut existed
+                shortcut = self.__dict__["_decode"] = DecodeShortcut()
+            y = shortcut(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend)
+            if y is not None:
+                return y
             return gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend)
         return gated_mlp_call(
             x,
