@@ -72,7 +72,8 @@ def tma_ok(t: torch.Tensor) -> bool:
     rows, cols = shape
     s0, s1 = t.stride()
     es = t.element_size()
-    return rows > 0 and cols > 0 and s1 == 1 and (s0 * es) % 16 == 0 and (cols * es) % 16 == 0 and t.data_ptr() % 16 == 0
+    aligned = (s0 * es) % 16 == 0 and (cols * es) % 16 == 0 and t.data_ptr() % 16 == 0
+    return rows > 0 and cols > 0 and s1 == 1 and aligned
 
 
 def desc(t: torch.Tensor, block: Sequence[int], shape=None, strides=None) -> TensorDescriptor:

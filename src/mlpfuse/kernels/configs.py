@@ -41,9 +41,9 @@ _INTERPRET = KernelConfig(16, 16, 16, group_m=2, num_stages=1, num_warps=4)
 # H200 (benchmarks/results/kernels-h200.md). Gated: the paired [BM, 2·64] MMA with two CTAs per SM (one's epilogue
 # hides behind the other's main loop) beat one 128×256-class CTA per SM by 3 % at 8192×768×3072 and tied at
 # 8192×4096×14336. Flattening the persistent loop (the next tile's loads overlap this tile's epilogue) then took the
-# gated kernel from 137.4–140.2 to 126.5–127.4 µs at 8192×768×3072 in two runs of `tune_kernels.py --only blog` (benchmarks/results/tune-h200.md)
+# gated kernel from 137.4–140.2 to 126.5–127.4 µs at 8192×768×3072 in two runs of `tune_kernels.py --only blog`
 # and left 8192×4096×14336 level (2753 vs 2750 µs, `--only llama`); on gemm_act it was slower (104.7 vs 83.7 µs,
-# `--only linear`). glu_bwd: one CTA of 8 warps, deeper pipeline (the epilogue's g/u traffic needs the registers).
+# `--only linear`); logs in benchmarks/results/tune-h200.md. glu_bwd: one CTA of 8 warps, deeper pipeline (the epilogue's g/u traffic needs the registers).
 _SM90_16 = {
     ("gated", "large"): KernelConfig(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2, flatten=True),
     ("gated", "small"): KernelConfig(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2, flatten=True),

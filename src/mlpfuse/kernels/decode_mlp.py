@@ -220,8 +220,9 @@ def _block_m(bucket: int) -> int:
 # Measured on an H200 with `benchmarks/bench_decode.py --sweep` (best GPU time per call in a 20-call CUDA graph;
 # log in benchmarks/results/decode-h200.md). Size class "small": H·D <= 4M weights per matrix (e.g. 768×3072);
 # "large": bigger (e.g. 4096×14336). Families: "atomic" (mode 3, and mode 0 where "one" has no entry), "one"
-# (mode 0) and "det" (mode 2) give (BLOCK_H, BLOCK_D, BLOCK_O, num_warps, num_stages); "split" (mode 4) gives the gate/up kernel's (BLOCK_H, BLOCK_D, -,
-# num_warps, num_stages) followed by the down kernel's (BLOCK_O, BLOCK_K, num_warps, num_stages).
+# (mode 0) and "det" (mode 2) give (BLOCK_H, BLOCK_D, BLOCK_O, num_warps, num_stages); "split" (mode 4) gives the
+# gate/up kernel's (BLOCK_H, BLOCK_D, -, num_warps, num_stages) followed by the down kernel's (BLOCK_O, BLOCK_K,
+# num_warps, num_stages).
 _CONFIGS = {
     ("small", 4, "one"): (64, 128, 128, 8, 3),
     ("small", 16, "one"): (64, 128, 128, 8, 3),
@@ -281,8 +282,12 @@ def _size_class(d: int, h: int) -> str:
 
 def default_config(d: int, h: int, bucket: int, elem_size: int, mode: int) -> tuple:
     size = _size_class(d, h)
-    family = "split" if mode == 4 else "det" if mode == 2 else "one" if (size, bucket, "one") in _CONFIGS and mode == 0 \
-        else "atomic"
+    if mode == 4:
+        family = "split"
+    elif mode == 2:
+        family = "det"
+    else:
+        family = "one" if mode == 0 and (size, bucket, "one") in _CONFIGS else "atomic"
     cfg = list(_CONFIGS[(size, bucket, family)])
     if elem_size == 4:  # fp32 tiles are twice the bytes: halve the K steps to keep the pipelines in shared memory
         cfg[1] = max(32, cfg[1] // 2)
