@@ -48,9 +48,11 @@ DECODE_LARGE_MAX_M = 32  # ... the decode path stops at this many tokens
 # Under autograd `auto` takes the Triton path (gated forward kernel saving g and u, cuBLAS dh, one GLU-backward pass)
 # on the same shapes as the forward. It does less GPU work than eager (615 vs 683 µs busy per step at
 # 8192×768×3072, benchmarks/profile_training.py) and, since its launches skip Triton's per-call binding
-# (kernels._common.Launcher), it is no longer host-bound: `mlpfuse bench --preset blog --mode fwd+bwd` on an H200,
-# GPU µs per step: Triton path 697.9, eager 760.8, torch.compile 767.3, Liger 687.2, eager CUDA graph 699.8;
-# benchmarks/host_overhead.py: 693.0 µs per step vs eager 739.2 (Triton's own launcher: 714.2).
+# (kernels._common.Launcher), its host side no longer makes it slower than eager. `mlpfuse bench --preset blog
+# --mode fwd+bwd` on an H200, GPU µs per step over four runs: Triton path 697.9 / 687.4 / 775.1 / 762.5, eager
+# 760.8 / 736.9 / 763.3 / 760.3 (the same-run spread is ±5–10 %); benchmarks/host_overhead.py, wall per step:
+# 693.0 / 686.1 vs eager 739.2 / 715.6 (Triton's own launcher: 714.2 / 766.5). At 8192×4096×14336: 13054 vs
+# eager 13384 µs.
 GATED_TRAINING = True
 MIN_ARCH = 9  # Hopper: the kernels' fast mainloop (TMA, persistent grid) needs sm90
 FAST_DTYPES = (torch.bfloat16, torch.float16)

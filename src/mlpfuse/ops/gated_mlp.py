@@ -274,7 +274,9 @@ class DecodeShortcut:
         if type(x) is not torch.Tensor or torch.is_grad_enabled() or not x.is_cuda or torch._C._is_tracing():
             return None
         dim = wg.shape[1]
-        if x.dim() < 1 or x.shape[-1] != dim or x.dtype != wg.dtype or torch.is_autocast_enabled("cuda"):
+        if x.dim() < 1 or x.shape[-1] != dim or x.dtype != wg.dtype or x.get_device() != wg.get_device():
+            return None  # the op layer names what is wrong
+        if torch.is_autocast_enabled("cuda"):
             return None
         name = dispatch.resolve_backend(backend)
         key = (name, x.get_device(), x.dtype, dim, wg.shape[0], activation)
