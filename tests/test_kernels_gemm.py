@@ -259,3 +259,29 @@ def test_glu_backward_split(act_name, dtype):
     assert_close(dbu, du_ref.sum(0), torch.float32 if dtype == torch.float32 else dtype, "dup_bias")
     # Without the extras nothing else is computed.
     assert glu_backward_split(dh, g, u, activation=act.id)[2:] == (None, None, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the cached direct launch runs on CUDA only")
+def test_cached_launch_reuses_kernels_across_m_and_respecializes_on_alignment():
+    # The second call with the same layout launches the cached compiled kernel directly: it must be right for any M
+    # (M is not specialized), and a layout Triton specializes differently (a 16-byte-misaligned x, which also takes
+    # the pointer path) must not hit the first entry.
+    from mlpfuse.kernels import gated_gemm as gg
+
+    gen = torch.Generator().manual_seed(11)
+    act = A.get("gelu_tanh")
+    K, N = 64, 96
+    wg, wu = randn(N, K, dtype=torch.float16, gen=gen, scale=0.2), randn(N, K, dtype=torch.float16, gen=gen, scale=0.2)
+    big = randn(1000 * K + 8, dtype=torch.float16, gen=gen)
+    before = len(gg._launch._compiled)
+    for M in (1000, 37, 1, 513):
+        x = big[: M * K].view(M, K)
+        assert_close(gated_gemm(x, wg, wu, activation=act.id), gated_ref(x, wg, wu, None, None, act)[0],
+                     torch.float16, f"M={M}")
+    after_aligned = len(gg._launch._compiled)
+    assert after_aligned - before <= 1  # one entry served every M
+    for M in (300, 5):
+        x = big[1: 1 + M * K].view(M, K)  # 2-byte offset: not 16-byte aligned
+        assert_close(gated_gemm(x, wg, wu, activation=act.id), gated_ref(x, wg, wu, None, None, act)[0],
+                     torch.float16, f"misaligned M={M}")
+    assert len(gg._launch._compiled) == after_aligned + 1
