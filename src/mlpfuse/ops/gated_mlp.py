@@ -26,6 +26,16 @@ from mlpfuse.ops import _checks, dispatch
 from mlpfuse.ops._util import autocast_dtype, cast_all, eager_tensor, leading, nothing, rows, wants_grad
 
 
+def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int) -> Tensor:
+    """The decode kernels on 2-D x. torch.use_deterministic_algorithms(True) selects their run-to-run identical
+    reduction; fp32 inputs follow torch's tf32 flag."""
+    return dispatch.kernel("decode_mlp").decode_gated_mlp(
+        x2, wg, wu, wd, bg, bu, bd, activation=act_id,
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        allow_tf32=x2.dtype != torch.float32 or dispatch.allow_tf32(),
+    )
+
+
 def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training: bool, save: bool):
     """(y [..., dim], g, u) with g, u the 2-D pre-activations when `save`, else None."""
     _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
@@ -37,12 +47,7 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training:
         out = reference.gated_mlp_forward(x2, wg, wu, wd, bg, bu, bd, act, save_preact=save)
         y, g, u = out if save else (out, None, None)
     elif path == dispatch.DECODE:
-        # torch.use_deterministic_algorithms(True) selects the kernel's run-to-run identical reduction.
-        y = dispatch.kernel("decode_mlp").decode_gated_mlp(
-            x2, wg, wu, wd, bg, bu, bd, activation=act.id,
-            deterministic=torch.are_deterministic_algorithms_enabled(),
-            allow_tf32=x2.dtype != torch.float32 or dispatch.allow_tf32(),
-        )
+        y = _decode(x2, wg, wu, wd, bg, bu, bd, act.id)
     else:
         out = dispatch.kernel("gated_gemm").gated_gemm(
             x2, wg, wu, bg, bu, activation=act.id, save_preact=save, allow_tf32=dispatch.allow_tf32()
@@ -286,11 +291,7 @@ class DecodeShortcut:
         if m == 0 or m > self.limit:
             return None
         x2 = x if x.dim() == 2 else x.reshape(m, dim)
-        y = dispatch.kernel("decode_mlp").decode_gated_mlp(
-            x2, wg, wu, wd, bg, bu, bd, activation=self.act_id,
-            deterministic=torch.are_deterministic_algorithms_enabled(),
-            allow_tf32=x.dtype != torch.float32 or dispatch.allow_tf32(),
-        )
+        y = _decode(x2, wg, wu, wd, bg, bu, bd, self.act_id)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], wd.shape[0])
 
     def _decide(self, key, x, hidden: int, activation: str) -> None:
