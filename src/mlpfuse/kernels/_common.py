@@ -38,6 +38,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# Whether this process's kernels run in Triton's interpreter: `triton.jit` fixes that when a kernel is defined, so it
+# is read once, at import, like the kernels themselves (and kept off the launch path).
+INTERPRET = interpreting()
+
+
 @functools.lru_cache(maxsize=None)
 def _device_facts(index: int) -> tuple[int, int]:
     props = torch.cuda.get_device_properties(index)
@@ -166,16 +171,17 @@ class Launcher:
         self._compiled: dict = {}
 
     def __call__(self, key, grid, args, consts, num_warps: int, num_stages: int) -> None:
-        if key is not None and DIRECT_LAUNCH and not interpreting():
-            device = torch.cuda.current_device()
-            compiled = self._compiled.get((key, device))
-            if compiled is not None and not _launch_hooks_set():
-                stream = torch._C._cuda_getCurrentRawStream(device)
-                compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, compiled.function,
-                             compiled.packed_metadata, None, None, None, *args, *consts)
+        if key is not None and DIRECT_LAUNCH and not INTERPRET:
+            device = torch._C._cuda_getDevice()  # CUDA is initialized: the tensors in `args` live there
+            entry = self._compiled.get((key, device))
+            if entry is not None and not _launch_hooks_set():
+                run, function, metadata = entry
+                run(grid[0], grid[1] if len(grid) > 1 else 1, 1, torch._C._cuda_getCurrentRawStream(device),
+                    function, metadata, None, None, None, *args, *consts)
                 return
             compiled = self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
-            self._compiled[(key, device)] = compiled
+            # What a launch reads, resolved once (CompiledKernel.run is a property).
+            self._compiled[(key, device)] = (compiled.run, compiled.function, compiled.packed_metadata)
             return
         self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
 

@@ -31,7 +31,6 @@ two streams running this kernel at once never share them.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -39,6 +38,7 @@ import triton.language as tl
 
 from mlpfuse.activations import act_fwd
 from mlpfuse.errors import InputError
+from mlpfuse.kernels import _common as C
 
 # Largest M for which `auto` dispatch should use these kernels. Measured on an H200 by benchmarks/bench_decode.py
 # (benchmarks/results/decode-h200.md): up to 64 rows they beat eager, torch.compile and Liger in wall time per
@@ -48,7 +48,7 @@ DECODE_MAX_M = 64
 MAX_M = 128
 
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_INTERPRET = C.INTERPRET
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -406,7 +406,9 @@ def _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow
 def _launch(plan, which, grid, args, stream):
     """Launch the compiled kernel directly once Triton has compiled it for this plan (skips Triton's per-call
     argument binding and specialization); the first call, and every call under the interpreter, goes through
-    Triton. `which`: "" (main kernel), "reduce_" or "down_"."""
+    Triton. `which`: "" (main kernel), "reduce_" or "down_". The same idea as kernels._common.Launcher, held on
+    the plan the call already looked up: at decode sizes the Launcher's own key lookup per launch (~0.5 µs) is
+    not free."""
     compiled = getattr(plan, which + "compiled")
     consts = getattr(plan, which + "consts")
     if compiled is not None:
