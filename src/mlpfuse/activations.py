@@ -7,7 +7,7 @@ integer id. Triton kernels take that id as a `tl.constexpr` and call
 `act_fwd` / `act_grad` below, so the branch is resolved at compile time and every kernel shares one definition.
 
 Math (x is the pre-activation, in fp32 inside kernels):
-    gelu_tanh(x) = 0.5·x·(1 + tanh(a)),  a = √(2/π)·(x + 0.044715·x³)
+    gelu_tanh(x) = 0.5·x·(1 + tanh(a)) = x·σ(2a),  a = √(2/π)·(x + 0.044715·x³)
         d/dx     = 0.5·(1 + t) + 0.5·x·(1 − t²)·√(2/π)·(1 + 3·0.044715·x²),  t = tanh(a)
     gelu(x)      = 0.5·x·(1 + erf(x/√2)),   d/dx = 0.5·(1 + erf(x/√2)) + x·exp(−x²/2)/√(2π)
     silu(x)      = x·σ(x),                  d/dx = σ(x)·(1 + x·(1 − σ(x)))
@@ -19,6 +19,7 @@ NaN propagates through every forward (relu is written so that NaN stays NaN).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -111,21 +112,44 @@ if triton is not None:
     _K_GELU_TANH, _K_GELU, _K_SILU = tl.constexpr(GELU_TANH), tl.constexpr(GELU), tl.constexpr(SILU)
     _K_RELU, _K_RELU2 = tl.constexpr(RELU), tl.constexpr(RELU2)
 
+    # The interpreter cannot run inline PTX; read once, as triton.jit fixes the mode when a kernel is defined.
+    _K_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
     @triton.jit
-    def _tanh(a):
-        # tanh through exp keeps to core ops (the interpreter and every backend have them); saturates cleanly.
-        return 2.0 / (1.0 + tl.exp(-2.0 * a)) - 1.0
+    def _inv_1p_exp2(w):
+        """1 / (1 + 2^w) in two SFU instructions: ex2 and rcp, approximate (≤ 2 ulp), denormals flushed.
+
+        IEEE division and non-flushing exp2 each add range fix-ups (~10 instructions per element); in a GEMM's
+        epilogue that is time the next tile's main loop waits for. Saturates cleanly (2^w = inf gives 0) and keeps
+        NaN."""
+        if _K_INTERPRET:
+            return 1.0 / (1.0 + tl.exp2(w))
+        else:
+            e = tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [w], dtype=tl.float32, is_pure=True,
+                                          pack=1)
+            return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [1.0 + e], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+
+    @triton.jit
+    def _sigmoid(z):
+        return _inv_1p_exp2(z * -1.4426950408889634)
+
+    @triton.jit
+    def _sigmoid_2a(x):
+        """σ(2a) for gelu_tanh's a = √(2/π)·(x + 0.044715·x³), folded into one exponent: −2·log2(e)·a."""
+        return _inv_1p_exp2(x * (-2.302208198144325 - 0.1029432395800235 * (x * x)))
 
     @triton.jit
     def act_fwd(x, ACT: tl.constexpr):
-        """act(x) for fp32 x; ACT is one of the ids above."""
+        """act(x) for fp32 x; ACT is one of the ids above.
+
+        gelu_tanh uses 0.5·(1 + tanh(a)) = σ(2a), so it costs one sigmoid: exact algebra, not an approximation."""
         if ACT == _K_GELU_TANH:
-            a = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-            return 0.5 * x * (1.0 + _tanh(a))
+            return x * _sigmoid_2a(x)
         elif ACT == _K_GELU:
             return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
         elif ACT == _K_SILU:
-            return x * tl.sigmoid(x)
+            return x * _sigmoid(x)
         elif ACT == _K_RELU:
             return tl.where(x < 0.0, 0.0, x)
         elif ACT == _K_RELU2:
@@ -138,13 +162,13 @@ if triton is not None:
     def act_grad(x, ACT: tl.constexpr):
         """d act / d x for fp32 x."""
         if ACT == _K_GELU_TANH:
-            a = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-            t = _tanh(a)
-            return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+            # With s = σ(2a): 0.5·(1 + t) = s and 0.5·(1 − t²) = 2·s·(1 − s).
+            s = _sigmoid_2a(x)
+            return s + 2.0 * x * s * (1.0 - s) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
         elif ACT == _K_GELU:
             return 0.5 * (1.0 + tl.erf(x * 0.7071067811865476)) + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
         elif ACT == _K_SILU:
-            s = tl.sigmoid(x)
+            s = _sigmoid(x)
             return s * (1.0 + x * (1.0 - s))
         elif ACT == _K_RELU:
             return tl.where(x > 0.0, 1.0, 0.0)
