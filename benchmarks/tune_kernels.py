@@ -26,7 +26,11 @@ from mlpfuse import activations as A
 from mlpfuse.kernels.configs import KernelConfig
 from mlpfuse.kernels.gated_gemm import gated_gemm
 from mlpfuse.kernels.gemm_act import gemm_act
-from mlpfuse.kernels.glu_backward import glu_backward_pointwise, matmul_glu_backward
+from mlpfuse.kernels.glu_backward import (
+    glu_backward_pointwise,
+    glu_backward_split,
+    matmul_glu_backward,
+)
 
 LOG: list[str] = []
 
@@ -166,31 +170,19 @@ def bench(variants: dict, rounds: int, inner: int):
 
 
 K = KernelConfig
+# Candidates still in question; the ones measured and dropped are in benchmarks/results/tune-h200.md.
 GATED_CANDIDATES = {
-    "two-acc 128x128x64 s3w8": K(128, 128, 64, num_stages=3, num_warps=8, pair=False),
-    "pair 128x128x64 s3w8": K(128, 128, 64, num_stages=3, num_warps=8),
-    "pair 128x64x64 s3w4 x2": K(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2),
-    "pair 128x64x64 s3w4 x2 tmastore": K(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2, tma_store=True),
-    "pair 128x64x64 s3w4 x2 g4": K(128, 64, 64, group_m=4, num_stages=3, num_warps=4, programs_per_sm=2),
-    "pair 256x64x64 s3w8": K(256, 64, 64, num_stages=3, num_warps=8),
-    "pair 128x64x64 s3w4 x2 ws": K(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2, warp_specialize=True),
     "pair 128x64x64 s3w4 x2 flatten": K(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2, flatten=True),
 }
 BWD_CANDIDATES = {
-    "128x128x64 s4w8": K(128, 128, 64, num_stages=4, num_warps=8),
-    "128x128x64 s4w8 prefetch": K(128, 128, 64, num_stages=4, num_warps=8, prefetch=True),
-    "128x128x64 s3w8 prefetch": K(128, 128, 64, num_stages=3, num_warps=8, prefetch=True),
     "64x128x64 s3w4 x2 prefetch": K(64, 128, 64, num_stages=3, num_warps=4, programs_per_sm=2, prefetch=True),
 }
 ACT_CANDIDATES = {
-    "128x256x64 s3w8": K(128, 256, 64, num_stages=3, num_warps=8),
-    "128x128x64 s3w4 x2": K(128, 128, 64, num_stages=3, num_warps=4, programs_per_sm=2),
     "128x128x64 s3w8 x2": K(128, 128, 64, num_stages=3, num_warps=8, programs_per_sm=2),
-    "128x128x64 s3w8 x2 tmastore": K(128, 128, 64, num_stages=3, num_warps=8, programs_per_sm=2, tma_store=True),
-    "128x128x64 s3w8 x2 g16": K(128, 128, 64, group_m=16, num_stages=3, num_warps=8, programs_per_sm=2),
-    "128x128x128 s3w8": K(128, 128, 128, num_stages=3, num_warps=8),
-    "256x128x64 s3w8": K(256, 128, 64, num_stages=3, num_warps=8),
+    "128x128x64 s3w4 x2": K(128, 128, 64, num_stages=3, num_warps=4, programs_per_sm=2),
+    "128x128x64 s3w4 x2 flatten": K(128, 128, 64, num_stages=3, num_warps=4, programs_per_sm=2, flatten=True),
     "128x128x64 s3w8 x2 flatten": K(128, 128, 64, num_stages=3, num_warps=8, programs_per_sm=2, flatten=True),
+    "128x256x64 s3w8 flatten": K(128, 256, 64, num_stages=3, num_warps=8, flatten=True),
 }
 
 
@@ -253,6 +245,22 @@ def time_shape(M, K, N, rounds, inner, do_compile, results):
             v[f"mlpfuse glu_bwd {name}"] = f
     v["mlpfuse glu_bwd default"] = lambda: matmul_glu_backward(dy, wd, g0, u0, activation=act)
     v["cublas dh + mlpfuse glu pointwise"] = lambda: glu_backward_pointwise(torch.mm(dy, wd), g0, u0, activation=act)
+    # The training backward's pieces after the pointwise pass: dg and du as two tensors or side by side in one
+    # [M, 2N] buffer (one GEMM for dWg and dWu, and one for dx when the weights are stacked), and the pass itself
+    # with and without rewriting h (the forward now saves it).
+    dh0 = torch.mm(dy, wd)
+    dg0, du0 = torch.randn_like(g0), torch.randn_like(u0)
+    dgu0 = torch.cat([dg0, du0], dim=1)
+    h0 = ag0 * u0
+    v["glu pointwise dg,du,h"] = lambda: glu_backward_split(dh0, g0, u0, activation=act, want_h=True)
+    v["glu pointwise dg,du into [M,2N]"] = lambda: glu_backward_split(
+        dh0, g0, u0, activation=act, out=(dgu0[:, :N], dgu0[:, N:]))
+    v["cublas dWg, dWu (2 mm)"] = lambda: (dg0.t().mm(x), du0.t().mm(x))
+    v["cublas dWgu (1 mm over [M,2N])"] = lambda: dgu0.t().mm(x)
+    v["cublas dx (mm + addmm)"] = lambda: dg0.mm(wg).addmm_(du0, wu)
+    v["cublas dx (views of [M,2N], mm + addmm)"] = lambda: dgu0[:, :N].mm(wg).addmm_(dgu0[:, N:], wu)
+    v["cublas dx stacked (1 mm)"] = lambda: dgu0.mm(wgu)
+    v["cublas dWd"] = lambda: dy.t().mm(h0)
     res = bench(v, rounds, inner)
     results[f"{M}x{K}x{N}"] = res
     return res
@@ -272,6 +280,7 @@ def time_linear(M, K, N, rounds, inner, results):
         if f:
             v[f"mlpfuse gemm_act {name}"] = f
     v["mlpfuse gemm_act default"] = lambda: gemm_act(x, w, b, activation=A.GELU_TANH)
+    v["mlpfuse gemm_act default, no activation"] = lambda: gemm_act(x, w, b, activation=A.IDENTITY)
     res = bench(v, rounds, inner)
     results[f"linear {M}x{K}x{N}"] = res
     return res

@@ -135,10 +135,10 @@ def test_opcheck_of_every_op():
     opcheck(torch.ops.mlpfuse.linear_act_train.default, (x, wg, b, "relu2", "torch", True))
     dy = torch.randn(5, 8, dtype=torch.float64)
     x, wg, wu, wd = (t.detach() for t in (x, wg, wu, wd))  # the backward ops have no double backward
-    _, g, u = torch.ops.mlpfuse.gated_mlp_train(x, wg, wu, wd, None, None, None, "silu", "torch", True)
+    _, h, g, u = torch.ops.mlpfuse.gated_mlp_train(x, wg, wu, wd, None, None, None, "silu", "torch", True)
     opcheck(
         torch.ops.mlpfuse.gated_mlp_backward.default,
-        (dy, x, wg, wu, wd, None, None, g, u, "silu", "torch", False, True, True, False, False, True),
+        (dy, x, wg, wu, wd, None, None, g, u, h, "silu", "torch", False, True, True, False, False, True),
     )
     opcheck(
         torch.ops.mlpfuse.linear_act_backward.default,

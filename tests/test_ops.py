@@ -181,6 +181,57 @@ def test_gated_mlp_triton_glu_backward_forms(monkeypatch, form):
 
 
 @needs_triton
+@pytest.mark.parametrize("gate_first", [True, False])
+def test_gated_mlp_triton_training_on_packed_weights(gate_first):
+    # Gate and up as the two row halves of one packed weight (PackedGatedMLP's layout, and the reverse order): the
+    # backward's dx then runs as one GEMM over the stacked weight (gate first) or two (up first); every gradient,
+    # the packed weight's included, against fp64 autograd.
+    x, wg, wu, wd, bg, bu, bd = gated_inputs((31,), 20, 36, torch.float32, True, seed=21)
+    packed = torch.cat([wg, wu] if gate_first else [wu, wg]).requires_grad_()
+    packed64 = packed.detach().double().requires_grad_()
+    leaves = [t.clone().requires_grad_() for t in (x, wd, bg, bu, bd)]
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    outs = []
+    for w, (xx, wdd, bgg, buu, bdd), fn in ((packed, leaves, None), (packed64, leaves64, plain_gated)):
+        g_w, u_w = (w[:36], w[36:]) if gate_first else (w[36:], w[:36])
+        if fn is None:
+            y = ops.gated_mlp(xx, g_w, u_w, wdd, "gelu_tanh", bgg, buu, bdd, backend="triton")
+        else:
+            y = fn("gelu_tanh", xx, g_w, u_w, wdd, bgg, buu, bdd)
+        y.backward(seeded_like(y.double(), 77).to(y.dtype))  # one fp64 draw for both
+        outs.append([y, w.grad, *(t.grad for t in (xx, wdd, bgg, buu, bdd))])
+    for name, got, want in zip(["y", "packed", "x", "down", "gate_bias", "up_bias", "down_bias"], *outs):
+        assert_close_rel(got, want, torch.float32, name)
+
+
+def test_stacked_weight_view_only_for_adjacent_gate_then_up_rows():
+    from mlpfuse.ops.gated_mlp import _stacked
+
+    w = torch.randn(10, 4)
+    stacked = _stacked(w[:5], w[5:])
+    assert stacked is not None and torch.equal(stacked, w) and stacked.data_ptr() == w.data_ptr()
+    assert _stacked(w[5:], w[:5]) is None  # up rows first
+    assert _stacked(w[:4], w[5:9]) is None  # a gap between them
+    assert _stacked(torch.randn(5, 4), torch.randn(5, 4)) is None  # two allocations
+    assert _stacked(w[:5, :2], w[5:, :2]) is None  # strided rows
+
+
+@needs_triton
+def test_triton_backward_op_passes_opcheck():
+    # The Triton path returns dWg and dWu as views of one buffer; the registered op must still give distinct,
+    # non-aliasing outputs that match its fake implementation.
+    from torch.library import opcheck
+
+    x, wg, wu, wd, bg, bu, _ = gated_inputs((6,), 8, 12, torch.float32, True, seed=5)
+    _, h, g, u = torch.ops.mlpfuse.gated_mlp_train(x, wg, wu, wd, bg, bu, None, "silu", "triton", True)
+    dy = seeded_like(torch.empty(6, 8), 9).to(DEVICE)
+    args = (dy, x, wg, wu, wd, bg, bu, g, u, h, "silu", "triton", False, True, True, True, True, True)
+    grads = torch.ops.mlpfuse.gated_mlp_backward(*args)
+    assert grads[1].untyped_storage().data_ptr() != grads[2].untyped_storage().data_ptr()
+    opcheck(torch.ops.mlpfuse.gated_mlp_backward.default, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_triton
 def test_gated_mlp_triton_recompute_matches_saved(monkeypatch, kernel_calls):
     monkeypatch.setattr(dispatch, "SAVE_PREACT", False)
     check_gated("triton", "gelu", (9,), 17, 29, torch.float32, True)
@@ -533,3 +584,38 @@ def test_decode_shortcut_limit_follows_the_policy(monkeypatch):
     s = DecodeShortcut()
     s._decide(("torch", -1, torch.bfloat16, 768, 3072, "silu"), torch.empty(1, 768), 3072, "silu")
     assert s.limit == 0  # the torch backend never takes the decode kernel
+
+
+@pytest.mark.skipif(not (TRITON and torch.cuda.is_available()), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("bias", [False, True])
+def test_triton_training_step_replays_in_a_cuda_graph(bias):
+    # Forward + backward on the Triton path captured once, replayed on new input data: the same values and
+    # gradients as the step run eagerly (the cached launches, TMA descriptors and bias-sum atomics all capture).
+    ts = gated_inputs((96,), 64, 160, torch.bfloat16, bias, seed=31)
+    x = ts[0].clone().requires_grad_()
+    params = [t.clone().requires_grad_() if t is not None else None for t in ts[1:]]
+    wrt = [x, *(p for p in params if p is not None)]
+    dy = seeded_like(torch.empty(96, 64), 32).to(DEVICE, torch.bfloat16)
+
+    def step():
+        y = ops.gated_mlp(x, *params[:3], "gelu_tanh", *params[3:], backend="triton")
+        return (y, *torch.autograd.grad(y, wrt, dy))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for seed in (33, 34):
+        with torch.no_grad():
+            x.copy_(seeded_like(x.float(), seed).to(x.dtype))
+        graph.replay()
+        want = step()
+        for got, ref in zip(static, want):
+            torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+        y64 = plain_gated("gelu_tanh", *[t.detach().double() if t is not None else None for t in [x, *params]])
+        assert rel(static[0], y64) < TOL[torch.bfloat16]

@@ -36,7 +36,7 @@ def test_gated_forward_and_backward_match_autograd(act, bias):
     dy = torch.randn(m, d, dtype=torch.float64)
     y_ref.backward(dy)
 
-    y, g, u = reference.gated_mlp_forward(*ps, act, save_preact=True)
+    y, h, g, u = reference.gated_mlp_forward(*ps, act, save_preact=True)
     torch.testing.assert_close(y, y_ref.detach(), rtol=1e-12, atol=1e-12)
     grads = reference.gated_mlp_backward(dy, ps[0], ps[1], ps[2], ps[3], g, u, act, bias_grads=(bias,) * 3)
     for name, got, leaf in zip(grads._fields, grads, leaves):
@@ -48,7 +48,7 @@ def test_gated_forward_and_backward_match_autograd(act, bias):
 
 def test_gated_backward_skips_what_is_not_asked_for():
     ps = _params(4, 3, 6, True, seed=1)
-    _, g, u = reference.gated_mlp_forward(*ps, "silu", save_preact=True)
+    _, _, g, u = reference.gated_mlp_forward(*ps, "silu", save_preact=True)
     grads = reference.gated_mlp_backward(torch.ones(4, 3, dtype=torch.float64), *ps[:4], g, u, "silu",
                                          need_dx=False, need_dw=False)
     assert all(t is None for t in grads)

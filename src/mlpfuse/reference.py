@@ -75,10 +75,11 @@ def gated_mlp_forward(
     *,
     save_preact: bool = False,
 ):
-    """y, or (y, g, u) with `save_preact` (what the backward needs)."""
+    """y, or (y, h, g, u) with `save_preact`: what the backward reads (h = act(g)·u, the down projection's input)."""
     g, u = gated_preact(x, gate_weight, up_weight, gate_bias, up_bias)
-    y = F.linear(glu(g, u, activation), down_weight, down_bias)
-    return (y, g, u) if save_preact else y
+    h = glu(g, u, activation)
+    y = F.linear(h, down_weight, down_bias)
+    return (y, h, g, u) if save_preact else y
 
 
 def gated_mlp_backward(

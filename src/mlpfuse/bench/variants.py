@@ -254,26 +254,32 @@ def _build_liger(problem: Problem) -> Step:
     return as_step(module, problem)
 
 
-def _build_eager_cudagraph(problem: Problem) -> Step:
-    step = as_step(eager_module(problem), problem)
-    # Warm up on a side stream (cuBLAS handles, workspaces, autograd's state), then capture with static inputs:
-    # the problem's x/dy are the graph's inputs, so every replay reads them.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+def _captured(build: Callable[[Problem], Step]) -> Callable[[Problem], Step]:
+    """A builder whose step is `build`'s step captured once in a torch.cuda.CUDAGraph and replayed: the same
+    kernels with no host work between them, so eager and mlpfuse can be compared with launch cost taken out."""
 
-    def replay():
-        graph.replay()
-        return static_out
+    def captured(problem: Problem) -> Step:
+        step = build(problem)
+        # Warm up on a side stream (cuBLAS handles, workspaces, autograd's state, compiled kernels), then capture
+        # with static inputs: the problem's x/dy are the graph's inputs, so every replay reads them.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = step()
 
-    replay.graph = graph  # keep the graph (and its memory pool) alive as long as the step
-    return replay
+        def replay():
+            graph.replay()
+            return static_out
+
+        replay.graph = graph  # keep the graph (and its memory pool) alive as long as the step
+        return replay
+
+    return captured
 
 
 def _mlpfuse_builder(backend: str) -> Callable[[Problem], Step]:
@@ -337,7 +343,7 @@ VARIANTS: dict[str, Variant] = {
         ),
         Variant(
             "eager-cudagraph",
-            _build_eager_cudagraph,
+            _captured(_build_eager),
             peer=True,
             needs_cuda=True,
             about="the eager module captured once in a torch.cuda.CUDAGraph, replayed",
@@ -351,10 +357,18 @@ VARIANTS: dict[str, Variant] = {
             missing=_triton_missing,
         ),
         Variant("mlpfuse-torch", _mlpfuse_builder("torch"), about="mlpfuse.ops, pure-PyTorch backend"),
+        Variant(
+            "mlpfuse-cudagraph",
+            _captured(_mlpfuse_builder("auto")),
+            needs_cuda=True,
+            about="mlpfuse.ops (auto) captured once in a torch.cuda.CUDAGraph, replayed: the pair of eager-cudagraph",
+        ),
     )
 }
 
-DEFAULT_VARIANTS = ("eager", "compile", "liger", "eager-cudagraph", "mlpfuse", "mlpfuse-triton", "mlpfuse-torch")
+DEFAULT_VARIANTS = (
+    "eager", "compile", "liger", "eager-cudagraph", "mlpfuse", "mlpfuse-triton", "mlpfuse-torch", "mlpfuse-cudagraph"
+)
 COMPILE_MODES = ("default", "max-autotune", "reduce-overhead")
 
 

@@ -186,18 +186,19 @@ def mlpfuse_glu_backward_pointwise_kernel(
 
 
 def glu_backward_split(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *, activation: int, want_h: bool = False,
-                       bias_sums: bool = False):
+                       bias_sums: bool = False, out=None):
     """(dg, du, h, dgate_bias, dup_bias) from a dh computed elsewhere (e.g. by cuBLAS), in one pass over dh, g, u.
 
     dg = dh·u·act'(g), du = dh·act(g); h = act(g)·u when `want_h` (the dW_down GEMM's input), else None; the bias
     gradients (column sums of dg and du, accumulated in fp32) when `bias_sums`, else None. The split form of
     `matmul_glu_backward`: on an H200 at 8192×768×3072 the fused epilogue (Triton 3.6, no warp specialization) ran
     slower than cuBLAS's dh GEMM plus this single pass (benchmarks/results/kernels-h200.md). The bias sums use
-    fp32 atomics, so their last bits may vary run to run.
+    fp32 atomics, so their last bits may vary run to run. `out` (optional): caller-owned (dg, du), any strides
+    (e.g. the two column halves of one [M, 2·N] buffer).
     """
     _check_pointwise_args(dh, g, u)
     M, N = dh.shape
-    dg, du = torch.empty_like(dh), torch.empty_like(dh)
+    dg, du = C.outputs(out, [(M, N)] * 2, dh)
     h = torch.empty_like(dh) if want_h else None
     dbg = torch.zeros(N, device=dh.device, dtype=torch.float32) if bias_sums else None
     dbu = torch.zeros(N, device=dh.device, dtype=torch.float32) if bias_sums else None

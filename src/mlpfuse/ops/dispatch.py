@@ -22,9 +22,10 @@ from mlpfuse.errors import InputError
 BACKENDS = ("auto", "triton", "torch")
 ENV_VAR = "MLPFUSE_BACKEND"
 
-# Under autograd: keep the pre-activations g and u from the forward for the backward (True), or recompute them
-# there with a second gated GEMM (False). Saving costs 2·M·hidden elements of memory and one write; recomputing
-# costs two of the forward's three GEMMs again.
+# Under autograd: keep the pre-activations g and u (and h = act(g)·u, the down projection's input, which the forward
+# writes anyway and eager autograd saves too) for the backward (True), or recompute them there with a second gated
+# GEMM (False). Saving costs 3·M·hidden elements of memory and two extra writes; recomputing costs two of the
+# forward's three GEMMs again.
 SAVE_PREACT = True
 
 # The `auto` policy, measured on an NVIDIA H200 (bf16, torch 2.11, Triton 3.6) with

@@ -4,17 +4,20 @@ Three ops in the `mlpfuse` namespace (the math is in mlpfuse.reference's docstri
     gated_mlp(x, Wg, Wu, Wd, bg?, bu?, bd?, activation, backend) -> y
         Inference, or any caller that only has the op: its backward recomputes g and u. May take the one-launch
         decode kernel when no gradient is needed.
-    gated_mlp_train(..., save_preact) -> (y, g, u)
+    gated_mlp_train(..., save_preact) -> (y, h, g, u)
         What `ops.gated_mlp` and the modules call when a gradient is needed; with save_preact the pre-activations
-        come out of the forward kernel's epilogue and the backward reads them instead of recomputing.
-    gated_mlp_backward(dy, x, Wg, Wu, Wd, bg?, bu?, g, u, ...) -> (dx, dWg, dWu, dWd, dbg, dbu, dbd)
-        On the Triton path `dh = dy·Wd` runs in a kernel whose epilogue writes dg and du (and h for dWd); the
-        weight and input gradients are cuBLAS GEMMs. Gradients not asked for come back as empty placeholders.
+        g, u and the GLU output h (the down projection's input, which eager autograd saves too) come out of the
+        forward kernel's epilogue and the backward reads them instead of recomputing.
+    gated_mlp_backward(dy, x, Wg, Wu, Wd, bg?, bu?, g, u, h, ...) -> (dx, dWg, dWu, dWd, dbg, dbu, dbd)
+        On the Triton path: cuBLAS `dh = dy·Wd`, one Triton pass writing dg and du side by side into one [M, 2·hidden]
+        buffer (and the bias sums), then cuBLAS for dWd = dyᵀ·h, dx, and dWg, dWu as ONE GEMM over that buffer.
+        Gradients not asked for come back as empty placeholders.
 Every op has a fake implementation (shapes only), so torch.compile(fullgraph=True) and torch.export see one node.
 Plain eager inference calls the implementation directly: the dispatcher's round trip through a Python custom op
 costs more host time than a decode-sized kernel runs. Graph capture, export and TorchScript always see the op.
 """
 
+import functools
 from typing import Optional
 
 import torch
@@ -37,15 +40,15 @@ def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int) -> Tensor:
 
 
 def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training: bool, save: bool):
-    """(y [..., dim], g, u) with g, u the 2-D pre-activations when `save`, else None."""
+    """(y [..., dim], h, g, u): with `save`, g and u the 2-D pre-activations and h = act(g)·u; else all None."""
     _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
     act = activations.get(activation)
     x2 = rows(x)
     path = dispatch.gated_mlp_path(backend, x2, wg.shape[0], training)
-    g = u = None
+    h = g = u = None
     if path == dispatch.TORCH or x2.shape[0] == 0:
         out = reference.gated_mlp_forward(x2, wg, wu, wd, bg, bu, bd, act, save_preact=save)
-        y, g, u = out if save else (out, None, None)
+        y, h, g, u = out if save else (out, None, None, None)
     elif path == dispatch.DECODE:
         y = _decode(x2, wg, wu, wd, bg, bu, bd, act.id)
     else:
@@ -54,7 +57,9 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training:
         )
         h, g, u = out if save else (out, None, None)
         y = F.linear(h, wd, bd)
-    return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], wd.shape[0])), g, u
+        if not save:
+            h = None
+    return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], wd.shape[0])), h, g, u
 
 
 @torch.library.custom_op("mlpfuse::gated_mlp", mutates_args=())
@@ -94,12 +99,10 @@ def _gated_mlp_train_op(
     activation: str,
     backend: str,
     save_preact: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-    y, g, u = _forward(*args, activation, backend, True, save_preact)
-    if g is None:
-        g, u = nothing(x), nothing(x)
-    return y, g, u
+    y, h, g, u = _forward(*args, activation, backend, True, save_preact)
+    return (y, *(t if t is not None else nothing(x) for t in (h, g, u)))
 
 
 @_gated_mlp_train_op.register_fake
@@ -108,9 +111,9 @@ def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, act
     activations.get(activation)
     y = x.new_empty(*x.shape[:-1], down_weight.shape[0])
     if not save_preact:
-        return y, nothing(x), nothing(x)
+        return y, nothing(x), nothing(x), nothing(x)
     m, hidden = leading(x), gate_weight.shape[0]
-    return y, x.new_empty(m, hidden), x.new_empty(m, hidden)
+    return y, x.new_empty(m, hidden), x.new_empty(m, hidden), x.new_empty(m, hidden)
 
 
 def _backward_impl(
@@ -123,6 +126,7 @@ def _backward_impl(
     up_bias: Optional[Tensor],
     g: Tensor,
     u: Tensor,
+    h: Tensor,
     activation: str,
     backend: str,
     recompute: bool,
@@ -141,7 +145,8 @@ def _backward_impl(
         if triton:
             tf32 = dispatch.allow_tf32()
             gg = dispatch.kernel("gated_gemm").gated_gemm
-            _, g, u = gg(x2, gate_weight, up_weight, gate_bias, up_bias, activation=act.id, save_preact=True, allow_tf32=tf32)
+            h, g, u = gg(x2, gate_weight, up_weight, gate_bias, up_bias, activation=act.id, save_preact=True,
+                         allow_tf32=tf32)
         else:
             g, u = reference.gated_preact(x2, gate_weight, up_weight, gate_bias, up_bias)
     bias_grads = (need_dgate_bias, need_dup_bias, need_ddown_bias)
@@ -152,36 +157,75 @@ def _backward_impl(
         )
         dx, dwg, dwu, dwd, dbg, dbu, dbd = grads
     else:
-        tf32 = dispatch.allow_tf32()
-        dbg = dbu = None
-        if dispatch.GLU_BACKWARD == "fused":
-            glu_bwd = dispatch.kernel("glu_backward").matmul_glu_backward
-            dg, du, h = glu_bwd(dy2, down_weight, g, u, activation=act.id, allow_tf32=tf32)
-        else:
-            dh = dy2.mm(down_weight)
-            split = dispatch.kernel("glu_backward").glu_backward_split
-            dg, du, h, dbg, dbu = split(dh, g, u, activation=act.id, want_h=need_dw,
-                                        bias_sums=need_dgate_bias or need_dup_bias)
-        dx = dg.mm(gate_weight).addmm_(du, up_weight) if need_dx else None
-        dwg = dwu = dwd = None
-        if need_dw:
-            dwg, dwu, dwd = dg.t().mm(x2), du.t().mm(x2), dy2.t().mm(h)
-        # Bias gradients are column sums taken in fp32 (the split pass already has them from before dg and du
-        # were rounded to the input dtype).
-        dbg, dbu, dbd = (
-            (fp32 if fp32 is not None else t.sum(0, dtype=torch.float32)).to(x.dtype) if need else None
-            for t, fp32, need in zip((dg, du, dy2), (dbg, dbu, None), bias_grads)
+        dx, dwg, dwu, dwd, dbg, dbu, dbd = _triton_backward(
+            dy2, x2, gate_weight, up_weight, down_weight, g, u, h, act.id, need_dx, need_dw, bias_grads
         )
     dx = dx.reshape(x.shape) if dx is not None else None
     return tuple(t if t is not None else nothing(x) for t in (dx, dwg, dwu, dwd, dbg, dbu, dbd))
 
 
-# The registered op is the implementation itself; eager training calls `_backward_impl` directly.
-_gated_mlp_backward_op = torch.library.custom_op("mlpfuse::gated_mlp_backward", mutates_args=())(_backward_impl)
+def _triton_backward(dy2, x2, wg, wu, wd, g, u, h, act_id: int, need_dx: bool, need_dw: bool, bias_grads):
+    """The Triton path's gradients from the saved (or recomputed) g, u and h.
+
+    dg and du go side by side into one [M, 2·hidden] buffer, so dWg and dWu are one GEMM (`dguᵀ·x`, returned as
+    two views of its [2·hidden, dim] result), and so is dx when the gate and up weights are one packed tensor.
+    """
+    tf32 = dispatch.allow_tf32()
+    m, n = x2.shape[0], wg.shape[0]
+    dgu = torch.empty(m, 2 * n, device=x2.device, dtype=x2.dtype)
+    dg, du = dgu[:, :n], dgu[:, n:]
+    kernels = dispatch.kernel("glu_backward")
+    dbg = dbu = None
+    if dispatch.GLU_BACKWARD == "fused":
+        kernels.matmul_glu_backward(dy2, wd, g, u, activation=act_id, allow_tf32=tf32,
+                                    out=(dg, du, torch.empty_like(g)))
+    else:
+        _, _, _, dbg, dbu = kernels.glu_backward_split(
+            dy2.mm(wd), g, u, activation=act_id, bias_sums=bias_grads[0] or bias_grads[1], out=(dg, du)
+        )
+    dx = dwg = dwu = dwd = None
+    if need_dx:
+        wgu = _stacked(wg, wu)
+        dx = dgu.mm(wgu) if wgu is not None else dg.mm(wg).addmm_(du, wu)
+    if need_dw:
+        dwd = dy2.t().mm(h)
+        dwgu = dgu.t().mm(x2)
+        dwg, dwu = dwgu[:n], dwgu[n:]
+    # Bias gradients are column sums taken in fp32 (the split pass has them from before dg and du were rounded).
+    dbg, dbu, dbd = (
+        (fp32 if fp32 is not None else t.sum(0, dtype=torch.float32)).to(x2.dtype) if need else None
+        for t, fp32, need in zip((dg, du, dy2), (dbg, dbu, None), bias_grads)
+    )
+    return dx, dwg, dwu, dwd, dbg, dbu, dbd
+
+
+def _stacked(top: Tensor, bottom: Tensor) -> Optional[Tensor]:
+    """[top; bottom] as one [2·n, k] view when `bottom`'s rows follow `top`'s in memory (a packed gate_up weight)."""
+    n, k = top.shape
+    es = top.element_size()
+    if top.stride() != (k, 1) or bottom.stride() != (k, 1) or bottom.data_ptr() != top.data_ptr() + n * k * es:
+        return None
+    if top.untyped_storage().data_ptr() != bottom.untyped_storage().data_ptr():
+        return None
+    return top.as_strided((2 * n, k), (k, 1))
+
+
+@functools.wraps(_backward_impl)
+def _backward_op_impl(*args):
+    grads = _backward_impl(*args)
+    # A custom op's outputs may not alias each other: the Triton path returns dWg and dWu as views of one buffer.
+    dwg, dwu = grads[1], grads[2]
+    if dwu.numel() and dwg.untyped_storage().data_ptr() == dwu.untyped_storage().data_ptr():
+        return (grads[0], dwg, dwu.clone(), *grads[3:])
+    return grads
+
+
+# The registered op is the implementation (outputs made distinct); eager training calls `_backward_impl` directly.
+_gated_mlp_backward_op = torch.library.custom_op("mlpfuse::gated_mlp_backward", mutates_args=())(_backward_op_impl)
 
 
 @_gated_mlp_backward_op.register_fake
-def _(dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, g, u, activation, backend, recompute,
+def _(dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, g, u, h, activation, backend, recompute,
       need_dx, need_dw, need_dgate_bias, need_dup_bias, need_ddown_bias):
     def like(t, need):
         return torch.empty_like(t) if need else nothing(x)
@@ -197,13 +241,13 @@ def _(dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, g, u, acti
     )
 
 
-def _backward(ctx, dy, g, u, impl=None):
+def _backward(ctx, dy, h, g, u, impl=None):
     """Gradients for autograd; `impl` None runs the registered backward op (what compile and export record)."""
     x, wg, wu, wd, bg, bu, bd = ctx.saved_tensors[:7]
     need = ctx.needs_input_grad
     need_dw = need[1] or need[2] or need[3]
     grads = (impl or torch.ops.mlpfuse.gated_mlp_backward)(
-        dy, x, wg, wu, wd, bg, bu, g, u, ctx.activation, ctx.backend, ctx.recompute,
+        dy, x, wg, wu, wd, bg, bu, g, u, h, ctx.activation, ctx.backend, ctx.recompute,
         need[0], need_dw,
         bg is not None and need[4], bu is not None and need[5], bd is not None and need[6],
     )
@@ -215,21 +259,20 @@ def _setup(ctx, inputs, output):
     ctx.activation, ctx.backend = activation, backend
     ctx.train = len(inputs) == 10
     ctx.recompute = not (ctx.train and inputs[9])
-    ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, *((output[1], output[2]) if not ctx.recompute else ()))
-    ctx.set_materialize_grads(False)  # no zero-filled gradients for g and u, which only the backward reads
+    ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, *(output[1:4] if not ctx.recompute else ()))
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for h, g and u, which only the backward reads
 
 
 def _backward_inference(ctx, dy):
     empty = nothing(dy)
-    return _backward(ctx, dy, empty, empty)
+    return _backward(ctx, dy, empty, empty, empty)
 
 
-def _backward_train(ctx, dy, _dg, _du):
+def _backward_train(ctx, dy, _dh, _dg, _du):
     if ctx.recompute:
         empty = nothing(dy)
-        return _backward(ctx, dy, empty, empty)
-    g, u = ctx.saved_tensors[7:]
-    return _backward(ctx, dy, g, u)
+        return _backward(ctx, dy, empty, empty, empty)
+    return _backward(ctx, dy, *ctx.saved_tensors[7:])
 
 
 _gated_mlp_op.register_autograd(_backward_inference, setup_context=_setup)
@@ -246,15 +289,15 @@ class _EagerTraining(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str):
-        y, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, dispatch.SAVE_PREACT)
+        y, h, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, dispatch.SAVE_PREACT)
         ctx.activation, ctx.backend, ctx.recompute, ctx.train = activation, backend, g is None, False
-        ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, *(() if g is None else (g, u)))
+        ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, *(() if g is None else (h, g, u)))
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        g, u = (nothing(dy), nothing(dy)) if ctx.recompute else ctx.saved_tensors[7:]
-        return _backward(ctx, dy, g, u, impl=_backward_impl)
+        saved = (nothing(dy),) * 3 if ctx.recompute else ctx.saved_tensors[7:]
+        return _backward(ctx, dy, *saved, impl=_backward_impl)
 
 
 class DecodeShortcut:
