@@ -255,6 +255,9 @@ def time_shape(M, K, N, rounds, inner, do_compile, results):
     v["glu pointwise dg,du,h"] = lambda: glu_backward_split(dh0, g0, u0, activation=act, want_h=True)
     v["glu pointwise dg,du into [M,2N]"] = lambda: glu_backward_split(
         dh0, g0, u0, activation=act, out=(dgu0[:, :N], dgu0[:, N:]))
+    for tile in ((16, 256, 64, 4), (16, 256, 128, 8), (32, 128, 64, 4), (4, 512, 64, 4), (8, 512, 64, 8)):
+        v[f"glu pointwise into [M,2N] tile {tile}"] = lambda tile=tile: glu_backward_split(
+            dh0, g0, u0, activation=act, out=(dgu0[:, :N], dgu0[:, N:]), tile=tile)
     v["cublas dWg, dWu (2 mm)"] = lambda: (dg0.t().mm(x), du0.t().mm(x))
     v["cublas dWgu (1 mm over [M,2N])"] = lambda: dgu0.t().mm(x)
     v["cublas dx (mm + addmm)"] = lambda: dg0.mm(wg).addmm_(du0, wu)

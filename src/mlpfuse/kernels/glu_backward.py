@@ -186,7 +186,7 @@ def mlpfuse_glu_backward_pointwise_kernel(
 
 
 def glu_backward_split(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *, activation: int, want_h: bool = False,
-                       bias_sums: bool = False, out=None):
+                       bias_sums: bool = False, out=None, tile: tuple[int, int, int, int] | None = None):
     """(dg, du, h, dgate_bias, dup_bias) from a dh computed elsewhere (e.g. by cuBLAS), in one pass over dh, g, u.
 
     dg = dh·u·act'(g), du = dh·act(g); h = act(g)·u when `want_h` (the dW_down GEMM's input), else None; the bias
@@ -194,7 +194,7 @@ def glu_backward_split(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *, ac
     `matmul_glu_backward`: on an H200 at 8192×768×3072 the fused epilogue (Triton 3.6, no warp specialization) ran
     slower than cuBLAS's dh GEMM plus this single pass (benchmarks/results/kernels-h200.md). The bias sums use
     fp32 atomics, so their last bits may vary run to run. `out` (optional): caller-owned (dg, du), any strides
-    (e.g. the two column halves of one [M, 2·N] buffer).
+    (e.g. the two column halves of one [M, 2·N] buffer). `tile` overrides (BM, BN, ROWS, warps) (tuning only).
     """
     _check_pointwise_args(dh, g, u)
     M, N = dh.shape
@@ -203,7 +203,7 @@ def glu_backward_split(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *, ac
     dbg = torch.zeros(N, device=dh.device, dtype=torch.float32) if bias_sums else None
     dbu = torch.zeros(N, device=dh.device, dtype=torch.float32) if bias_sums else None
     if M > 0 and N > 0:
-        _launch_pointwise(dh, g, u, dg, du, h, dbg, dbu, activation)
+        _launch_pointwise(dh, g, u, dg, du, h, dbg, dbu, activation, tile)
     return dg, du, h, dbg, dbu
 
 
@@ -217,23 +217,26 @@ def _check_pointwise_args(dh, g, u):
 _launch_pointwise_kernel = C.Launcher(mlpfuse_glu_backward_pointwise_kernel)
 
 
-def _launch_pointwise(dh, g, u, dg, du, h, dbg, dbu, activation):
+# (BM, BN, ROWS, warps) of the pointwise pass: a program walks ROWS rows of a BN-wide strip, BM rows per step.
+_POINTWISE_TILE = (8, 256, 64, 4)
+_POINTWISE_TILE_INTERPRET = (4, 16, 8, 4)
+
+
+def _launch_pointwise(dh, g, u, dg, du, h, dbg, dbu, activation, tile=None):
     M, N = dh.shape
-    on_gpu = dh.device.type == "cuda"
-    BM, BN = (8, 256) if on_gpu else (4, 16)
-    rows = 64 if on_gpu else 8
+    BM, BN, rows, warps = tile or (_POINTWISE_TILE if dh.device.type == "cuda" else _POINTWISE_TILE_INTERPRET)
     hh = h if h is not None else dg  # a placeholder the kernel never touches (WRITE_H is off)
     bg_arg = dbg if dbg is not None else dg
     bu_arg = dbu if dbu is not None else dg
     tensors = (dh, g, u, dg, du, hh, bg_arg, bu_arg)
     consts = (activation, h is not None, dbg is not None, BM, BN, rows)
     # What the compiled kernel is specialized on (all but M): see C.Launcher.
-    key = (consts, dh.dtype, N, tuple(t.stride() for t in tensors[:6]), tuple(C.align16(t) for t in tensors))
+    key = (consts, warps, dh.dtype, N, tuple(t.stride() for t in tensors[:6]), tuple(C.align16(t) for t in tensors))
     _launch_pointwise_kernel(key, (-(-M // rows), -(-N // BN)), (
         *tensors, M, N,
         dh.stride(0), dh.stride(1), g.stride(0), g.stride(1), u.stride(0), u.stride(1),
         dg.stride(0), dg.stride(1), du.stride(0), du.stride(1), hh.stride(0), hh.stride(1),
-    ), consts, num_warps=4, num_stages=3)
+    ), consts, num_warps=warps, num_stages=3)
 
 
 def glu_backward_pointwise(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *, activation: int, out=None):
