@@ -39,12 +39,14 @@ def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int) -> Tensor:
     )
 
 
-def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training: bool, save: bool):
-    """(y [..., dim], h, g, u): with `save`, g and u the 2-D pre-activations and h = act(g)·u; else all None."""
-    _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
+def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training: bool, save: bool, path: str = ""):
+    """(y [..., dim], h, g, u): with `save`, g and u the 2-D pre-activations and h = act(g)·u; else all None.
+    `path` given: the caller already checked the arguments and chose the path."""
+    if not path:
+        _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
     act = activations.get(activation)
     x2 = rows(x)
-    path = dispatch.gated_mlp_path(backend, x2, wg.shape[0], training)
+    path = path or dispatch.gated_mlp_path(backend, x2, wg.shape[0], training)
     h = g = u = None
     if path == dispatch.TORCH or x2.shape[0] == 0:
         out = reference.gated_mlp_forward(x2, wg, wu, wd, bg, bu, bd, act, save_preact=save)
@@ -251,14 +253,14 @@ def _backward(ctx, dy, h, g, u, impl=None):
         need[0], need_dw,
         bg is not None and need[4], bu is not None and need[5], bd is not None and need[6],
     )
-    return (*(t if need[i] else None for i, t in enumerate(grads)), None, None) + ((None,) if ctx.train else ())
+    return (*(t if need[i] else None for i, t in enumerate(grads)), None, None) + (None,) * ctx.extra_inputs
 
 
 def _setup(ctx, inputs, output):
     x, wg, wu, wd, bg, bu, bd, activation, backend = inputs[:9]
     ctx.activation, ctx.backend = activation, backend
-    ctx.train = len(inputs) == 10
-    ctx.recompute = not (ctx.train and inputs[9])
+    ctx.extra_inputs = len(inputs) - 9  # the train op's save_preact
+    ctx.recompute = not (ctx.extra_inputs and inputs[9])
     ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, *(output[1:4] if not ctx.recompute else ()))
     ctx.set_materialize_grads(False)  # no zero-filled gradients for h, g and u, which only the backward reads
 
@@ -288,9 +290,9 @@ class _EagerTraining(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str):
-        y, h, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, dispatch.SAVE_PREACT)
-        ctx.activation, ctx.backend, ctx.recompute, ctx.train = activation, backend, g is None, False
+    def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, path: str):
+        y, h, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, dispatch.SAVE_PREACT, path)
+        ctx.activation, ctx.backend, ctx.recompute, ctx.extra_inputs = activation, backend, g is None, 1
         ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, *(() if g is None else (h, g, u)))
         return y
 
@@ -374,11 +376,12 @@ def gated_mlp_call(
         if grad and eager_tensor(x):
             args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
             _checks.gated_mlp_args(*args)
-            if dispatch.gated_mlp_path(backend, rows(x), gate_weight.shape[0], True) == dispatch.TORCH:
+            path = dispatch.gated_mlp_path(backend, rows(x), gate_weight.shape[0], True)
+            if path == dispatch.TORCH:
                 # The torch path under autograd is eager PyTorch itself: autograd records the reference's ops and
                 # saves what eager saves, so training is never slower than the unfused module.
-                return _forward(*args, activation, backend, True, False)[0]
-            return _EagerTraining.apply(*args, activation, backend)
+                return _forward(*args, activation, backend, True, False, path)[0]
+            return _EagerTraining.apply(*args, activation, backend, path)
     if grad:
         return torch.ops.mlpfuse.gated_mlp_train(
             x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend,
