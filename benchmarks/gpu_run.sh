@@ -2,7 +2,8 @@
 # One GPU run: the steps named on the command line, in order, each under its own time limit, then one archive
 # of everything they wrote and a short summary printed last.
 #   bash benchmarks/gpu_run.sh OUTDIR STEP[:SECONDS] ...
-# Steps: numerics, tests, walkthrough, bench-blog, bench-linear, bench-large, bench-large-train, bench-decode, bench-small,
+# Steps: numerics, tests, walkthrough, bench-blog, bench-linear, bench-large, bench-large-train, bench-train-mid,
+#        bench-decode, bench-small,
 #        bench-sweep, kernels, tune-linear, tune-blog, tune-llama, decode, decode-sweep, host, one-launch, profile-train.
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
@@ -36,6 +37,7 @@ for spec in "$@"; do
         bench-linear) run_step bench-linear "$secs" python3 -m mlpfuse bench --workload linear --tokens 8192 --dim 768 --hidden 3072 --activation gelu_tanh --out "$W/bench-linear" ;;
         bench-large) run_step bench-large "$secs" python3 -m mlpfuse bench --preset llama-8b --workload geglu --mode fwd --out "$W/bench-large" ;;
         bench-large-train) run_step bench-large-train "$secs" python3 -m mlpfuse bench --preset llama-8b --workload geglu --mode fwd+bwd --out "$W/bench-large-train" ;;
+        bench-train-mid) run_step bench-train-mid "$secs" python3 -m mlpfuse bench --tokens 16384,32768 --dim 768 --hidden 3072 --workload geglu --mode fwd+bwd --variants eager,eager-cudagraph,mlpfuse,mlpfuse-triton,mlpfuse-cudagraph --out "$W/bench-train-mid" ;;
         bench-decode) run_step bench-decode "$secs" python3 -m mlpfuse bench --preset decode --workload geglu --out "$W/bench-decode" ;;
         bench-small) run_step bench-small "$secs" python3 -m mlpfuse bench --preset small --workload geglu --out "$W/bench-small" ;;
         bench-sweep) run_step bench-sweep "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 768 --hidden 3072 --workload geglu --out "$W/bench-sweep" ;;

@@ -565,8 +565,15 @@ def test_auto_decode_cutover_depends_on_layer_size(monkeypatch):
     assert dispatch.gated_mlp_path("auto", torch.empty(64, 4096), big, False) == dispatch.TORCH
     assert dispatch.gated_mlp_path("auto", torch.empty(64, 768), small, False) == dispatch.DECODE
     assert dispatch.gated_mlp_path("auto", torch.empty(64, 768), small, True) == dispatch.TORCH
-    # Training at the blog shape takes the fused path (measured faster than eager), small batches stay on cuBLAS.
-    assert dispatch.gated_mlp_path("auto", torch.empty(8192, 768), 3072, True) == dispatch.GATED
+    # Training: the fused path where its GPU time outgrows its host time (Llama-8B's MLP), or under CUDA-graph
+    # capture (no host time per step) from the forward's sizes on; eager mode at the blog shape keeps eager's path
+    # (host-bound); small batches stay on cuBLAS either way.
+    blog, llama = (torch.empty(8192, 768), 3072), (torch.empty(8192, 4096), 14336)
+    assert dispatch.gated_mlp_path("auto", *blog, True) == dispatch.TORCH
+    assert dispatch.gated_mlp_path("auto", *llama, True) == dispatch.GATED
+    assert dispatch.gated_mlp_path("auto", *blog, False) == dispatch.GATED  # inference is not host-bound there
+    monkeypatch.setattr(dispatch, "_graph_capture", lambda x: True)
+    assert dispatch.gated_mlp_path("auto", *blog, True) == dispatch.GATED
     assert dispatch.gated_mlp_path("auto", torch.empty(512, 768), 3072, True) == dispatch.TORCH
 
 
@@ -619,3 +626,37 @@ def test_triton_training_step_replays_in_a_cuda_graph(bias):
             torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
         y64 = plain_gated("gelu_tanh", *[t.detach().double() if t is not None else None for t in [x, *params]])
         assert rel(static[0], y64) < TOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(not (TRITON and torch.cuda.is_available()), reason="CUDA graphs need a GPU")
+def test_auto_training_is_fused_only_when_captured_and_compiles_inside_the_capture(kernel_calls):
+    # At a host-bound size `auto` trains on eager's path in eager mode and on the fused kernels under CUDA-graph
+    # capture. A graph user warms up in eager mode, so the fused kernels are first built and loaded inside the
+    # capture: that must work (their in-process caches are cleared first to make sure it happens here).
+    from mlpfuse.kernels import gated_gemm, glu_backward
+
+    for launcher in (gated_gemm._launch, glu_backward._launch_pointwise_kernel):
+        launcher.clear()
+        launcher.kernel.device_caches.clear()
+    ts = gated_inputs((8192,), 776, 3088, torch.bfloat16, False, seed=41)
+    leaves = [t.clone().requires_grad_() for t in ts[:4]]
+    dy = seeded_like(torch.empty(8192, 776), 42).to(DEVICE, torch.bfloat16)
+
+    def step():
+        y = ops.gated_mlp(*leaves, "gelu_tanh")
+        return (y, *torch.autograd.grad(y, leaves, dy))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            want = step()
+    torch.cuda.current_stream().wait_stream(side)
+    assert "gated_gemm" not in kernel_calls
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    assert "gated_gemm" in kernel_calls and "glu_backward" in kernel_calls
+    graph.replay()
+    for got, ref in zip(static, want):
+        assert rel(got, ref) < TOL[torch.bfloat16]

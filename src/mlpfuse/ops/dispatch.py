@@ -46,15 +46,16 @@ GLU_BACKWARD = "split"
 # (32: 106.6 vs eager 108.9 µs per call) and lost at 64 (119.1 vs 116.5), benchmarks/results/nvidia-h200/decode.
 DECODE_LARGE_LAYER = 1 << 24  # dim·hidden from which ...
 DECODE_LARGE_MAX_M = 32  # ... the decode path stops at this many tokens
-# Under autograd `auto` takes the Triton path (gated forward kernel saving g and u, cuBLAS dh, one GLU-backward pass)
-# on the same shapes as the forward. It does less GPU work than eager (615 vs 683 µs busy per step at
-# 8192×768×3072, benchmarks/profile_training.py) and, since its launches skip Triton's per-call binding
-# (kernels._common.Launcher), its host side no longer makes it slower than eager. `mlpfuse bench --preset blog
-# --mode fwd+bwd` on an H200, GPU µs per step over four runs: Triton path 697.9 / 687.4 / 775.1 / 762.5, eager
-# 760.8 / 736.9 / 763.3 / 760.3 (the same-run spread is ±5–10 %); benchmarks/host_overhead.py, wall per step:
-# 693.0 / 686.1 vs eager 739.2 / 715.6 (Triton's own launcher: 714.2 / 766.5). At 8192×4096×14336: 13054 vs
-# eager 13384 µs.
+# Under autograd `auto` takes the Triton path (gated forward kernel saving h, g and u; cuBLAS dh; one GLU-backward pass
+# into one [M, 2·hidden] buffer; dWg and dWu as one GEMM) on the same shapes as the forward, with one more condition
+# outside CUDA-graph capture. Its kernels do less GPU work than eager's: in CUDA graphs, `mlpfuse bench --preset blog
+# --mode fwd+bwd` on an H200 measured 573.5 / 577.3 µs per step against eager's graph 693.3 / 690.5 (two runs). But
+# its host side costs more than eager's (Python around 8 launches against autograd's C++ nodes), and at that size the
+# host decides an eager-mode step: 812 / 1076 µs against eager's 808 / 804 in the same two runs. So outside graph
+# capture the fused training path starts at GATED_TRAINING_EAGER_MIN_WORK multiply-adds (M·dim·hidden), where the GPU
+# time outgrows the host time: at 8192×4096×14336 (4.8e11) it measured 13054 vs eager 13384 µs.
 GATED_TRAINING = True
+GATED_TRAINING_EAGER_MIN_WORK = 1e11
 MIN_ARCH = 9  # Hopper: the kernels' fast mainloop (TMA, persistent grid) needs sm90
 FAST_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -154,6 +155,11 @@ def _require_triton(x: torch.Tensor, module: str) -> None:
         raise InputError(f"backend: 'triton' cannot run this call: {reason}")
 
 
+def _graph_capture(x: torch.Tensor) -> bool:
+    """Whether this call is being recorded into a CUDA graph (then host time is paid once, not per step)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -> str:
     """TORCH, GATED or DECODE for a gated MLP call on 2-D x [M, dim] with `hidden` units. `backend` is an argument
     as given ('' = default)."""
@@ -175,8 +181,12 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
         return DECODE
     if not _auto_may_use(x.device, x.dtype, "gated_gemm"):
         return TORCH
-    n, k = x.shape[1], hidden
-    return GATED if m >= GATED_MIN_M and m * n * k >= GATED_MIN_WORK else TORCH
+    work = m * x.shape[1] * hidden
+    if m < GATED_MIN_M or work < GATED_MIN_WORK:
+        return TORCH
+    if training and work < GATED_TRAINING_EAGER_MIN_WORK and not _graph_capture(x):
+        return TORCH  # host-bound outside a CUDA graph: eager's path costs less host time
+    return GATED
 
 
 def linear_act_path(backend: str, x: torch.Tensor, out_features: int, activation_id: int) -> str:
