@@ -571,6 +571,7 @@ def test_auto_decode_cutover_depends_on_layer_size(monkeypatch):
     blog, llama = (torch.empty(8192, 768), 3072), (torch.empty(8192, 4096), 14336)
     assert dispatch.gated_mlp_path("auto", *blog, True) == dispatch.TORCH
     assert dispatch.gated_mlp_path("auto", *llama, True) == dispatch.GATED
+    assert dispatch.gated_mlp_path("auto", torch.empty(16384, 768), 3072, True) == dispatch.GATED
     assert dispatch.gated_mlp_path("auto", *blog, False) == dispatch.GATED  # inference is not host-bound there
     monkeypatch.setattr(dispatch, "_graph_capture", lambda x: True)
     assert dispatch.gated_mlp_path("auto", *blog, True) == dispatch.GATED

@@ -49,13 +49,15 @@ DECODE_LARGE_MAX_M = 32  # ... the decode path stops at this many tokens
 # Under autograd `auto` takes the Triton path (gated forward kernel saving h, g and u; cuBLAS dh; one GLU-backward pass
 # into one [M, 2·hidden] buffer; dWg and dWu as one GEMM) on the same shapes as the forward, with one more condition
 # outside CUDA-graph capture. Its kernels do less GPU work than eager's: in CUDA graphs, `mlpfuse bench --preset blog
-# --mode fwd+bwd` on an H200 measured 573.5 / 577.3 µs per step against eager's graph 693.3 / 690.5 (two runs). But
-# its host side costs more than eager's (Python around 8 launches against autograd's C++ nodes), and at that size the
-# host decides an eager-mode step: 812 / 1076 µs against eager's 808 / 804 in the same two runs. So outside graph
-# capture the fused training path starts at GATED_TRAINING_EAGER_MIN_WORK multiply-adds (M·dim·hidden), where the GPU
-# time outgrows the host time: at 8192×4096×14336 (4.8e11) it measured 13054 vs eager 13384 µs.
+# --mode fwd+bwd` on an H200 measured 573.5 / 577.3 / 590.9 µs per step against eager's graph 693.3 / 690.5 / 700.4
+# (three runs). But its host side costs more than eager's (Python around 8 launches against autograd's C++ nodes),
+# and at that size (1.9e10 multiply-adds, M·dim·hidden) the host decides an eager-mode step: 812 / 1076 / 862 µs
+# against eager's 808 / 804 / 830 in the same runs. At twice the tokens (3.9e10) the GPU time wins: 1195 vs eager
+# 1527 µs, and at 32768 tokens 2390 vs 2959 (`mlpfuse bench --tokens 16384,32768 --dim 768 --hidden 3072 --mode
+# fwd+bwd`, benchmarks/results/nvidia-h200/train-mid). So outside graph capture the fused training path starts
+# between the two measured sizes.
 GATED_TRAINING = True
-GATED_TRAINING_EAGER_MIN_WORK = 1e11
+GATED_TRAINING_EAGER_MIN_WORK = 3e10
 MIN_ARCH = 9  # Hopper: the kernels' fast mainloop (TMA, persistent grid) needs sm90
 FAST_DTYPES = (torch.bfloat16, torch.float16)
 
