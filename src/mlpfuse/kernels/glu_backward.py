@@ -4,11 +4,12 @@
     dg = dh·u·act'(g)       du = dh·act(g)       h = act(g)·u
 
 dh never reaches HBM: the epilogue loads the matching g and u tiles and writes dg and du (the inputs of the dx/dWg/dWu
-GEMMs) and h (the input of the dWd GEMM, recomputed here rather than saved by the forward).
+GEMMs) and h (the input of the dWd GEMM; the training path now saves h from the forward instead).
 
-Measured on an H200 (benchmarks/results/kernels-h200.md) the fused form loses: without warp specialization the
-epilogue's five [M, N] streams do not overlap the main loop, and cuBLAS's dh GEMM followed by the single pass of
-`glu_backward_pointwise` (below) is faster (130 vs 200 µs at 8192×768×3072). Both are kept; the dispatch picks.
+Measured on an H200 (benchmarks/results/kernels-h200.md, tune-h200.md) the fused form loses: without warp
+specialization the epilogue's [M, N] streams do not overlap the main loop, and cuBLAS's dh GEMM followed by the
+single pass of `glu_backward_split` (below) is faster (130 vs 200 µs at 8192×768×3072; 134 vs 161 µs once the
+activation math got cheaper). Both are kept; the dispatch picks.
 """
 
 from __future__ import annotations

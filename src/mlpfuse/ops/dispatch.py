@@ -38,9 +38,11 @@ GATED_MIN_M = 1024  # tokens, and ...
 GATED_MIN_WORK = 8e9  # ... M·hidden·dim multiply-adds from which the gated GEMM replaces 2 GEMMs + GELU·mul
 # gemm_act vs addmm + activation at 768→3072: M=2048 27.5 → 45.1 µs (eager wins), M=4096 49.1 → 45.7.
 LINEAR_ACT_MIN_WORK = 9e9  # M·out·in multiply-adds from which GEMM+bias+activation replaces addmm + activation
-# The GLU backward: "split" = cuBLAS dh = dy·Wd, then one Triton pass writing dg, du, h and fp32 bias sums;
-# "fused" = one Triton GEMM whose epilogue writes dg, du, h. Same run: split 130.2 / 1694.2 µs, fused 199.6 /
-# 2083.5 µs at 8192×768×3072 / 8192×4096×14336 (cuBLAS dh + eager GLU backward: 179.3 / 1982.7).
+# The GLU backward: "split" = cuBLAS dh = dy·Wd, then one Triton pass writing dg, du and fp32 bias sums;
+# "fused" = one Triton GEMM whose epilogue writes dg, du (and h). Same run: split 130.2 / 1694.2 µs, fused 199.6 /
+# 2083.5 µs at 8192×768×3072 / 8192×4096×14336 (cuBLAS dh + eager GLU backward: 179.3 / 1982.7). With the cheaper
+# activation math the fused form came to 161.1 µs at 8192×768×3072, the split one to 65.2 + 68.5
+# (`tune_kernels.py --only blog`, benchmarks/results/tune-h200.md).
 GLU_BACKWARD = "split"
 # The decode path (M <= decode_mlp.DECODE_MAX_M, no autograd) on large layers: at 4096×14336 it won at 1–32 tokens
 # (32: 106.6 vs eager 108.9 µs per call) and lost at 64 (119.1 vs 116.5), benchmarks/results/nvidia-h200/decode.
