@@ -45,7 +45,8 @@ _INTERPRET = KernelConfig(16, 16, 16, group_m=2, num_stages=1, num_warps=4)
 # and left 8192×4096×14336 level (2753 vs 2750 µs, `--only llama`). gemm_act: once the activation's epilogue cost
 # ~9 instead of ~19 instructions per element (sigmoid through ex2/rcp.approx), one warpgroup per 128×128 tile with the
 # flattened loop took it from 79.9 to 74.0 µs at 8192×768→3072 (8 warps flattened: 100.3; no activation: 71.3),
-# `--only linear`; logs in benchmarks/results/tune-h200.md. glu_bwd: one CTA of 8 warps, deeper pipeline (the epilogue's g/u traffic needs the registers).
+# `--only linear`; logs in benchmarks/results/tune-h200.md. glu_bwd: one CTA of 8 warps, deeper pipeline (the
+# epilogue's g/u traffic needs the registers).
 _SM90_16 = {
     ("gated", "large"): KernelConfig(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2, flatten=True),
     ("gated", "small"): KernelConfig(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2, flatten=True),
