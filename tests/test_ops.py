@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mlpfuse import activations, kernels, ops
+from mlpfuse.bench.variants import graphed
 from mlpfuse.errors import InputError
 from mlpfuse.ops import dispatch
 from oracle import PLAIN
@@ -609,19 +610,11 @@ def test_triton_training_step_replays_in_a_cuda_graph(bias):
         y = ops.gated_mlp(x, *params[:3], "gelu_tanh", *params[3:], backend="triton")
         return (y, *torch.autograd.grad(y, wrt, dy))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    replay = graphed(step, warmup=2)
     for seed in (33, 34):
         with torch.no_grad():
             x.copy_(seeded_like(x.float(), seed).to(x.dtype))
-        graph.replay()
+        static = replay()
         want = step()
         for got, ref in zip(static, want):
             torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
@@ -647,17 +640,9 @@ def test_auto_training_is_fused_only_when_captured_and_compiles_inside_the_captu
         y = ops.gated_mlp(*leaves, "gelu_tanh")
         return (y, *torch.autograd.grad(y, leaves, dy))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            want = step()
-    torch.cuda.current_stream().wait_stream(side)
-    assert "gated_gemm" not in kernel_calls
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
-    assert "gated_gemm" in kernel_calls and "glu_backward" in kernel_calls
-    graph.replay()
-    for got, ref in zip(static, want):
+    want = step()
+    assert "gated_gemm" not in kernel_calls  # eager mode: eager's path
+    replay = graphed(step, warmup=1)  # the warm-up is eager mode too; only the capture takes the fused kernels
+    assert kernel_calls.count("gated_gemm") == 1 and kernel_calls.count("glu_backward") == 1
+    for got, ref in zip(replay(), want):
         assert rel(got, ref) < TOL[torch.bfloat16]

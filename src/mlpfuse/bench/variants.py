@@ -254,32 +254,33 @@ def _build_liger(problem: Problem) -> Step:
     return as_step(module, problem)
 
 
+def graphed(step: Step, warmup: int = 3) -> Step:
+    """`step` captured once in a torch.cuda.CUDAGraph; the returned step replays it and returns the captured outputs.
+
+    Warm-up runs on a side stream first (cuBLAS handles, workspaces, autograd's state, compiled kernels), as a
+    capture needs; the tensors `step` reads are the graph's inputs, so every replay reads their current values."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+
+    def replay():
+        graph.replay()
+        return static_out
+
+    replay.graph = graph  # keep the graph (and its memory pool) alive as long as the step
+    return replay
+
+
 def _captured(build: Callable[[Problem], Step]) -> Callable[[Problem], Step]:
-    """A builder whose step is `build`'s step captured once in a torch.cuda.CUDAGraph and replayed: the same
-    kernels with no host work between them, so eager and mlpfuse can be compared with launch cost taken out."""
-
-    def captured(problem: Problem) -> Step:
-        step = build(problem)
-        # Warm up on a side stream (cuBLAS handles, workspaces, autograd's state, compiled kernels), then capture
-        # with static inputs: the problem's x/dy are the graph's inputs, so every replay reads them.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = step()
-
-        def replay():
-            graph.replay()
-            return static_out
-
-        replay.graph = graph  # keep the graph (and its memory pool) alive as long as the step
-        return replay
-
-    return captured
+    """A builder whose step is `build`'s step captured in a CUDA graph and replayed (`graphed`): the same kernels with
+    no host work between them, so eager and mlpfuse can be compared with launch cost taken out."""
+    return lambda problem: graphed(build(problem))
 
 
 def _mlpfuse_builder(backend: str) -> Callable[[Problem], Step]:

@@ -243,9 +243,4 @@ def _launch_pointwise(dh, g, u, dg, du, h, dbg, dbu, activation, tile=None):
 
 def glu_backward_pointwise(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *, activation: int, out=None):
     """(dg, du) = (dh·u·act'(g), dh·act(g)) in one pass; `out` takes caller-owned (dg, du)."""
-    _check_pointwise_args(dh, g, u)
-    M, N = dh.shape
-    dg, du = C.outputs(out, [(M, N)] * 2, dh)
-    if M > 0 and N > 0:
-        _launch_pointwise(dh, g, u, dg, du, None, None, None, activation)
-    return dg, du
+    return glu_backward_split(dh, g, u, activation=activation, out=out)[:2]
