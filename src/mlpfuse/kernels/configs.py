@@ -42,8 +42,8 @@ _INTERPRET = KernelConfig(16, 16, 16, group_m=2, num_stages=1, num_warps=4)
 # hides behind the other's main loop) beat one 128×256-class CTA per SM by 3 % at 8192×768×3072 and tied at
 # 8192×4096×14336. Flattening the persistent loop (the next tile's loads overlap this tile's epilogue) then took the
 # gated kernel from 137.4–140.2 to 126.5–127.4 µs at 8192×768×3072 in two runs of `tune_kernels.py --only blog`
-# and left 8192×4096×14336 level (2753 vs 2750 µs, `--only llama`). gemm_act: once the activation's epilogue cost
-# ~9 instead of ~19 instructions per element (sigmoid through ex2/rcp.approx), one warpgroup per 128×128 tile with the
+# and left 8192×4096×14336 level (2753 vs 2750 µs, `--only llama`). gemm_act: once the activation's epilogue got
+# cheaper (sigmoid through ex2/rcp.approx instead of IEEE division), one warpgroup per 128×128 tile with the
 # flattened loop took it from 79.9 to 74.0 µs at 8192×768→3072 (8 warps flattened: 100.3; no activation: 71.3),
 # `--only linear`; logs in benchmarks/results/tune-h200.md. glu_bwd: one CTA of 8 warps, deeper pipeline (the
 # epilogue's g/u traffic needs the registers).
