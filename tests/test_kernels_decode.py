@@ -207,3 +207,22 @@ def test_rows_past_max_m_are_refused_even_after_a_warm_call():
         K.decode_gated_mlp(torch.cat([x, x[:1]]), *w, activation=A.SILU)
     with pytest.raises(InputError):
         K.decode_gated_mlp(x, w[0], w[1], "not a tensor", activation=A.SILU)
+
+
+@pytest.mark.parametrize("mode", [0, 2, 3, 4])
+@pytest.mark.parametrize("act", ["gelu_tanh", "silu", "relu"])
+def test_inf_in_x_matches_eager(mode, act):
+    # H = 40 is not a multiple of the hidden-slice width: the padded slice rows see zero weights times an Inf in x
+    # (NaN), which must not leak into the outputs through the zero down-projection columns.
+    gen = torch.Generator().manual_seed(3)
+    m, d, h = 3, 24, 40
+    wg, wu, wd = (torch.rand(*s, generator=gen).to(DEVICE) for s in ((h, d), (h, d), (d, h)))
+    x = torch.rand(m, d, generator=gen).to(DEVICE)
+    x[0, 3] = float("inf")
+    a = A.get(act)
+    ref = reference(x, wg, wu, wd, None, None, None, a.id)
+    y = K.decode_gated_mlp(x, wg, wu, wd, activation=a.id, allow_tf32=False, _mode=mode).double()
+    assert torch.equal(torch.isinf(y), torch.isinf(ref)) and torch.equal(torch.isnan(y), torch.isnan(ref))
+    finite = torch.isfinite(ref)
+    assert torch.isinf(ref[0]).all() and finite[1:].all()  # the case is what it claims: row 0 Inf, the rest finite
+    assert torch.allclose(y[finite], ref[finite], rtol=1e-5)

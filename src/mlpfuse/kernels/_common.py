@@ -189,6 +189,25 @@ class Launcher:
         self._compiled.clear()
 
 
+# Largest element offset a kernel may compute in 32-bit integer math. Triton keeps tensor indices in int32 unless
+# told otherwise, so `row * stride` wraps past 2**31 and reads or writes the wrong place: a [75k, 2·14336] buffer is
+# enough. Launches whose tensors reach that far compile an int64-index variant (the I64 constexpr); everything
+# smaller keeps 32-bit math, which is cheaper in registers and address arithmetic.
+INT32_SPAN = 2**31 - 1
+
+
+def span(t: torch.Tensor) -> int:
+    """The largest element offset from `t`'s data pointer that indexing it can reach (0 for an empty tensor)."""
+    if t.numel() == 0:
+        return 0
+    return sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+
+
+def needs_i64(*tensors) -> bool:
+    """Whether any tensor's reach (see `span`) passes what int32 offsets can address."""
+    return any(t is not None and span(t) > INT32_SPAN for t in tensors)
+
+
 def align16(t) -> bool:
     """The pointer-alignment fact Triton specializes a tensor argument on."""
     return t.data_ptr() % 16 == 0

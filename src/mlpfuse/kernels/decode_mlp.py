@@ -91,15 +91,19 @@ def mlpfuse_decode_mlp_kernel(
     stride_xm, stride_xd, stride_gh, stride_gd, stride_uh, stride_ud, stride_dd, stride_dh, stride_om, stride_od,
     ACT: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr, MODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr, FENCE: tl.constexpr,
+    BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr, FENCE: tl.constexpr, I64: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
     offs_h = pid * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
     offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_D)
+    if I64:  # a weight or x reaching past 2**31 elements: index math in 64 bits
+        offs_h = offs_h.to(tl.int64)
+        offs_m = offs_m.to(tl.int64)
+        offs_k = offs_k.to(tl.int64)
+    mask_h = offs_h < H
+    mask_m = offs_m < M
 
     # Phase 1: this program's slice of g and u, transposed ([BLOCK_H, BLOCK_M]).
     acc_g = tl.zeros((BLOCK_H, BLOCK_M), tl.float32)
@@ -118,8 +122,9 @@ def mlpfuse_decode_mlp_kernel(
         acc_g += tl.load(bg_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)[:, None]
     if HAS_BU:
         acc_u += tl.load(bu_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)[:, None]
-    # Rows past H saw zero weights and zero bias: act(0)·0 = 0 for every activation, so they add nothing below.
-    h_t = (act_fwd(acc_g, ACT) * acc_u).to(wd_ptr.dtype.element_ty)
+    # Rows past H saw zero weights, but 0·x is NaN where x holds an Inf: zero them, or phase 2 would spread the NaN
+    # into every output through the (zero) weight columns past H.
+    h_t = tl.where(mask_h[:, None], act_fwd(acc_g, ACT) * acc_u, 0.0).to(wd_ptr.dtype.element_ty)
     if MODE == 4:  # split: hand h [M, H] to mlpfuse_decode_down_kernel
         tl.store(h_ptr + offs_m[None, :] * H + offs_h[:, None], h_t, mask=mask_h[:, None] & mask_m[None, :])
     else:
@@ -129,6 +134,8 @@ def mlpfuse_decode_mlp_kernel(
         for i in range(0, n_chunks):
             c = (i + pid) % n_chunks
             offs_o = c * BLOCK_O + tl.arange(0, BLOCK_O)
+            if I64:
+                offs_o = offs_o.to(tl.int64)
             mask_o = offs_o < D
             wd = tl.load(wd_ptr + offs_o[:, None] * stride_dd + offs_h[None, :] * stride_dh,
                          mask=mask_o[:, None] & mask_h[None, :], other=0.0)
@@ -136,7 +143,7 @@ def mlpfuse_decode_mlp_kernel(
             y_off = offs_m[None, :] * D + offs_o[:, None]
             y_mask = mask_o[:, None] & mask_m[None, :]
             if MODE == 2:
-                tl.store(part_ptr + pid * M * D + y_off, y_t, mask=y_mask)
+                tl.store(part_ptr + pid.to(y_off.dtype) * M * D + y_off, y_t, mask=y_mask)
             else:
                 tl.atomic_add(acc_ptr + y_off, y_t, mask=y_mask, sem="relaxed")
 
@@ -183,14 +190,18 @@ def mlpfuse_decode_reduce_kernel(part_ptr, out_ptr, bd_ptr, M, D, n_parts, strid
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_decode_down_kernel(h_ptr, wd_ptr, bd_ptr, out_ptr, M, D, H, stride_dd, stride_dh, stride_om, stride_od,
                                HAS_BD: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr):
+                               BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, I64: tl.constexpr):
     """Split mode, second launch: yᵀ[rows, M] = Wd[rows, :] · hᵀ (+ bd). Each program owns BLOCK_O output columns
     and the whole K = H loop, so nothing is reduced across programs; h (tiny) is re-read from L2."""
     offs_o = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
-    mask_o = offs_o < D
     offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
+    if I64:  # w_down reaching past 2**31 elements: index math in 64 bits
+        offs_o = offs_o.to(tl.int64)
+        offs_m = offs_m.to(tl.int64)
+        offs_k = offs_k.to(tl.int64)
+    mask_o = offs_o < D
+    mask_m = offs_m < M
     acc = tl.zeros((BLOCK_O, BLOCK_M), tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + offs_k
@@ -388,14 +399,18 @@ def _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow
     cfg = config or default_config(d, h, bucket, x.element_size(), mode)
     block_h, block_d, block_o = cfg[:3]
     fp32 = x.dtype == torch.float32
+    # The plan serves every M up to MAX_M with these strides: decide index width for the largest.
+    x_reach = (MAX_M - 1) * abs(x.stride(0)) + (d - 1) * abs(x.stride(1))
+    i64 = (x_reach > C.INT32_SPAN or C.needs_i64(w_gate, w_up, w_down)
+           or MAX_M * max(d, h) * (triton.cdiv(h, block_h) if mode == 2 else 1) > C.INT32_SPAN)
     consts = (activation, b_gate is not None, b_up is not None, b_down is not None, mode,
               "tf32" if (not fp32 or allow_tf32) else "ieee", block_m, block_h, block_d, block_o,
-              _FINAL_BLOCK, not _INTERPRET)
+              _FINAL_BLOCK, not _INTERPRET, i64)
     block_f = 256  # a constant, not a function of M: one compile serves every M
     down = {}
     if mode == 4:
         down = dict(down_grid=triton.cdiv(d, cfg[5]),
-                    down_consts=(b_down is not None, consts[5], block_m, cfg[5], cfg[6]))
+                    down_consts=(b_down is not None, consts[5], block_m, cfg[5], cfg[6], i64))
     block_p = 1 if mode == 3 else min(32, triton.next_power_of_2(triton.cdiv(h, block_h)))
     return _Plan(n_progs=triton.cdiv(h, block_h), cfg=cfg, consts=consts,
                  w_strides=(w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1), w_down.stride(0),

@@ -32,7 +32,7 @@ def mlpfuse_gated_gemm_kernel(
     ACT: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, SAVE: tl.constexpr,
     TMA: tl.constexpr, PAIR: tl.constexpr, UP_FIRST: tl.constexpr, TMA_STORE: tl.constexpr, DOT_PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
-    WS: tl.constexpr,
+    WS: tl.constexpr, I64: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -45,6 +45,9 @@ def mlpfuse_gated_gemm_kernel(
         off_n = pid_n * BN
         rm = off_m + tl.arange(0, BM)
         rn = off_n + tl.arange(0, BN)
+        if I64:  # offsets past 2**31 elements: index math in 64 bits (C.needs_i64)
+            rm = rm.to(tl.int64)
+            rn = rn.to(tl.int64)
         if PAIR:
             # [BM, 2·BN] accumulator = one 128×256-class MMA per K step instead of two narrow ones.
             acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
@@ -69,6 +72,8 @@ def mlpfuse_gated_gemm_kernel(
                     but = wu.load([off_n, k0])
                 else:
                     rk = k0 + tl.arange(0, BK)
+                    if I64:
+                        rk = rk.to(tl.int64)
                     km = rk[None, :] < K
                     a = tl.load(x + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & km, other=0.0)
                     wmask = (rn[:, None] < N) & km
@@ -147,7 +152,7 @@ def gated_gemm(
     bu_arg = b_up if b_up is not None else x
     consts = (activation, b_gate is not None, b_up is not None, save_preact, use_tma, pair is not None,
               bool(pair and pair[1]), tma_store, C.dot_precision(x.dtype, allow_tf32),
-              BM, BN, BK, cfg.group_m, cfg.flatten, cfg.warp_specialize)
+              BM, BN, BK, cfg.group_m, cfg.flatten, cfg.warp_specialize, C.needs_i64(x, w_gate, w_up, h, g, u))
     # Everything the compiled kernel is specialized on except M (not specialized): the constexprs, the config, the
     # dtype, N, K, every stride, and the alignment of every pointer argument.
     key = (consts, cfg, x.dtype, N, K, x.stride(), w_gate.stride(), w_up.stride(), h.stride(), g.stride(),

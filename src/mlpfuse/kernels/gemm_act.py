@@ -27,6 +27,7 @@ def mlpfuse_gemm_act_kernel(
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SAVE: tl.constexpr,
     TMA: tl.constexpr, TMA_STORE: tl.constexpr, DOT_PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+    I64: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -38,6 +39,9 @@ def mlpfuse_gemm_act_kernel(
         off_n = pid_n * BN
         rm = off_m + tl.arange(0, BM)
         rn = off_n + tl.arange(0, BN)
+        if I64:  # offsets past 2**31 elements: index math in 64 bits (C.needs_i64)
+            rm = rm.to(tl.int64)
+            rn = rn.to(tl.int64)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for ki in range(k_tiles):
             k0 = ki * BK
@@ -46,6 +50,8 @@ def mlpfuse_gemm_act_kernel(
                 bt = w.load([off_n, k0])
             else:
                 rk = k0 + tl.arange(0, BK)
+                if I64:
+                    rk = rk.to(tl.int64)
                 km = rk[None, :] < K
                 a = tl.load(x + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & km, other=0.0)
                 bt = tl.load(w + rn[:, None] * swn + rk[None, :] * swk, mask=(rn[:, None] < N) & km, other=0.0)
@@ -106,7 +112,7 @@ def gemm_act(
     xa, wa = (C.desc(x, [BM, BK]), C.desc(w, [BN, BK])) if use_tma else (x, w)
     b_arg = bias if bias is not None else x
     consts = (activation, bias is not None, save_preact, use_tma, tma_store, C.dot_precision(x.dtype, allow_tf32),
-              BM, BN, BK, cfg.group_m, cfg.flatten)
+              BM, BN, BK, cfg.group_m, cfg.flatten, C.needs_i64(x, w, y, z))
     # What the compiled kernel is specialized on (all but M): see C.Launcher.
     key = (consts, cfg, x.dtype, N, K, x.stride(), w.stride(), y.stride(), z.stride(), C.align16(x), C.align16(w),
            C.align16(b_arg), C.align16(y), C.align16(z))

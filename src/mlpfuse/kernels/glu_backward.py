@@ -33,7 +33,7 @@ def mlpfuse_glu_backward_kernel(
     sym, syk, swk, swn, sgm, sgn, sum_, sun, sdgm, sdgn, sdum, sdun, shm, shn,
     ACT: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, I64: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -45,11 +45,16 @@ def mlpfuse_glu_backward_kernel(
         off_n = pid_n * BN
         rm = off_m + tl.arange(0, BM)
         rn = off_n + tl.arange(0, BN)
+        if I64:  # offsets past 2**31 elements: index math in 64 bits (C.needs_i64)
+            rm = rm.to(tl.int64)
+            rn = rn.to(tl.int64)
         if PREFETCH:
             # Issue the g/u reads before the K loop (kept as 16-bit, two column halves) so their latency hides behind
             # the MMAs instead of stalling the epilogue.
             W: tl.constexpr = BN // 2
             rn0 = off_n + tl.arange(0, W)
+            if I64:
+                rn0 = rn0.to(tl.int64)
             rn1 = rn0 + W
             m0 = (rm[:, None] < M) & (rn0[None, :] < N)
             m1 = (rm[:, None] < M) & (rn1[None, :] < N)
@@ -65,6 +70,8 @@ def mlpfuse_glu_backward_kernel(
                 b = wd.load([k0, off_n])
             else:
                 rk = k0 + tl.arange(0, BK)
+                if I64:
+                    rk = rk.to(tl.int64)
                 a = tl.load(dy + rm[:, None] * sym + rk[None, :] * syk, mask=(rm[:, None] < M) & (rk[None, :] < K),
                             other=0.0)
                 b = tl.load(wd + rk[:, None] * swk + rn[None, :] * swn, mask=(rk[:, None] < K) & (rn[None, :] < N),
@@ -97,7 +104,7 @@ def _glu_bwd_math(dh, gv, uv, rm, rn, mask, dg, du, h, sdgm, sdgn, sdum, sdun, s
 @triton.jit
 def _glu_bwd_store(dh, rm, off_n, g, u, dg, du, h, M, N, sgm, sgn, sum_, sun, sdgm, sdgn, sdum, sdun, shm, shn,
                    ACT: tl.constexpr, W: tl.constexpr, out_ty: tl.constexpr):
-    rn = off_n + tl.arange(0, W)
+    rn = (off_n + tl.arange(0, W)).to(rm.dtype)  # int64 when the caller's rows are
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     gv = tl.load(g + rm[:, None] * sgm + rn[None, :] * sgn, mask=mask, other=0.0).to(tl.float32)
     uv = tl.load(u + rm[:, None] * sum_ + rn[None, :] * sun, mask=mask, other=0.0).to(tl.float32)
@@ -145,6 +152,7 @@ def matmul_glu_backward(
         u.stride(0), u.stride(1), dg.stride(0), dg.stride(1), du.stride(0), du.stride(1), h.stride(0), h.stride(1),
         ACT=activation, TMA=use_tma, DOT_PREC=C.dot_precision(dy.dtype, allow_tf32),
         BM=BM, BN=BN, BK=BK, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten, PREFETCH=cfg.prefetch,
+        I64=C.needs_i64(dy, w_down, g, u, dg, du, h),
         num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )
     return dg, du, h
@@ -156,17 +164,21 @@ def mlpfuse_glu_backward_pointwise_kernel(
     M, N,
     shm, shn, sgm, sgn, sum_, sun, sdgm, sdgn, sdum, sdun, shhm, shhn,
     ACT: tl.constexpr, WRITE_H: tl.constexpr, BIAS_SUMS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr, I64: tl.constexpr,
 ):
     # One program walks ROWS rows of a BN-wide column strip, so the bias gradients (column sums of dg and du) stay
     # in fp32 registers and cost one atomic per column per program instead of rounding dg/du to 16 bits first.
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    if I64:  # offsets past 2**31 elements: index math in 64 bits (C.needs_i64)
+        rn = rn.to(tl.int64)
     mask_n = rn < N
     sum_g = tl.zeros((BN,), tl.float32)
     sum_u = tl.zeros((BN,), tl.float32)
     out_ty = dg.dtype.element_ty
     for r0 in range(0, ROWS, BM):
         rm = tl.program_id(0) * ROWS + r0 + tl.arange(0, BM)
+        if I64:
+            rm = rm.to(tl.int64)
         mask = (rm[:, None] < M) & mask_n[None, :]
         d = tl.load(dh + rm[:, None] * shm + rn[None, :] * shn, mask=mask, other=0.0).to(tl.float32)
         gv = tl.load(g + rm[:, None] * sgm + rn[None, :] * sgn, mask=mask, other=0.0).to(tl.float32)
@@ -231,7 +243,7 @@ def _launch_pointwise(dh, g, u, dg, du, h, dbg, dbu, activation, tile=None):
     bg_arg = dbg if dbg is not None else dg
     bu_arg = dbu if dbu is not None else dg
     tensors = (dh, g, u, dg, du, hh, bg_arg, bu_arg)
-    consts = (activation, h is not None, dbg is not None, BM, BN, rows)
+    consts = (activation, h is not None, dbg is not None, BM, BN, rows, C.needs_i64(*tensors[:6]))
     # What the compiled kernel is specialized on (all but M): see C.Launcher.
     key = (consts, warps, dh.dtype, N, tuple(t.stride() for t in tensors[:6]), tuple(C.align16(t) for t in tensors))
     _launch_pointwise_kernel(key, (-(-M // rows), -(-N // BN)), (
