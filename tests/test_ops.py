@@ -539,6 +539,40 @@ def test_eager_training_skips_the_custom_op_machinery_with_identical_gradients()
     assert type(z.grad_fn).__name__ == "_EagerTrainingBackward"
 
 
+@needs_triton
+@pytest.mark.parametrize("bias", [False, True])
+def test_eager_training_overwrites_saved_preact_and_a_second_backward_recomputes(bias):
+    # The first backward writes dg|du over the saved g|u (one [M, 2·hidden] buffer, no new one); a second backward
+    # through the same graph (retain_graph=True) must not read them as g and u: it recomputes, and both give the
+    # fp64 gradients.
+    ts = gated_inputs((9, 2), 12, 20, torch.float32, bias, seed=13)
+    leaves = [t.clone().requires_grad_() if t is not None else None for t in ts]
+    leaves64 = [t.detach().double().requires_grad_() if t is not None else None for t in leaves]
+    y = ops.gated_mlp(leaves[0], *leaves[1:4], "silu", *leaves[4:], backend="triton")
+    assert type(y.grad_fn).__name__ == "_EagerTrainingBackward"
+    x64, wg64, wu64, wd64, bg64, bu64, bd64 = leaves64
+    g64, u64 = F.linear(x64, wg64, bg64), F.linear(x64, wu64, bu64)
+    want = F.linear(F.silu(g64) * u64, wd64, bd64)
+    dy = seeded_like(want, 7)
+    dh64 = dy.reshape(-1, 12) @ wd64.detach()
+    g2, u2 = g64.detach().reshape(-1, 20), u64.detach().reshape(-1, 20)
+    dg64 = dh64 * u2 * torch.sigmoid(g2) * (1 + g2 * (1 - torch.sigmoid(g2)))
+    du64 = dh64 * F.silu(g2)
+    want.backward(dy)
+    grads = []
+    for _ in range(2):
+        for t in leaves:
+            if t is not None:
+                t.grad = None
+        y.backward(dy.float().to(DEVICE), retain_graph=True)
+        grads.append([t.grad.clone() for t in leaves if t is not None])
+        if not grads[1:]:
+            g_saved, u_saved = y.grad_fn.saved_tensors[8:10]
+            assert rel(g_saved, dg64) < 1e-5 and rel(u_saved, du64) < 1e-5  # overwritten in place with dg, du
+    for first, second, t64 in zip(*grads, [t for t in leaves64 if t is not None]):
+        assert rel(first, t64.grad) < 1e-5 and rel(second, t64.grad) < 1e-5
+
+
 def test_eager_training_on_the_torch_path_is_plain_autograd():
     # The torch path under autograd is eager PyTorch: autograd's own nodes, and the same gradients as the
     # registered op's hand-written backward.

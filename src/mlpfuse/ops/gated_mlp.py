@@ -39,9 +39,11 @@ def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int) -> Tensor:
     )
 
 
-def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training: bool, save: bool, path: str = ""):
+def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training: bool, save: bool, path: str = "",
+             packed: bool = False):
     """(y [..., dim], h, g, u): with `save`, g and u the 2-D pre-activations and h = act(g)·u; else all None.
-    `path` given: the caller already checked the arguments and chose the path."""
+    `path` given: the caller already checked the arguments and chose the path. `packed`: on the kernel path g and u
+    are the two column halves of one [M, 2·hidden] buffer, which the backward then overwrites with dg|du."""
     if not path:
         _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
     act = activations.get(activation)
@@ -54,8 +56,13 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training:
     elif path == dispatch.DECODE:
         y = _decode(x2, wg, wu, wd, bg, bu, bd, act.id)
     else:
+        dest = None
+        if save and packed:
+            n = wg.shape[0]
+            gu = torch.empty(x2.shape[0], 2 * n, device=x2.device, dtype=x2.dtype)
+            dest = (torch.empty(x2.shape[0], n, device=x2.device, dtype=x2.dtype), gu[:, :n], gu[:, n:])
         out = dispatch.kernel("gated_gemm").gated_gemm(
-            x2, wg, wu, bg, bu, activation=act.id, save_preact=save, allow_tf32=dispatch.allow_tf32()
+            x2, wg, wu, bg, bu, activation=act.id, save_preact=save, allow_tf32=dispatch.allow_tf32(), out=dest
         )
         h, g, u = out if save else (out, None, None)
         y = F.linear(h, wd, bd)
@@ -138,7 +145,34 @@ def _backward_impl(
     need_dup_bias: bool,
     need_ddown_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """All seven gradients (empty placeholders where not needed); what the backward op and eager training run."""
+    """All seven gradients (empty placeholders where not needed); what the backward op runs. Reads g and u only."""
+    return _gradients(dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, g, u, h, activation, backend,
+                      recompute, need_dx, need_dw, need_dgate_bias, need_dup_bias, need_ddown_bias)
+
+
+def _gradients(
+    dy: Tensor,
+    x: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    gate_bias: Optional[Tensor],
+    up_bias: Optional[Tensor],
+    g: Tensor,
+    u: Tensor,
+    h: Tensor,
+    activation: str,
+    backend: str,
+    recompute: bool,
+    need_dx: bool,
+    need_dw: bool,
+    need_dgate_bias: bool,
+    need_dup_bias: bool,
+    need_ddown_bias: bool,
+    consume: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """All seven gradients (empty placeholders where not needed). `consume`: g and u may be overwritten (eager
+    training's first backward through saved, packed g|u): dg and du then take their place instead of a new buffer."""
     act = activations.get(activation)
     x2, dy2 = rows(x), rows(dy.to(x.dtype))
     path = dispatch.gated_mlp_path(backend, x2, gate_weight.shape[0], True)
@@ -160,21 +194,25 @@ def _backward_impl(
         dx, dwg, dwu, dwd, dbg, dbu, dbd = grads
     else:
         dx, dwg, dwu, dwd, dbg, dbu, dbd = _triton_backward(
-            dy2, x2, gate_weight, up_weight, down_weight, g, u, h, act.id, need_dx, need_dw, bias_grads
+            dy2, x2, gate_weight, up_weight, down_weight, g, u, h, act.id, need_dx, need_dw, bias_grads,
+            _halves(g, u) if consume and not recompute else None,
         )
     dx = dx.reshape(x.shape) if dx is not None else None
     return tuple(t if t is not None else nothing(x) for t in (dx, dwg, dwu, dwd, dbg, dbu, dbd))
 
 
-def _triton_backward(dy2, x2, wg, wu, wd, g, u, h, act_id: int, need_dx: bool, need_dw: bool, bias_grads):
+def _triton_backward(dy2, x2, wg, wu, wd, g, u, h, act_id: int, need_dx: bool, need_dw: bool, bias_grads,
+                     gu: Optional[Tensor] = None):
     """The Triton path's gradients from the saved (or recomputed) g, u and h.
 
     dg and du go side by side into one [M, 2·hidden] buffer, so dWg and dWu are one GEMM (`dguᵀ·x`, returned as
     two views of its [2·hidden, dim] result), and so is dx when the gate and up weights are one packed tensor.
+    `gu`: the [M, 2·hidden] buffer holding g|u, to be overwritten in place (each element of dg and du is written
+    by the program that just read the same element of g and u): the backward then needs no buffer of that size.
     """
     tf32 = dispatch.allow_tf32()
     m, n = x2.shape[0], wg.shape[0]
-    dgu = torch.empty(m, 2 * n, device=x2.device, dtype=x2.dtype)
+    dgu = gu if gu is not None else torch.empty(m, 2 * n, device=x2.device, dtype=x2.dtype)
     dg, du = dgu[:, :n], dgu[:, n:]
     kernels = dispatch.kernel("glu_backward")
     dbg = dbu = None
@@ -199,6 +237,18 @@ def _triton_backward(dy2, x2, wg, wu, wd, g, u, h, act_id: int, need_dx: bool, n
         for t, fp32, need in zip((dg, du, dy2), (dbg, dbu, None), bias_grads)
     )
     return dx, dwg, dwu, dwd, dbg, dbu, dbd
+
+
+def _halves(left: Tensor, right: Tensor) -> Optional[Tensor]:
+    """[left | right] as one [m, 2·n] view when they are the two column halves of one buffer (a packed g|u)."""
+    m, n = left.shape
+    if left.stride() != (2 * n, 1) or right.stride() != (2 * n, 1) or right.shape != left.shape:
+        return None
+    if right.data_ptr() != left.data_ptr() + n * left.element_size():
+        return None
+    if left.untyped_storage().data_ptr() != right.untyped_storage().data_ptr():
+        return None
+    return left.as_strided((m, 2 * n), (2 * n, 1))
 
 
 def _stacked(top: Tensor, bottom: Tensor) -> Optional[Tensor]:
@@ -243,13 +293,14 @@ def _(dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, g, u, h, a
     )
 
 
-def _backward(ctx, dy, h, g, u, impl=None):
+def _backward(ctx, dy, h, g, u, impl=None, recompute=None):
     """Gradients for autograd; `impl` None runs the registered backward op (what compile and export record)."""
     x, wg, wu, wd, bg, bu, bd = ctx.saved_tensors[:7]
     need = ctx.needs_input_grad
     need_dw = need[1] or need[2] or need[3]
     grads = (impl or torch.ops.mlpfuse.gated_mlp_backward)(
-        dy, x, wg, wu, wd, bg, bu, g, u, h, ctx.activation, ctx.backend, ctx.recompute,
+        dy, x, wg, wu, wd, bg, bu, g, u, h, ctx.activation, ctx.backend,
+        ctx.recompute if recompute is None else recompute,
         need[0], need_dw,
         bg is not None and need[4], bu is not None and need[5], bd is not None and need[6],
     )
@@ -291,15 +342,20 @@ class _EagerTraining(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, path: str):
-        y, h, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, dispatch.SAVE_PREACT, path)
+        y, h, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, dispatch.SAVE_PREACT, path,
+                              packed=True)
         ctx.activation, ctx.backend, ctx.recompute, ctx.extra_inputs = activation, backend, g is None, 1
         ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, *(() if g is None else (h, g, u)))
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        saved = (nothing(dy),) * 3 if ctx.recompute else ctx.saved_tensors[7:]
-        return _backward(ctx, dy, *saved, impl=_backward_impl)
+        # The first backward writes dg|du over the saved g|u (no [M, 2·hidden] buffer at the backward's peak); a
+        # later one through the same graph (retain_graph=True) finds them consumed and recomputes them from x.
+        consume = not ctx.recompute
+        saved = ctx.saved_tensors[7:] if consume else (nothing(dy),) * 3
+        ctx.recompute = True
+        return _backward(ctx, dy, *saved, impl=functools.partial(_gradients, consume=consume), recompute=not consume)
 
 
 class DecodeShortcut:
