@@ -130,3 +130,29 @@ def test_gpu_timeline_extends_the_window_past_the_step_when_gpu_work_lags():
     tl = gpu_timeline(Step("s", 0, 100), [(50, 150, "k"), (160, 170, "k2")])
     assert tl["busy_us"] == pytest.approx(110) and tl["window_us"] == pytest.approx(170)
     assert [g["dur_us"] for g in tl["gaps"]] == [50, 10]
+
+
+def test_fused_module_calls_are_named_ops_in_the_trace(tmp_path):
+    # Eager calls of the modules skip the dispatcher, so without a span of their own their kernels would be
+    # attributed to whatever op encloses them; under the profiler each call is a mlpfuse:: CPU op around its work.
+    import torch
+
+    import mlpfuse
+    from mlpfuse.profiling import trace as trace_mod
+
+    gated = mlpfuse.GatedMLP(8, 16, activation="silu", backend="torch")
+    linear = mlpfuse.FusedLinear(8, 16, activation="gelu", backend="torch")
+    x = torch.randn(4, 8, requires_grad=True)
+    path = tmp_path / "t.json"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        (gated(x).sum() + linear(x).sum()).backward()
+    prof.export_chrome_trace(str(path))
+    ops = trace_mod.load(path).cpu_ops
+    spans = {name: [e for e in ops if e.name == name] for name in ("mlpfuse::gated_mlp", "mlpfuse::linear_act")}
+    for name, found in spans.items():
+        assert len(found) == 1, name
+        inner = [e for e in ops if e.name == "aten::linear" and found[0].ts <= e.ts and e.end <= found[0].end]
+        assert len(inner) == (3 if name.endswith("gated_mlp") else 1), name  # the work it ran sits inside it
+    before = len(ops)
+    gated(x)  # profiler off: nothing is recorded, and the call still works
+    assert before == len(trace_mod.load(path).cpu_ops)

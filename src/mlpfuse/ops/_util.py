@@ -6,6 +6,13 @@ import torch
 from torch import Tensor
 
 
+# Whether torch.profiler is recording right now: one C call, so the eager fast paths name themselves in a trace only
+# when someone is looking. `op_span(name)` records a CPU op (category cpu_op, like the dispatcher's ATen ops; a
+# Python `record_function` would be a user annotation), so the kernels launched inside are attributed to it.
+profiling = torch._C._autograd._profiler_enabled
+op_span = torch._C._profiler._RecordFunctionFast
+
+
 def rows(t: Tensor) -> Tensor:
     """t as [tokens, features]: a view whenever the leading dimensions allow it (reshape copies otherwise)."""
     if t.dim() == 2 and (t.stride(1) == 1 or t.stride(0) == 1):

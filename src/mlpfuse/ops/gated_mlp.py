@@ -26,7 +26,10 @@ from torch import Tensor
 
 from mlpfuse import activations, reference
 from mlpfuse.ops import _checks, dispatch
-from mlpfuse.ops._util import autocast_dtype, cast_all, eager_tensor, leading, nothing, rows, wants_grad
+from mlpfuse.ops._util import (
+    autocast_dtype, cast_all, eager_tensor, leading, nothing, op_span, profiling, rows,
+    wants_grad,
+)
 
 
 def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int) -> Tensor:
@@ -350,6 +353,13 @@ class _EagerTraining(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        if profiling():
+            with op_span("mlpfuse::gated_mlp_backward"):
+                return _EagerTraining._backward(ctx, dy)
+        return _EagerTraining._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx, dy):
         # The first backward writes dg|du over the saved g|u (no [M, 2·hidden] buffer at the backward's peak); a
         # later one through the same graph (retain_graph=True) finds them consumed and recomputes them from x.
         consume = not ctx.recompute
@@ -392,7 +402,11 @@ class DecodeShortcut:
         if m == 0 or m > self.limit:
             return None
         x2 = x if x.dim() == 2 else x.reshape(m, dim)
-        y = _decode(x2, wg, wu, wd, bg, bu, bd, self.act_id)
+        if profiling():
+            with op_span("mlpfuse::gated_mlp"):
+                y = _decode(x2, wg, wu, wd, bg, bu, bd, self.act_id)
+        else:
+            y = _decode(x2, wg, wu, wd, bg, bu, bd, self.act_id)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], wd.shape[0])
 
     def _decide(self, key, x, hidden: int, activation: str) -> None:
@@ -417,7 +431,26 @@ def gated_mlp_call(
     activation: str,
     backend: str,
 ) -> Tensor:
-    """The op a module's forward calls: the training op when a gradient is needed. TorchScript-compatible."""
+    """The op a module's forward calls: the training op when a gradient is needed. TorchScript-compatible.
+    Under torch.profiler an eager call shows as a `mlpfuse::gated_mlp` CPU op around the kernels it launches."""
+    if not torch.jit.is_scripting():
+        if not torch.compiler.is_compiling() and profiling():
+            with op_span("mlpfuse::gated_mlp"):
+                return _call(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend)
+    return _call(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend)
+
+
+def _call(
+    x: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    gate_bias: Optional[Tensor],
+    up_bias: Optional[Tensor],
+    down_bias: Optional[Tensor],
+    activation: str,
+    backend: str,
+) -> Tensor:
     if not torch.jit.is_scripting():
         low = autocast_dtype(x)
         if low is not None:  # the ops are outside autocast's op lists: cast here, as it would for nn.Linear

@@ -14,7 +14,10 @@ from torch import Tensor
 
 from mlpfuse import activations, reference
 from mlpfuse.ops import _checks, dispatch
-from mlpfuse.ops._util import autocast_dtype, cast_all, eager_tensor, leading, nothing, rows, wants_grad
+from mlpfuse.ops._util import (
+    autocast_dtype, cast_all, eager_tensor, leading, nothing, op_span, profiling, rows,
+    wants_grad,
+)
 
 
 def _forward(x, weight, bias, activation: str, backend: str, save: bool):
@@ -139,11 +142,23 @@ class _EagerTraining(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        if profiling():
+            with op_span("mlpfuse::linear_act_backward"):
+                return _backward(ctx, dy, impl=_backward_impl)
         return _backward(ctx, dy, impl=_backward_impl)
 
 
 def linear_act_call(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> Tensor:
-    """The op a module's forward calls: the training op when a gradient is needed. TorchScript-compatible."""
+    """The op a module's forward calls: the training op when a gradient is needed. TorchScript-compatible.
+    Under torch.profiler an eager call shows as a `mlpfuse::linear_act` CPU op around the kernels it launches."""
+    if not torch.jit.is_scripting():
+        if not torch.compiler.is_compiling() and profiling():
+            with op_span("mlpfuse::linear_act"):
+                return _call(x, weight, bias, activation, backend)
+    return _call(x, weight, bias, activation, backend)
+
+
+def _call(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> Tensor:
     if not torch.jit.is_scripting():
         low = autocast_dtype(x)
         if low is not None:  # as autocast casts nn.Linear's inputs
