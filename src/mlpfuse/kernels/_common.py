@@ -185,6 +185,29 @@ class Launcher:
             return
         self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
 
+    def compiled(self, key, device_index: int):
+        """A launch function for an already compiled key, for callers that keep it in their own plan (skipping even
+        this launcher's key lookup); None if the key was not compiled for that device yet. Where launches go through
+        Triton (interpreter, DIRECT_LAUNCH off) the function does that."""
+        if INTERPRET or not DIRECT_LAUNCH:
+            def through_triton(grid, args, consts, num_warps, num_stages):
+                self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
+
+            return through_triton
+        entry = self._compiled.get((key, device_index))
+        if entry is None:
+            return None
+        run, function, metadata = entry
+
+        def launch(grid, args, consts, num_warps, num_stages):
+            if _launch_hooks_set():  # a profiler's launch hook: let Triton's own path call it
+                self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
+                return
+            run(grid[0], grid[1] if len(grid) > 1 else 1, 1, torch._C._cuda_getCurrentRawStream(device_index),
+                function, metadata, None, None, None, *args, *consts)
+
+        return launch
+
     def clear(self) -> None:
         self._compiled.clear()
 

@@ -11,6 +11,8 @@ weight work without a copy).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -119,6 +121,56 @@ def gated_gemm(
     `out` (optional) receives the results in place: a tensor h, or a tuple (h, g, u) when save_preact.
     `config` overrides the table (tuning only).
     """
+    key = None
+    if out is None and config is None:
+        # The common call: everything but the output allocation and x's descriptor was decided before for exactly
+        # these shapes, strides, alignments, dtypes, devices and weight addresses (see _Plan).
+        try:
+            key = (x.shape, x.stride(), x.data_ptr() & 15, x.dtype, x.get_device(), w_gate.shape, w_gate.stride(),
+                   w_gate.data_ptr(), w_gate.dtype, w_gate.get_device(), w_up.shape, w_up.stride(), w_up.data_ptr(),
+                   w_up.dtype, w_up.get_device(), None if b_gate is None else (b_gate.shape, b_gate.data_ptr(),
+                                                                              b_gate.dtype, b_gate.get_device()),
+                   None if b_up is None else (b_up.shape, b_up.data_ptr(), b_up.dtype, b_up.get_device()),
+                   activation, save_preact, allow_tf32)
+        except (AttributeError, TypeError):
+            key = None  # not tensors: the checks below name the argument
+        plan = _plans.get(key)
+        if plan is not None:
+            return plan.run(x, w_gate, w_up, b_gate, b_up)
+    return _gated_gemm(x, w_gate, w_up, b_gate, b_up, activation, save_preact, allow_tf32, out, config, key)
+
+
+class _Plan:
+    """One call's decisions, kept for the next call with the same key: the configuration, the launch's integer
+    arguments and which descriptors to build. It holds no tensor (nothing is kept alive): each call passes its
+    own, and the key holds every property the decisions depend on (weights by address, as their descriptors point
+    there), so a hit serves only a layout it was built for."""
+
+    __slots__ = ("launch", "make", "rest", "consts", "grid", "x_block", "w_block", "pair", "h_block", "shapes",
+                 "save", "warps", "stages")
+
+    def run(self, x, wg, wu, bg, bu):
+        outs = [self.make(s) for s in self.shapes]
+        h = outs[0]
+        g, u = (outs[1], outs[2]) if self.save else (h, h)
+        pair = None
+        if self.pair is not None:  # (block, gate comes first, shape, strides) of the [2, N, K] weight descriptor
+            block, gate_first, shape, strides = self.pair
+            pair = C.desc(wg if gate_first else wu, block, shape, strides)
+        elif self.w_block is not None:
+            wg, wu = C.desc(wg, self.w_block), C.desc(wu, self.w_block)
+        args = (C.desc(x, self.x_block) if self.x_block is not None else x, wg, wu, pair,
+                x if bg is None else bg, x if bu is None else bu, h, g, u,
+                C.desc(h, self.h_block) if self.h_block is not None else None, *self.rest)
+        self.launch(self.grid, args, self.consts, self.warps, self.stages)
+        return (h, g, u) if self.save else h
+
+
+_plans: dict = {}
+_MAX_PLANS = 4096  # distinct layouts kept; past that the table starts over (a shape-polymorphic workload)
+
+
+def _gated_gemm(x, w_gate, w_up, b_gate, b_up, activation, save_preact, allow_tf32, out, config, plan_key):
     C.check_2d("w_gate", w_gate, x)
     C.check_2d("w_up", w_up, x)
     C.check_2d("x", x, x)
@@ -158,12 +210,30 @@ def gated_gemm(
     key = (consts, cfg, x.dtype, N, K, x.stride(), w_gate.stride(), w_up.stride(), h.stride(), g.stride(),
            u.stride(), C.align16(x), C.align16(w_gate), C.align16(w_up), C.align16(bg_arg), C.align16(bu_arg),
            C.align16(h), C.align16(g), C.align16(u))
-    _launch(key, (C.grid_size(cfg, sms, M, N),), (
-        xa, ga, ua, pair[0] if pair else None, bg_arg, bu_arg, h, g, u, C.desc(h, [BM, BN]) if tma_store else None,
-        M, N, K,
-        x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1),
-        h.stride(0), h.stride(1), g.stride(0), g.stride(1), u.stride(0), u.stride(1),
-    ), consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (C.grid_size(cfg, sms, M, N),)
+    rest = (M, N, K, x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1),
+            h.stride(0), h.stride(1), g.stride(0), g.stride(1), u.stride(0), u.stride(1))
+    _launch(key, grid, (xa, ga, ua, pair[0] if pair else None, bg_arg, bu_arg, h, g, u,
+                        C.desc(h, [BM, BN]) if tma_store else None, *rest),
+            consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if plan_key is not None:
+        launch = _launch.compiled(key, torch._C._cuda_getDevice() if dev.type == "cuda" else -1)
+        if launch is not None:
+            if len(_plans) >= _MAX_PLANS:
+                _plans.clear()
+            plan = _Plan()
+            plan.launch, plan.grid, plan.consts, plan.save, plan.rest = launch, grid, consts, save_preact, rest
+            plan.warps, plan.stages = cfg.num_warps, cfg.num_stages
+            plan.x_block = [BM, BK] if use_tma else None
+            plan.w_block = [BN, BK] if use_tma and pair is None else None
+            plan.pair = None
+            if pair is not None:
+                d = pair[0]
+                plan.pair = (d.block_shape, d.base.data_ptr() == w_gate.data_ptr(), d.shape, d.strides)
+            plan.h_block = [BM, BN] if tma_store else None
+            plan.shapes = [(M, N)] * (3 if save_preact else 1)
+            plan.make = functools.partial(torch.empty, device=dev, dtype=x.dtype)
+            _plans[plan_key] = plan
     if save_preact:
         return h, g, u
     return h

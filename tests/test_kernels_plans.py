@@ -1,0 +1,109 @@
+"""The gated GEMM's per-layout plans: a repeated call skips the checks and decisions, and a plan never serves a tensor
+it was not built for (other strides, dtype, alignment, biases, weights freed and their memory reused).
+
+Through Triton's interpreter on CPU (fp32/fp16), every result against a float64 reference. Plans are kept on CUDA
+too; there the same code path runs with the compiled kernel's direct launch.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mlpfuse.kernels import available
+
+pytestmark = [pytest.mark.skipif(not available(), reason="Triton kernels cannot run here"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+if available():
+    from mlpfuse import activations as A
+    from mlpfuse.kernels import gated_gemm as GG
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ACT = "silu"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    GG._plans.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+    GG._plans.clear()
+
+
+def ref(x, wg, wu, bg=None, bu=None):
+    x, wg, wu = x.double(), wg.double(), wu.double()
+    g = x @ wg.T + (0 if bg is None else bg.double())
+    u = x @ wu.T + (0 if bu is None else bu.double())
+    return F.silu(g) * u
+
+
+def check(x, wg, wu, bg=None, bu=None, tol=1e-5):
+    h = GG.gated_gemm(x, wg, wu, bg, bu, activation=A.get(ACT).id, allow_tf32=False)
+    want = ref(x, wg, wu, bg, bu)
+    assert h.shape == want.shape and h.dtype == x.dtype
+    err = ((h.double() - want).norm() / want.norm()).item()
+    assert err < tol, err
+
+
+def rand(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+def test_repeated_call_reuses_one_plan():
+    x, wg, wu = rand(20, 24), rand(40, 24, seed=1), rand(40, 24, seed=2)
+    check(x, wg, wu)
+    assert len(GG._plans) == 1
+    check(rand(20, 24, seed=3), wg, wu)  # new x, same layout: the same plan
+    assert len(GG._plans) == 1
+
+
+def test_plan_never_serves_another_layout():
+    wg, wu = rand(40, 24, seed=1), rand(40, 24, seed=2)
+    check(rand(20, 24), wg, wu)
+    cases = [
+        ("rows", rand(33, 24, seed=4), wg, wu),
+        ("column-major x", rand(24, 20, seed=5).t(), wg, wu),
+        ("misaligned x", rand(21, 24, seed=6).flatten()[2:2 + 20 * 24].view(20, 24), wg, wu),
+        ("transposed weight", rand(20, 24, seed=7), rand(24, 40, seed=8).t(), wu),
+        ("fp16", rand(20, 24, dtype=torch.float16), wg.half(), wu.half()),
+    ]
+    for i, (what, x, g, u) in enumerate(cases):
+        check(x, g, u, tol=3e-3 if x.dtype == torch.float16 else 1e-5)
+        assert len(GG._plans) == i + 2, what
+
+
+def test_biases_are_part_of_the_plan():
+    x, wg, wu = rand(20, 24), rand(40, 24, seed=1), rand(40, 24, seed=2)
+    bg, bu = rand(40, seed=3), rand(40, seed=4)
+    check(x, wg, wu)
+    check(x, wg, wu, bg, None)
+    check(x, wg, wu, None, bu)
+    check(x, wg, wu, bg, bu)
+    check(x, wg, wu, rand(40, seed=5), rand(40, seed=6))  # other bias tensors: their own values are read
+    assert len(GG._plans) == 5
+
+
+def test_weights_freed_and_memory_reused_get_their_own_values():
+    x = rand(20, 24)
+    for seed in range(4):
+        # Each pair is freed before the next is allocated, so the allocator may hand out the same addresses.
+        wg, wu = rand(40, 24, seed=10 + seed), rand(40, 24, seed=20 + seed)
+        check(x, wg, wu)
+        del wg, wu
+
+
+def test_plans_keep_no_tensor_alive():
+    x, wg = rand(20, 24), rand(40, 24, seed=1)
+    wu = rand(40, 24, seed=2)
+    check(x, wg, wu)
+    refs = [weakref.ref(t) for t in (x, wg, wu)]
+    del x, wg, wu
+    gc.collect()
+    assert len(GG._plans) == 1 and all(r() is None for r in refs)
