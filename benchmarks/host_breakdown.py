@@ -3,7 +3,8 @@
     PYTHONPATH=src python3 benchmarks/host_breakdown.py [--out FILE]
 
 At 64 tokens × 768 × 3072 (bf16) every kernel finishes in a few µs, so back-to-back calls measure the host. Pieces:
-the whole `gated_gemm` call; its Python before the launch (the launch replaced by a no-op); the cached launch alone
+the whole `gated_gemm` call with its cached plan and without; its Python before the launch without a plan (the
+launch replaced by a no-op); the cached launch alone
 with prepared arguments, TMA descriptors on and off; a Triton kernel with one pointer argument and one with the
 gated kernel's argument count (the launcher's floor); and the PyTorch calls the fused path replaces or adds.
 """
@@ -65,7 +66,16 @@ def main():
         rows.append((name, *res))
         print(f"{name:58s} {res[0]:7.2f} us  (min {res[1]:.2f}, max {res[2]:.2f})", flush=True)
 
-    row("gated_gemm call (direct launch)", per_call_us(lambda: GG.gated_gemm(x, wg, wu, activation=A.GELU_TANH)))
+    row("gated_gemm call, plan hit (direct launch)", per_call_us(
+        lambda: GG.gated_gemm(x, wg, wu, activation=A.GELU_TANH)))
+
+    class NoPlans(dict):  # every call decides everything again, as before plans existed
+        def __setitem__(self, key, value):
+            pass
+
+    GG._plans = NoPlans()
+    row("gated_gemm call, no plan (direct launch)", per_call_us(
+        lambda: GG.gated_gemm(x, wg, wu, activation=A.GELU_TANH)))
     captured = {}
     real = GG._launch
 
@@ -73,7 +83,7 @@ def main():
         captured["tma"] = (key, grid, a, consts, num_warps, num_stages)
 
     GG._launch = record
-    row("gated_gemm Python before the launch", per_call_us(lambda: GG.gated_gemm(x, wg, wu, activation=A.GELU_TANH)))
+    row("gated_gemm Python before the launch, no plan", per_call_us(lambda: GG.gated_gemm(x, wg, wu, activation=A.GELU_TANH)))
     GG._launch = real
     key, grid, a, consts, nw, ns = captured["tma"]
     row("cached launch alone, TMA descriptors (3 host encodes)", per_call_us(lambda: real(key, grid, a, consts, nw, ns)))

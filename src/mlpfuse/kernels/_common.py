@@ -187,14 +187,14 @@ class Launcher:
 
     def compiled(self, key, device_index: int):
         """A launch function for an already compiled key, for callers that keep it in their own plan (skipping even
-        this launcher's key lookup); None if the key was not compiled for that device yet. Where launches go through
-        Triton (interpreter, DIRECT_LAUNCH off) the function does that."""
-        if INTERPRET or not DIRECT_LAUNCH:
+        this launcher's key lookup); None if the key was not compiled for that device yet or DIRECT_LAUNCH is off. Under
+        the interpreter the function launches through Triton."""
+        if INTERPRET:
             def through_triton(grid, args, consts, num_warps, num_stages):
                 self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
 
             return through_triton
-        entry = self._compiled.get((key, device_index))
+        entry = self._compiled.get((key, device_index)) if DIRECT_LAUNCH else None
         if entry is None:
             return None
         run, function, metadata = entry

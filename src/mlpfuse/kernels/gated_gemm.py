@@ -122,7 +122,7 @@ def gated_gemm(
     `config` overrides the table (tuning only).
     """
     key = None
-    if out is None and config is None:
+    if out is None and config is None and (C.DIRECT_LAUNCH or C.INTERPRET):
         # The common call: everything but the output allocation and x's descriptor was decided before for exactly
         # these shapes, strides, alignments, dtypes, devices and weight addresses (see _Plan).
         try:

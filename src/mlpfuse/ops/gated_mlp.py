@@ -220,12 +220,20 @@ def _triton_backward(dy2, x2, wg, wu, wd, g, u, h, act_id: int, need_dx: bool, n
     kernels = dispatch.kernel("glu_backward")
     dbg = dbu = None
     if dispatch.GLU_BACKWARD == "fused":
-        kernels.matmul_glu_backward(dy2, wd, g, u, activation=act_id, allow_tf32=tf32,
-                                    out=(dg, du, torch.empty_like(g)))
+        h_new = kernels.matmul_glu_backward(dy2, wd, g, u, activation=act_id, allow_tf32=tf32,
+                                            out=(dg, du, torch.empty_like(g)))[2]
+        h = h_new if h.numel() == 0 else h
     else:
+        dh = dy2.mm(wd)
+        # Without a saved h (eager training keeps only g|u), the pass writes h over dh, each element after reading it.
+        rebuild_h = h.numel() == 0 and need_dw
         _, _, _, dbg, dbu = kernels.glu_backward_split(
-            dy2.mm(wd), g, u, activation=act_id, bias_sums=bias_grads[0] or bias_grads[1], out=(dg, du)
+            dh, g, u, activation=act_id, bias_sums=bias_grads[0] or bias_grads[1], out=(dg, du), want_h=rebuild_h,
+            out_h=dh if rebuild_h else None,
         )
+        if rebuild_h:
+            h = dh
+        del dh
     dx = dwg = dwu = dwd = None
     if need_dx:
         wgu = _stacked(wg, wu)
@@ -348,7 +356,10 @@ class _EagerTraining(torch.autograd.Function):
         y, h, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, dispatch.SAVE_PREACT, path,
                               packed=True)
         ctx.activation, ctx.backend, ctx.recompute, ctx.extra_inputs = activation, backend, g is None, 1
-        ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, *(() if g is None else (h, g, u)))
+        # h is not kept: the backward rebuilds it from g and u in the pass that reads them anyway (one [M, hidden]
+        # write), so the step's activations are g|u alone, as with Liger and compile's recomputation.
+        keep = () if g is None else (nothing(x), g, u)
+        ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, *keep)
         return y
 
     @staticmethod
