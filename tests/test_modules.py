@@ -267,6 +267,7 @@ class Conv1D(nn.Module):
         (lambda: FusedLinear(True, 2), "in_features"),
         (lambda: FusedLinear(None, 2), "in_features"),
         (lambda: FusedLinear(2**70, 2), "in_features"),
+        (lambda: GatedMLP(2**32, 2**32, device="meta"), "hidden"),
         (lambda: FusedLinear(torch.arange(3), 2), "in_features"),
         (lambda: GatedMLP(4, 8, bias="no"), "bias"),
         (lambda: MLP(4, 8, bias=None), "bias"),

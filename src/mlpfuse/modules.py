@@ -66,6 +66,9 @@ def _check_init(sizes: tuple, bias, device, dtype) -> tuple[int, ...]:
     """Constructor arguments, checked before anything is allocated (construction is not the hot path); the sizes
     come back as plain ints."""
     ints = tuple(_size(name, value) for name, value in sizes)
+    if ints[0] * ints[1] * 2 >= 2**63:  # x2: PackedGatedMLP's [2·hidden, dim]; torch's own error is an overflow
+        raise InputError(f"{sizes[1][0]}: {sizes[0][0]}·{sizes[1][0]} = {ints[0] * ints[1]} weights is more than "
+                         f"a tensor holds")
     if not (isinstance(bias, int) and bias in (0, 1)):
         raise InputError(f"bias: expected True or False, got {_show(bias)}")
     if dtype is not None and dtype not in _FLOAT_DTYPES:
