@@ -13,6 +13,7 @@ TINY = ["bench", "--tokens", "8,32", "--dim", "32", "--hidden", "64", "--rounds"
 
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLPFUSE_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
@@ -33,6 +34,14 @@ def test_bad_input_exits_2_with_one_line(flags, expected, capsys, tmp_path):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mlpfuse: error: " + expected)
     assert not (tmp_path / "o").exists()  # nothing ran
+
+
+def test_out_that_is_a_file_exits_2_before_measuring(tmp_path, capsys):
+    (tmp_path / "o").write_text("not a folder")
+    assert main([*TINY, "--device", "cpu", "--dtype", "fp32", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"mlpfuse: error: --out: {tmp_path / 'o'} exists and is not a folder"]
+    assert not (tmp_path / "cache").exists()  # the peaks were not measured
 
 
 def test_tiny_cpu_run_end_to_end(tmp_path, capsys, monkeypatch):

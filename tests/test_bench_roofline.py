@@ -1,6 +1,10 @@
-"""Roofline arithmetic against hand counts, torch's own FLOP counter, and the floors DESIGN.md lists for the H200."""
+"""Roofline arithmetic against hand counts, torch's own FLOP counter, and the floors DESIGN.md lists for the H200;
+the peaks cache against real poisoned files."""
 
 import json
+import math
+import os
+import threading
 
 import pytest
 import torch
@@ -66,6 +70,7 @@ def test_floors_of_design_table():
 
 
 def test_peaks_are_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.delenv(roofline.CACHE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     cpu = torch.device("cpu")
     peaks = roofline.load_peaks(cpu, ["fp32"])
@@ -85,3 +90,171 @@ def test_peaks_are_measured_once_and_cached(tmp_path, monkeypatch):
     assert set(json.loads(path.read_text())["gemm_tflops"]) == {"bf16", "fp32"}
     # ...and remeasure replaces everything.
     assert roofline.load_peaks(cpu, ["fp32"], remeasure=True).copy_gbps != 12345.0
+
+
+# ---- the peaks cache is untrusted: every poisoned file is ignored with one note, measured again, and replaced ----
+
+CPU = torch.device("cpu")
+
+
+def _valid() -> dict:
+    return {"device": roofline.device_name(CPU), "gemm_tflops": {"fp32": 1.5}, "copy_gbps": 20.0,
+            "how": {"copy": "by hand"}}
+
+
+def _with(**changes) -> str:
+    data = _valid()
+    data.update(changes)
+    return json.dumps(data)  # allow_nan: NaN and Infinity are written as the bare tokens Python's json reads back
+
+
+def _gemm(value) -> str:
+    return _with(gemm_tflops={"fp32": value})
+
+
+POISONED = {
+    "zero gemm": _gemm(0),
+    "zero copy": _with(copy_gbps=0),
+    "negative gemm": _gemm(-3.0),
+    "negative copy": _with(copy_gbps=-20.0),
+    "NaN gemm": _gemm(float("nan")),
+    "NaN copy": _with(copy_gbps=float("nan")),
+    "Infinity copy": _with(copy_gbps=float("inf")),
+    "overflowing number": _with(copy_gbps=1).replace('"copy_gbps": 1', '"copy_gbps": 1e400'),
+    "implausible gemm": _gemm(5e9),
+    "string gemm": _gemm("1.5"),
+    "string copy": _with(copy_gbps="fast"),
+    "null copy": _with(copy_gbps=None),
+    "true copy": _with(copy_gbps=True),
+    "gemm a list": _with(gemm_tflops=[1.5]),
+    "gemm null": _with(gemm_tflops=None),
+    "how not strings": _with(how={"copy": 3}),
+    "missing copy": json.dumps({k: v for k, v in _valid().items() if k != "copy_gbps"}),
+    "another device": _with(device="NVIDIA H200"),
+    "top-level list": "[1, 2, 3]",
+    "top-level null": "null",
+    "truncated": json.dumps(_valid())[:40],
+    "empty": "",
+    "not UTF-8": b"\xff\xfe{\x00",
+    "nested 100000 deep": "[" * 100000 + "]" * 100000,
+    "larger than a peaks file": _with(how={"copy": "x" * 100_000}),
+}
+
+
+def _load(log: list) -> roofline.Peaks:
+    return roofline.load_peaks(CPU, ["fp32"], log=log.append)
+
+
+def _assert_sane(peaks: roofline.Peaks) -> None:
+    rates = [*peaks.gemm_tflops.values(), peaks.copy_gbps]
+    assert all(isinstance(v, float) and math.isfinite(v) and 0 < v < 1e5 for v in rates), rates
+    assert "fp32" in peaks.gemm_tflops
+
+
+def _ignored(log: list, path) -> list[str]:
+    return [m for m in log if m.startswith(f"ignoring the peaks cache {path}: ")]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(roofline.CACHE_ENV, str(tmp_path / "c"))
+    path = roofline.cache_path(CPU)
+    path.parent.mkdir()
+    return path
+
+
+def test_cache_dir_env_overrides(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv(roofline.CACHE_ENV, str(tmp_path / "own"))
+    assert roofline.cache_path(CPU).parent == tmp_path / "own"
+    monkeypatch.delenv(roofline.CACHE_ENV)
+    assert roofline.cache_path(CPU).parent == tmp_path / "xdg" / "mlpfuse"
+
+
+def test_a_valid_cache_is_used_as_is(cache):
+    cache.write_text(json.dumps(_valid()))
+    log = []
+    peaks = _load(log)
+    assert log == [] and peaks.gemm_tflops == {"fp32": 1.5} and peaks.copy_gbps == 20.0
+
+
+@pytest.mark.parametrize("name", list(POISONED))
+def test_a_poisoned_cache_is_remeasured_and_replaced(cache, name):
+    content = POISONED[name]
+    cache.write_bytes(content if isinstance(content, bytes) else content.encode())
+    log = []
+    peaks = _load(log)
+    _assert_sane(peaks)
+    notes = _ignored(log, cache)
+    assert len(notes) == 1 and "\n" not in notes[0], log
+    # Replaced by a valid file: the next run reads it without a note and without measuring.
+    again = []
+    assert _load(again).to_dict() == peaks.to_dict() and again == []
+    assert json.loads(cache.read_text())["copy_gbps"] == peaks.copy_gbps
+
+
+def test_a_folder_in_place_of_the_cache(cache):
+    cache.mkdir()
+    (cache / "keep.txt").write_text("someone's")
+    log = []
+    _assert_sane(_load(log))
+    assert len(_ignored(log, cache)) == 1
+    assert any(m.startswith(f"cannot cache the peaks in {cache}") for m in log)
+    assert (cache / "keep.txt").read_text() == "someone's"  # nothing of the user's is deleted
+    assert not [p for p in cache.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_in_place_of_the_cache_does_not_block(cache):
+    os.mkfifo(cache)
+    log, done = [], []
+    worker = threading.Thread(target=lambda: done.append(_load(log)), daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert done, "load_peaks blocked on a FIFO"
+    _assert_sane(done[0])
+    assert len(_ignored(log, cache)) == 1 and cache.is_file()
+
+
+def test_symlinks_gone_wrong(cache):
+    cache.symlink_to(cache.parent / "nowhere.json")  # dangling
+    log = []
+    _assert_sane(_load(log))
+    assert len(_ignored(log, cache)) == 1
+    loop = cache.parent / "loop.json"
+    os.unlink(cache)
+    cache.symlink_to(loop)
+    loop.symlink_to(cache)
+    log = []
+    _assert_sane(_load(log))
+    assert len(_ignored(log, cache)) == 1
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root reads any file")
+def test_an_unreadable_cache(cache):
+    cache.write_text(json.dumps(_valid()))
+    cache.chmod(0)
+    log = []
+    _assert_sane(_load(log))
+    assert len(_ignored(log, cache)) == 1
+
+
+def test_without_a_log_the_note_is_one_stderr_line(cache, capsys):
+    cache.write_text(_with(copy_gbps=-1))
+    _assert_sane(roofline.load_peaks(CPU, ["fp32"]))
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"mlpfuse: ignoring the peaks cache {cache}: copy_gbps = -1.0")
+
+
+def test_bench_after_a_poisoned_cache_runs_and_repairs_it(cache, tmp_path, capsys):
+    from mlpfuse.cli import main
+
+    cache.write_text(_gemm(0))  # a zero TFLOP/s peak used to divide by zero in every later run
+    flags = ["bench", "--tokens", "8", "--dim", "16", "--hidden", "32", "--rounds", "1", "--target-ms", "1",
+             "--variants", "eager", "--no-plots", "--no-profile", "--device", "cpu", "--out", str(tmp_path / "o")]
+    assert main(flags) == 0
+    err = capsys.readouterr().err
+    assert f"ignoring the peaks cache {cache}: gemm_tflops['fp32'] = 0.0" in err
+    assert json.loads(cache.read_text())["gemm_tflops"]["fp32"] > 0
+    rows = json.loads((tmp_path / "o" / "results.json").read_text())["rows"]
+    assert rows[0]["status"] == "ok" and rows[0]["floor_us"] > 0

@@ -244,6 +244,81 @@ def test_bad_constructor_arguments():
         GatedMLP(4, 8)(torch.randn(2, 5))
 
 
+class Conv1D(nn.Module):
+    """transformers' GPT-2 Conv1D: a [in, out] weight, transposed from nn.Linear's, and no in_features."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+
+@pytest.mark.parametrize(
+    "build, argument",
+    [
+        (lambda: GatedMLP(-1, 8), "dim"),
+        (lambda: GatedMLP(4, 0), "hidden"),
+        (lambda: MLP(0, 8), "dim"),
+        (lambda: MLP(4, -8), "hidden"),
+        (lambda: PackedGatedMLP(4, 2.0), "hidden"),
+        (lambda: FusedLinear(3, -2), "out_features"),
+        (lambda: FusedLinear("3", 2), "in_features"),
+        (lambda: FusedLinear(True, 2), "in_features"),
+        (lambda: FusedLinear(None, 2), "in_features"),
+        (lambda: FusedLinear(2**70, 2), "in_features"),
+        (lambda: GatedMLP(2**32, 2**32, device="meta"), "hidden"),
+        (lambda: FusedLinear(torch.arange(3), 2), "in_features"),
+        (lambda: GatedMLP(4, 8, bias="no"), "bias"),
+        (lambda: MLP(4, 8, bias=None), "bias"),
+        (lambda: GatedMLP(4, 8, dtype=torch.int32), "dtype"),
+        (lambda: FusedLinear(4, 8, dtype="float32"), "dtype"),
+        (lambda: GatedMLP(4, 8, device="nope"), "device"),
+        (lambda: MLP(4, 8, activation="tanh"), "activation"),
+        (lambda: FusedLinear(4, 8, activation=3), "activation"),
+        (lambda: FusedLinear.from_module(nn.Embedding(4, 8)), "module"),
+        (lambda: FusedLinear.from_module(Conv1D(4, 6)), "module"),
+        (lambda: FusedLinear.from_module(nn.Linear(0, 4)), "module"),
+        (lambda: FusedLinear.from_module(nn.LayerNorm(4)), "module"),
+        (lambda: FusedLinear.from_module("fc1"), "module"),
+        (lambda: GatedMLP.from_module(nn.Linear(4, 8)), "module"),
+        (lambda: GatedMLP.from_module(None, activation="silu"), "module"),
+        (lambda: GatedMLP.from_linears(nn.Embedding(8, 4), nn.Embedding(8, 4), nn.Embedding(4, 8)), "module"),
+        (lambda: MLP.from_module(nn.Linear(4, 8)), "fc1"),
+        (lambda: MLP.from_module(nn.Embedding(4, 8), nn.Linear(8, 4), activation="relu"), "module"),
+        (lambda: MLP.from_module(nn.Linear(4, 8), Conv1D(4, 8), activation="relu"), "module"),
+    ],
+)
+def test_bad_module_arguments_name_the_argument(build, argument):
+    with pytest.raises(InputError) as info:
+        build()
+    message = str(info.value)
+    assert message.startswith(f"{argument}: ") and "\n" not in message and len(message) < 300, message
+
+
+def test_integer_like_sizes_are_taken_as_ints():
+    import numpy as np
+
+    m = GatedMLP(np.int64(4), torch.tensor(6), dtype=F64, backend="torch")
+    assert (m.dim, m.hidden) == (4, 6) and type(m.dim) is int and type(m.hidden) is int
+    assert m.gate_proj.weight.shape == (6, 4)
+
+
+def test_a_linear_like_module_is_accepted():
+    class LinearLike(nn.Module):  # e.g. a quantized or adapter Linear that is not an nn.Linear subclass
+        def __init__(self):
+            super().__init__()
+            self.in_features, self.out_features = 6, 4
+            self.weight = nn.Parameter(torch.randn(4, 6, dtype=F64))
+            self.bias = nn.Parameter(torch.randn(4, dtype=F64))
+
+    src = LinearLike()
+    ours = FusedLinear.from_module(src, "relu", backend="torch")
+    assert ours.weight is src.weight and ours.bias is src.bias
+    x = torch.randn(3, 6, dtype=F64)
+    torch.testing.assert_close(ours(x), F.relu(F.linear(x, src.weight, src.bias)))
+
+
 def test_module_backend_none_follows_the_environment(monkeypatch):
     m = GatedMLP(4, 8)
     monkeypatch.setenv("MLPFUSE_BACKEND", "bogus")

@@ -9,6 +9,7 @@ Forwards are TorchScript-compatible: they call the `torch.ops.mlpfuse.*` custom 
 signatures, and keep the activation and backend as plain strings.
 """
 
+import operator
 from typing import Optional
 
 import torch
@@ -39,6 +40,48 @@ _ACTIVATION_CLASSES = {
     "LinearActivation": "identity",
 }
 _ACTIVATION_ATTRS = ("act_fn", "activation_fn", "act", "activation")
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _show(value) -> str:
+    """A value for a one-line message: repr, on one line, cut short."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _size(name: str, value) -> int:
+    """A layer size: an integer >= 1 (numpy and torch integers too, bool not)."""
+    n = None
+    if not isinstance(value, bool) and not (isinstance(value, torch.Tensor) and value.dim() != 0):
+        try:
+            n = operator.index(value)
+        except TypeError:
+            pass
+    if n is None or not 1 <= n < 2**63:
+        raise InputError(f"{name}: expected an integer >= 1, got {type(value).__name__} {_show(value)}")
+    return n
+
+
+def _check_init(sizes: tuple, bias, device, dtype) -> tuple[int, ...]:
+    """Constructor arguments, checked before anything is allocated (construction is not the hot path); the sizes
+    come back as plain ints."""
+    ints = tuple(_size(name, value) for name, value in sizes)
+    if ints[0] * ints[1] * 2 >= 2**63:  # x2: PackedGatedMLP's [2·hidden, dim]; torch's own error is an overflow
+        raise InputError(f"{sizes[1][0]}: {sizes[0][0]}·{sizes[1][0]} = {ints[0] * ints[1]} weights is more than "
+                         f"a tensor holds")
+    if not (isinstance(bias, int) and bias in (0, 1)):
+        raise InputError(f"bias: expected True or False, got {_show(bias)}")
+    if dtype is not None and dtype not in _FLOAT_DTYPES:
+        raise InputError(f"dtype: expected None or torch.bfloat16, float16, float32 or float64, got {_show(dtype)}")
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise InputError(f"device: expected None, a torch.device or a name like 'cpu' or 'cuda:0', "
+                             f"got {_show(device)}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise InputError(f"device: {device} was asked for but torch sees no CUDA device")
+    return ints
 
 
 def _activation_of(module: nn.Module, argument: str = "activation") -> str:
@@ -69,15 +112,36 @@ def _activation_of(module: nn.Module, argument: str = "activation") -> str:
 
 
 def _weight_of(module: nn.Module, name: str, shape: Optional[tuple] = None) -> tuple[nn.Parameter, Optional[nn.Parameter]]:
-    """(weight, bias) Parameters of a Linear-like child, checked."""
+    """(weight, bias) Parameters of a Linear-like child, checked.
+
+    Linear-like: an nn.Linear (or subclass), or a module whose in_features / out_features match its 2-D
+    [out_features, in_features] weight. Other modules with a 2-D weight (nn.Embedding's [num, dim] table,
+    transformers' Conv1D with its [in, out] weight) hold something else and are refused, not misread.
+    """
     child = getattr(module, name, None) if name else module
     label = name or type(module).__name__
+    expected = f"module: expected {name + ' to be ' if name else ''}an nn.Linear or a Linear-like module"
+    if not isinstance(child, nn.Module):
+        raise InputError(f"{expected}, got {type(child).__name__}")
     weight = getattr(child, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise InputError(f"module: expected {label} to be a Linear-like module with a 2-D weight")
+        raise InputError(f"{expected} with a 2-D weight, got {type(child).__name__}")
+    if not isinstance(child, nn.Linear):
+        features = (getattr(child, "out_features", None), getattr(child, "in_features", None))
+        if features != tuple(weight.shape):
+            raise InputError(f"{expected} (in_features, out_features and an [out_features, in_features] weight), "
+                             f"got {type(child).__name__}")
+    if weight.dtype not in _FLOAT_DTYPES:
+        raise InputError(f"module: expected {label}.weight in a floating-point dtype, got {weight.dtype}")
+    if 0 in weight.shape:
+        raise InputError(f"module: expected {label}.weight without empty dimensions, got {list(weight.shape)}")
     if shape is not None and tuple(weight.shape) != tuple(shape):
         raise InputError(f"module: expected {label}.weight of shape {list(shape)}, got {list(weight.shape)}")
-    return weight, getattr(child, "bias", None)
+    bias = getattr(child, "bias", None)
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],)):
+        got = list(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise InputError(f"module: expected {label}.bias of shape [{weight.shape[0]}] or None, got {got}")
+    return weight, bias
 
 
 def _linear_using(weight: nn.Parameter, bias: Optional[nn.Parameter]) -> nn.Linear:
@@ -132,6 +196,7 @@ class GatedMLP(nn.Module):
         backend: Optional[str] = None,
     ):
         super().__init__()
+        dim, hidden = _check_init((("dim", dim), ("hidden", hidden)), bias, device, dtype)
         self.dim, self.hidden = dim, hidden
         self.activation: str = activations.get(activation).name
         self.backend: str = dispatch.check_backend_name(backend)
@@ -204,11 +269,14 @@ class GatedMLP(nn.Module):
         experts), and a packed gate_up_proj [2·hidden, dim] with down_proj (Phi-3), which gives a PackedGatedMLP.
         activation None reads the module's act_fn (or its config's hidden_act).
         """
-        act = activation if activation is not None else _activation_of(module)
+        if not isinstance(module, nn.Module):
+            raise InputError(f"module: expected an nn.Module (a gated MLP), got {type(module).__name__}")
         if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+            act = activation if activation is not None else _activation_of(module)
             return PackedGatedMLP.from_linears(module.gate_up_proj, module.down_proj, act, backend)
         for gate, up, down in (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")):
             if all(hasattr(module, n) for n in (gate, up, down)):
+                act = activation if activation is not None else _activation_of(module)
                 return cls.from_linears(getattr(module, gate), getattr(module, up), getattr(module, down), act, backend)
         raise InputError(
             f"module: expected gate_proj/up_proj/down_proj, w1/w3/w2 or gate_up_proj/down_proj children in "
@@ -244,6 +312,7 @@ class PackedGatedMLP(GatedMLP):
         backend: Optional[str] = None,
     ):
         nn.Module.__init__(self)  # not GatedMLP's: this layout has no separate gate_proj / up_proj
+        dim, hidden = _check_init((("dim", dim), ("hidden", hidden)), bias, device, dtype)
         self.dim, self.hidden = dim, hidden
         self.activation: str = activations.get(activation).name
         self.backend: str = dispatch.check_backend_name(backend)
@@ -310,6 +379,9 @@ class FusedLinear(nn.Module):
         backend: Optional[str] = None,
     ):
         super().__init__()
+        in_features, out_features = _check_init(
+            (("in_features", in_features), ("out_features", out_features)), bias, device, dtype
+        )
         self.in_features, self.out_features = in_features, out_features
         self.activation: str = activations.get(activation).name
         self.backend: str = dispatch.check_backend_name(backend)
@@ -361,6 +433,7 @@ class MLP(nn.Module):
         backend: Optional[str] = None,
     ):
         super().__init__()
+        dim, hidden = _check_init((("dim", dim), ("hidden", hidden)), bias, device, dtype)
         self.dim, self.hidden = dim, hidden
         self.fc1 = FusedLinear(dim, hidden, bias, activation, device=device, dtype=dtype, backend=backend)
         self.fc2 = nn.Linear(hidden, dim, bias=bias, device=device, dtype=dtype)
@@ -383,7 +456,7 @@ class MLP(nn.Module):
         (activation required). Parameters are shared, not copied."""
         if fc2 is None:
             module = fc1
-            if not (hasattr(module, "fc1") and hasattr(module, "fc2")):
+            if not isinstance(module, nn.Module) or not (hasattr(module, "fc1") and hasattr(module, "fc2")):
                 raise InputError(f"fc1: expected a module with fc1 and fc2 children, or pass fc2=; got {type(module).__name__}")
             activation = activation if activation is not None else _activation_of(module)
             fc1, fc2 = module.fc1, module.fc2

@@ -2,8 +2,8 @@
 
 Profiles Linear eager vs torch.compile, the GeGLU MLP eager vs torch.compile, and the MLP through mlpfuse's fused
 modules where they import; prints each profile and the diffs between them; writes traces, analysis JSON and a
-summary.md to the results folder. A variant that fails (no C++ compiler for torch.compile on CPU, fused modules
-not importable) is recorded with its one-line reason and the walkthrough goes on.
+summary.md to the results folder, each file replaced atomically. A variant that fails (no C++ compiler for
+torch.compile on CPU, fused modules not importable) is recorded with its one-line reason and the walkthrough goes on.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def run(args) -> int:
     from rich.console import Console
 
     from mlpfuse import workloads
+    from mlpfuse._io import atomic_write_text
     from mlpfuse.errors import InputError
     from mlpfuse.profiling import diff, profile, render
 
@@ -57,7 +58,12 @@ def run(args) -> int:
     if args.steps < 3:
         raise InputError(f"--steps: expected >= 3 (1 wait + 1 warm-up + >= 1 active), got {args.steps}")
     out = args.out or os.path.join("mlpfuse-results", f"walkthrough-{device.split(':')[0]}")
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except FileExistsError:
+        raise InputError(f"--out: {out} exists and is not a folder") from None
+    except OSError as exc:
+        raise InputError(f"--out: cannot create {out} ({exc.strerror or type(exc).__name__})") from None
 
     analyses, described, failed = {}, {}, {}
     started = time.perf_counter()
@@ -80,8 +86,7 @@ def run(args) -> int:
             continue
         data = result.to_dict()
         data["workload"] = described[case] = built.describe()
-        with open(os.path.join(out, f"{case}.analysis.json"), "w") as fh:
-            json.dump(data, fh, indent=1)
+        atomic_write_text(os.path.join(out, f"{case}.analysis.json"), json.dumps(data, indent=1))
         tables = render.analysis_tables(data)
         console.print(tables[0])
         console.print(tables[1])  # the kernel table, or the CPU op table on a CPU-only run
@@ -97,11 +102,10 @@ def run(args) -> int:
             render.print_diff(d.to_dict(), console)
 
     summary = _summary_md(device, analyses, described, failed, diffs, time.perf_counter() - started)
-    with open(os.path.join(out, "summary.md"), "w") as fh:
-        fh.write(summary)
-    with open(os.path.join(out, "summary.json"), "w") as fh:
-        json.dump({"device": device, "cases": {c: a.to_dict() for c, a in analyses.items()}, "failed": failed,
-                   "diffs": diffs}, fh, indent=1)
+    atomic_write_text(os.path.join(out, "summary.md"), summary)
+    atomic_write_text(os.path.join(out, "summary.json"), json.dumps(
+        {"device": device, "cases": {c: a.to_dict() for c, a in analyses.items()}, "failed": failed, "diffs": diffs},
+        indent=1))
     console.print(f"results: {out}/ (summary.md, traces *.pt.trace.json.gz open in https://ui.perfetto.dev)")
     return 0
 

@@ -123,14 +123,14 @@ def run_command(args) -> int:
     out = Console() if not args.json else None
     for note in notes:
         err.print(f"[yellow]note:[/] {note}")
+    folder = Path(args.out) if args.out else _default_out(device)
+    _make_folder(folder)  # before the peaks: a bad --out fails before seconds of measuring
     peaks = roofline.load_peaks(
-        device, sorted({c.dtype for c in cases}), remeasure=args.remeasure_peaks, log=lambda m: err.print(m)
+        device, sorted({c.dtype for c in cases}), remeasure=args.remeasure_peaks,
+        log=lambda m: err.print(m, markup=False, highlight=False, soft_wrap=True),  # paths: never markup
     )
     if args.json:  # otherwise the table prints them
         err.print(outputs.peaks_line({"peaks": peaks.to_dict()}))
-
-    folder = Path(args.out) if args.out else _default_out(device)
-    folder.mkdir(parents=True, exist_ok=True)
 
     def write_tables(result) -> list[Path]:
         result.meta["notes"] = notes
@@ -174,6 +174,15 @@ def _command_line(args) -> str:
         if value is not True:
             words.append(shlex.quote(str(value)))
     return " ".join(words)
+
+
+def _make_folder(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise InputError(f"--out: {folder} exists and is not a folder") from None
+    except OSError as exc:
+        raise InputError(f"--out: cannot create {folder} ({exc.strerror or type(exc).__name__})") from None
 
 
 def _default_out(device) -> Path:

@@ -1,5 +1,6 @@
 """Writing a bench result: results.json (everything), results.csv (one flat row per case × variant),
-results.md (the tables the README shows) and the terminal table.
+results.md (the tables the README shows) and the terminal table. Files are replaced atomically (mlpfuse._io), so
+a reader, or another run writing the same folder, never sees half a file.
 
 JSON schema: {"meta": {command, timestamp, device, torch, cuda, triton, liger_kernel, mlpfuse, python,
 peaks: {device, gemm_tflops: {dtype: TFLOP/s}, copy_gbps, how}, settings, notes}, "rows": [row, ...]}; a row has
@@ -19,6 +20,7 @@ import math
 from itertools import groupby
 from pathlib import Path
 
+from mlpfuse._io import atomic_open, atomic_write_text
 from mlpfuse.bench.sweep import BenchResult
 
 CSV_FIELDS = (
@@ -45,12 +47,12 @@ def to_json(result: BenchResult) -> str:
 
 
 def write_json(result: BenchResult, path: Path) -> Path:
-    path.write_text(to_json(result) + "\n")
+    atomic_write_text(path, to_json(result) + "\n")
     return path
 
 
 def write_csv(result: BenchResult, path: Path) -> Path:
-    with path.open("w", newline="") as f:
+    with atomic_open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
         for row in result.rows:
@@ -172,7 +174,7 @@ def markdown(result: BenchResult) -> str:
 
 
 def write_markdown(result: BenchResult, path: Path) -> Path:
-    path.write_text(markdown(result))
+    atomic_write_text(path, markdown(result))
     return path
 
 

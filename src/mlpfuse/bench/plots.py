@@ -11,9 +11,19 @@ matplotlib.use("Agg")  # files only; never a window, works headless
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
 
+from mlpfuse._io import atomic_open  # noqa: E402
 from mlpfuse.bench.sweep import BenchResult  # noqa: E402
 
 _MARKERS = "osD^vP*Xh<>"
+
+
+def _save(fig, path: Path) -> None:
+    """Write the PNG atomically and close the figure (also when writing fails)."""
+    try:
+        with atomic_open(path, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def _ok(rows):
@@ -69,8 +79,7 @@ def speedup_plot(result: BenchResult, path: Path) -> Path | None:
         ax.set_visible(False)
     fig.suptitle(f"mlpfuse bench on {result.meta['device']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return path
 
 
@@ -97,8 +106,7 @@ def _speedup_bars(result: BenchResult, rows, style, path: Path) -> Path:
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return path
 
 
@@ -136,6 +144,5 @@ def roofline_plot(result: BenchResult, path: Path) -> Path | None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
     return path

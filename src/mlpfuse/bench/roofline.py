@@ -10,23 +10,28 @@ Activations, bias adds and the GLU product are O(M·H) flops, under 0.1 % of the
 floor = max(FLOPs / peak FLOP/s, bytes / copy bandwidth); % of floor = floor / measured time.
 
 Peaks are measured, not looked up: a large GEMM (8192³ on a GPU) per dtype and a large device-to-device copy
-(bytes read + written). They are cached per device in ~/.cache/mlpfuse/peaks-<device>.json ($XDG_CACHE_HOME is
-honoured) because measuring costs seconds; `--remeasure-peaks` refreshes them.
+(bytes read + written). They are cached per device in peaks-<device>.json under cache_dir() because measuring costs
+seconds; `--remeasure-peaks` refreshes them. The cache is untrusted input: a file that is not a small regular file
+of finite, positive, plausible peaks for this device is ignored with a note, measured again and replaced.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import re
+import stat
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from mlpfuse._io import atomic_write_text
 from mlpfuse.bench.presets import DTYPES, Case
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -90,9 +95,23 @@ def device_slug(device: torch.device) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", device_name(device)).strip("-").lower()
 
 
+CACHE_ENV = "MLPFUSE_CACHE_DIR"
+# Far above any device of today (an H200: ~1,000 dense bf16 TFLOP/s, 4,800 GB/s): a larger cached value is corrupt.
+MAX_TFLOPS = 1e5
+MAX_GBPS = 1e6
+_MAX_CACHE_BYTES = 1 << 16  # our file is ~1 KB; a bigger one is not ours
+
+
+def cache_dir() -> Path:
+    """$MLPFUSE_CACHE_DIR, else $XDG_CACHE_HOME/mlpfuse, else ~/.cache/mlpfuse."""
+    own = os.environ.get(CACHE_ENV)
+    if own:
+        return Path(own)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlpfuse"
+
+
 def cache_path(device: torch.device) -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "mlpfuse" / f"peaks-{device_slug(device)}.json"
+    return cache_dir() / f"peaks-{device_slug(device)}.json"
 
 
 def _sync(device: torch.device) -> None:
@@ -155,16 +174,74 @@ def spin_up(device: torch.device, seconds: float = 0.3) -> None:
         torch.cuda.synchronize(device)
 
 
+class BadCache(Exception):
+    """Why a peaks cache file cannot be used (one line)."""
+
+
+def _rate(value, what: str, most: float) -> float:
+    # bool is an int to Python, and JSON's true is not a rate.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadCache(f"{what} is {type(value).__name__}, not a number")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0 or value > most:
+        raise BadCache(f"{what} = {value!r} is not a plausible positive rate")
+    return value
+
+
+def _read_cache(path: Path, device: torch.device) -> Peaks:
+    """The cached peaks at `path`, checked field by field; BadCache says what is wrong."""
+    try:
+        # Opened without blocking and checked before reading: a FIFO in its place would block a plain open, a
+        # device such as /dev/zero would never end.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as fh:
+            info = os.fstat(fh.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise BadCache("not a regular file")
+            raw = fh.read(_MAX_CACHE_BYTES + 1)
+        if len(raw) > _MAX_CACHE_BYTES:
+            raise BadCache(f"more than {_MAX_CACHE_BYTES} bytes, larger than a peaks file")
+        data = json.loads(raw.decode("utf-8"))
+    except BadCache:
+        raise
+    except OSError as exc:
+        raise BadCache(f"unreadable ({exc.strerror or type(exc).__name__})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise BadCache(f"not valid JSON ({type(exc).__name__})") from None
+    if not isinstance(data, dict):
+        raise BadCache(f"a JSON {type(data).__name__}, not an object")
+    name, gemm, how = data.get("device"), data.get("gemm_tflops"), data.get("how", {})
+    if name != device_name(device):
+        raise BadCache(f"measured on {name!r}, not on {device_name(device)!r}")
+    if not isinstance(gemm, dict) or not all(isinstance(k, str) for k in gemm):
+        raise BadCache("gemm_tflops is not an object of dtype -> TFLOP/s")
+    tflops = {dt: _rate(v, f"gemm_tflops[{dt!r}]", MAX_TFLOPS) for dt, v in gemm.items()}
+    copy = _rate(data.get("copy_gbps"), "copy_gbps", MAX_GBPS)
+    if not isinstance(how, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in how.items()):
+        raise BadCache("how is not an object of strings")
+    return Peaks(name, tflops, copy, dict(how))
+
+
+def _note(log, message: str) -> None:
+    if log:
+        log(message)
+    else:
+        print(f"mlpfuse: {message}", file=sys.stderr)
+
+
 def load_peaks(device: torch.device, dtypes, *, remeasure: bool = False, log=None) -> Peaks:
-    """Peaks for `dtypes` on `device`, from the cache where present, measuring (and caching) what is missing."""
+    """Peaks for `dtypes` on `device`, from the cache where valid, measuring (and caching) what is missing.
+
+    `log(message)` receives one-line notes (an ignored cache, a measurement, a cache that cannot be written);
+    without it they go to stderr.
+    """
     path = cache_path(device)
     peaks = Peaks(device_name(device))
-    if path.exists() and not remeasure:
+    if not remeasure and (path.exists() or path.is_symlink()):
         try:
-            data = json.loads(path.read_text())
-            peaks = Peaks(data["device"], dict(data["gemm_tflops"]), float(data["copy_gbps"]), dict(data["how"]))
-        except (ValueError, KeyError, TypeError):
-            peaks = Peaks(device_name(device))  # unreadable cache: measure again
+            peaks = _read_cache(path, device)
+        except BadCache as why:
+            _note(log, f"ignoring the peaks cache {path}: {why}; measuring again")
     missing = [d for d in dtypes if d not in peaks.gemm_tflops]
     if missing or not peaks.copy_gbps:
         if log:
@@ -177,7 +254,8 @@ def load_peaks(device: torch.device, dtypes, *, remeasure: bool = False, log=Non
         peaks.how["measured_with"] = f"torch {torch.__version__}"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(peaks.to_dict(), indent=2))
-        except OSError:
-            pass  # a read-only home still benches; it just measures again next time
+            atomic_write_text(path, json.dumps(peaks.to_dict(), indent=2) + "\n")
+        except OSError as exc:
+            # A read-only home (or a folder where the file belongs) still benches; it measures again next time.
+            _note(log, f"cannot cache the peaks in {path} ({exc.strerror or type(exc).__name__})")
     return peaks

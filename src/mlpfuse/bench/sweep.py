@@ -12,10 +12,8 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import gc
-import os
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -94,9 +92,7 @@ def _profile_counts(step, label: str) -> dict:
     """Kernels, launches, memsets, copies per call, from mlpfuse's own profiler (None where it is unavailable)."""
     from mlpfuse.profiling import profile
 
-    with tempfile.TemporaryDirectory(prefix="mlpfuse-bench-") as folder:  # the traces are not kept
-        trace = os.path.join(folder, f"{label}.json.gz")
-        per = profile(step, label=label, record_shapes=False, trace_path=trace).to_dict()["per_step"]
+    per = profile(step, label=label, record_shapes=False).to_dict()["per_step"]  # the trace is not kept
     return {
         "kernels": per.get("gpu_kernels"),
         "launches": per.get("launch_calls"),

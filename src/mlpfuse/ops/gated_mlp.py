@@ -513,6 +513,6 @@ def gated_mlp(
     """
     name = activations.get(activation).name
     backend_name = dispatch.check_backend_name(backend)
-    _checks.tensors([("x", x), ("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight", down_weight),
-                     ("gate_bias", gate_bias), ("up_bias", up_bias), ("down_bias", down_bias)])
+    _checks.tensors([("x", x), ("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight", down_weight)],
+                    [("gate_bias", gate_bias), ("up_bias", up_bias), ("down_bias", down_bias)])
     return gated_mlp_call(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, name, backend_name)

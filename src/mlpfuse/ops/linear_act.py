@@ -20,9 +20,11 @@ from mlpfuse.ops._util import (
 )
 
 
-def _forward(x, weight, bias, activation: str, backend: str, save: bool):
-    """(y [..., out], z) with z the 2-D pre-activation when `save` and an activation needs it, else None."""
-    _checks.linear_act_args(x, weight, bias)
+def _forward(x, weight, bias, activation: str, backend: str, save: bool, checked: bool = False):
+    """(y [..., out], z) with z the 2-D pre-activation when `save` and an activation needs it, else None.
+    `checked`: the caller already validated the arguments."""
+    if not checked:
+        _checks.linear_act_args(x, weight, bias)
     act = activations.get(activation)
     save = save and act.id != activations.IDENTITY
     x2 = rows(x)
@@ -135,7 +137,7 @@ class _EagerTraining(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, activation: str, backend: str):
-        y, z = _forward(x, weight, bias, activation, backend, dispatch.SAVE_PREACT)
+        y, z = _forward(x, weight, bias, activation, backend, dispatch.SAVE_PREACT, checked=True)
         ctx.activation, ctx.recompute, ctx.train = activation, z is None, False
         ctx.save_for_backward(x, weight, bias, *(() if z is None else (z,)))
         return y
@@ -171,7 +173,8 @@ def _call(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, ba
             _checks.linear_act_args(x, weight, bias)
             act_id = activations.get(activation).id
             if dispatch.linear_act_path(backend, rows(x), weight.shape[0], act_id) == "torch":
-                return _forward(x, weight, bias, activation, backend, False)[0]  # eager autograd, as in gated_mlp
+                # eager autograd, as in gated_mlp
+                return _forward(x, weight, bias, activation, backend, False, checked=True)[0]
             return _EagerTraining.apply(x, weight, bias, activation, backend)
     if grad:
         return torch.ops.mlpfuse.linear_act_train(x, weight, bias, activation, backend, dispatch.SAVE_PREACT)[0]
@@ -192,5 +195,5 @@ def linear_act(
     None reads MLPFUSE_BACKEND, else "auto". Differentiable in x, weight and bias.
     """
     name = activations.get(activation).name
-    _checks.tensors([("x", x), ("weight", weight), ("bias", bias)])
+    _checks.tensors([("x", x), ("weight", weight)], [("bias", bias)])
     return linear_act_call(x, weight, bias, name, dispatch.check_backend_name(backend))

@@ -27,21 +27,31 @@ def profile(
     with_stack: bool = False,
     trace_path: str | None = None,
     expect: Iterable[str] | None = None,
+    keep_trace: bool = False,
     **kwargs: Any,
 ) -> Analysis:
     """Run `fn(*args, **kwargs)` under torch.profiler and return the analysis of the trace it wrote.
 
+    The trace goes to `trace_path` when given (and stays there); otherwise to a temporary folder that is removed
+    once the trace is analysed, unless `keep_trace` — then `analysis.trace_path` names it. A removed trace leaves
+    `analysis.trace_path` None; the analysis itself is complete without the file.
     With `expect`, the expectations are parsed before anything runs (a typo fails fast) and their results are
     stored on the analysis as `analysis.expectations` (list of ExpectationResult).
     """
+    from mlpfuse.errors import InputError
     from mlpfuse.profiling import expect as expect_mod
-    from mlpfuse.profiling.capture import capture
+    from mlpfuse.profiling.capture import capture, trace_file
 
     expectations = list(expect or [])
     for e in expectations:
         expect_mod.parse(e)
-    path = capture(fn, *args, steps=steps, wait=wait, warmup=warmup, active=active, label=label,
-                   record_shapes=record_shapes, with_stack=with_stack, trace_path=trace_path, **kwargs)
-    result = analyze(path)
+    if not isinstance(keep_trace, bool):
+        raise InputError(f"keep_trace: expected True or False, got {keep_trace!r}")
+    with trace_file(trace_path, label, keep_trace) as (path, kept):
+        path = capture(fn, *args, steps=steps, wait=wait, warmup=warmup, active=active, label=label,
+                       record_shapes=record_shapes, with_stack=with_stack, trace_path=path, **kwargs)
+        result = analyze(path)
+    if not kept:
+        result.data["trace"] = None
     result.expectations = result.check(expectations) if expectations else []
     return result

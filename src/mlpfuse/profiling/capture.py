@@ -6,20 +6,49 @@ here and one written by anyone's own `torch.profiler` go through the same analys
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import tempfile
 import time
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+from mlpfuse._io import atomic_path
 from mlpfuse.errors import InputError
 
 
+TEMP_PREFIX = "mlpfuse-trace-"
+
+
+def _trace_name(label: str) -> str:
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(label))[:100] or "trace"
+    return f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}.pt.trace.json.gz"
+
+
 def _default_trace_path(label: str) -> str:
-    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", label) or "trace"
-    folder = tempfile.mkdtemp(prefix="mlpfuse-trace-")
-    return os.path.join(folder, f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}.pt.trace.json.gz")
+    return os.path.join(tempfile.mkdtemp(prefix=TEMP_PREFIX), _trace_name(label))
+
+
+@contextlib.contextmanager
+def trace_file(trace_path: str | os.PathLike | None, label: str, keep: bool) -> Iterator[tuple[str, bool]]:
+    """(path to capture into, whether it outlives the block).
+
+    A given trace_path is the caller's and always kept. Without one the trace goes to a fresh temporary folder,
+    removed when the block ends unless `keep`, and always when the block fails (there is no trace to keep).
+    """
+    if trace_path is not None:
+        yield os.fspath(trace_path), True
+        return
+    folder = tempfile.mkdtemp(prefix=TEMP_PREFIX)
+    failed = True
+    try:
+        yield os.path.join(folder, _trace_name(label)), keep
+        failed = False
+    finally:
+        if failed or not keep:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def check_schedule(steps: int, wait: int, warmup: int, active: int, label: str = "step") -> None:
@@ -47,6 +76,8 @@ def capture(
     **kwargs: Any,
 ) -> str:
     """Run `fn(*args, **kwargs)` `steps` times under the profiler schedule; return the trace path (.json.gz).
+
+    Without trace_path the trace goes to a new temporary folder that the caller owns (`profile` removes it).
 
     Each step is wrapped in `record_function(label)` and ends with a device synchronize, so a step's span covers
     the GPU work it launched and step windows are comparable across eager and compiled code.
@@ -83,5 +114,7 @@ def capture(
                     fn(*args, **kwargs)
                     sync()
                 prof.step()
-    prof.export_chrome_trace(path)
+    # Written beside the target and renamed into place: a reader never sees half a trace.
+    with atomic_path(path, suffix=".json.gz") as temp:
+        prof.export_chrome_trace(temp)
     return path
