@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 FAMILIES = (
     "gemm",
@@ -176,20 +176,26 @@ _INDUCTOR_OPS = sorted(
 )
 
 
+_OPS_BY_FIRST: dict[str, list[tuple[str, ...]]] = {}
+for _op in _INDUCTOR_OPS:  # longest first within each list, as in _INDUCTOR_OPS
+    _OPS_BY_FIRST.setdefault(_op[0], []).append(_op)
+
+
 def inductor_fused_ops(text: str) -> list[str]:
     """'_unsafe_view_gelu_mul' -> ['_unsafe_view', 'gelu', 'mul'] (longest known op name first)."""
     tokens = text.split("_")
     ops: list[str] = []
     i = 0
     while i < len(tokens):
+        candidates = _OPS_BY_FIRST.get(tokens[i], ())
         if tokens[i] == "" and i + 1 < len(tokens):
             # '' marks a leading underscore of the next op (e.g. '_unsafe_view')
-            match = next((op for op in _INDUCTOR_OPS if op[0] == "" and tuple(tokens[i:i + len(op)]) == op), None)
+            match = next((op for op in candidates if tuple(tokens[i:i + len(op)]) == op), None)
             if match is None:
                 i += 1
                 continue
         else:
-            match = next((op for op in _INDUCTOR_OPS if tuple(tokens[i:i + len(op)]) == op), (tokens[i],))
+            match = next((op for op in candidates if tuple(tokens[i:i + len(op)]) == op), (tokens[i],))
         if match != ("",):
             ops.append("_".join(match))
         i += len(match)
@@ -214,16 +220,74 @@ _CTYPES = (("c10::BFloat16", "bf16"), ("c10::Half", "fp16"), ("c10::Float8_e4m3f
            ("double", "fp64"), ("float", "fp32"), ("long", "int64"), ("bool", "bool"))
 
 
-def _parse_aten(m: re.Match, name: str) -> dict:
+# A qualified name after at::native::, matched greedily: linear in the name's length, where a lazy
+# `(?:\w+::)*?` before the kernel alternatives backtracks quadratically on names built of many components.
+_ATEN_QUALIFIED = re.compile(r"at::native::(?:\(anonymous namespace\)::)?((?:\w+::)*\w+)")
+
+
+class _Hit:
+    """The match-like result of a matcher that is not one regex: `group(name)` of what it found."""
+
+    def __init__(self, **groups: str):
+        self._groups = groups
+
+    def group(self, key: str) -> str:
+        return self._groups[key]
+
+
+def _after(comp: str, first: str, then: str) -> bool:
+    r"""`\w*first\w*then\w*` matches the whole word `comp` (one scan, no backtracking)."""
+    i = comp.find(first)
+    return i >= 0 and comp.find(then, i + len(first)) >= 0
+
+
+def _aten_reduction(comp: str) -> str | None:
+    if comp.startswith("reduce_kernel"):
+        return "reduce_kernel"
+    if re.search(r"[Ss]oft[Mm]ax", comp) or _after(comp, "norm", "_kernel"):
+        return comp
+    i, j = comp.find("_reduce"), comp.rfind("kernel")
+    return comp[: j + 6] if i >= 0 and j >= i + 7 else None
+
+
+def _aten_elementwise(comp: str) -> str | None:
+    if "elementwise_kernel" in comp or any(_after(comp, word, "_kernel") for word in ("index", "copy", "cat")):
+        return comp
+    return None
+
+
+class _AtenMatcher:
+    """Like a compiled pattern's `search`: the first at::native:: component, left to right, that `kernel_of` names."""
+
+    def __init__(self, kernel_of):
+        self.kernel_of = kernel_of
+
+    def search(self, name: str) -> _Hit | None:
+        pos = 0
+        while m := _ATEN_QUALIFIED.search(name, pos):
+            for comp in m.group(1).split("::"):
+                if kernel := self.kernel_of(comp):
+                    return _Hit(kernel=kernel)
+            # An at::native:: inside this chain sees a tail of the same components, already tried; only one that
+            # runs past the chain's end (into "::(anonymous namespace)::") can see more.
+            pos = m.end() - len("at::native::") + 1
+        return None
+
+
+def _parse_aten(m: _Hit, name: str) -> dict:
     text = name.replace("(anonymous namespace)::", "")
     out: dict = {"kernel": m.group("kernel")}
     start = text.find(m.group("kernel")) + len(m.group("kernel"))
-    for ident in re.findall(r"at::native::(?:\w+::)*?(\w+)(?=[<(,> ]|$)", text[start:]):
+    rest = text[start:]
+    for q in _ATEN_QUALIFIED.finditer(rest):
+        ident = q.group(1).rsplit("::", 1)[-1]
+        if q.end() < len(rest) and rest[q.end()] not in "<(,> ":
+            continue
         if ident not in _ATEN_WRAPPERS and not ident.endswith("_internal"):
             out["op"] = ident
             break
     for ctype, dtype in _CTYPES:
-        if re.search(rf"(?<![\w:]){re.escape(ctype)}(?!\w)", text[start:]):
+        if re.search(rf"(?<![\w:]){re.escape(ctype)}(?!\w)", rest):
             out["dtype"] = dtype
             break
     return out
@@ -263,7 +327,12 @@ def _nothing(m: re.Match, name: str) -> dict:
     return {}
 
 
-Rule = tuple[re.Pattern, "str | Callable[[re.Match], str]", "str | None", Callable[[re.Match, str], dict]]
+# (pattern: anything with `search(name)` -> match or None, family or family(match), library, field parser)
+Rule = tuple[Any, "str | Callable[[re.Match], str]", "str | None", Callable[[re.Match, str], dict]]
+
+# Every matcher and parser is linear in the name's length; past this many characters (real kernel names run to a
+# few KB) a name is decoded from its start only, which bounds the fields it yields too.
+MAX_DECODE_CHARS = 32768
 
 # Order matters: specific before generic. Patterns are `search`ed; anchor where a name must start with them.
 _RULES: list[Rule] = [
@@ -277,11 +346,8 @@ _RULES: list[Rule] = [
     (re.compile(r"cutlass_\d+_[A-Za-z0-9_]+"), "gemm", "cutlass", _parse_cutlass),
     (re.compile(r"^(?P<arch>maxwell|pascal|volta|turing|ampere|ada|hopper|blackwell|sm\d{2,3})_\w*?(?:gemm|xmma|gemv)",
                 re.I), "gemm", "cublas", _parse_cublas),
-    (re.compile(r"at::native::(?:\(anonymous namespace\)::)?(?:\w+::)*?(?P<kernel>reduce_kernel|\w*[Ss]oft[Mm]ax\w*|"
-                r"\w*norm\w*_kernel\w*|\w*_reduce\w*kernel)"), "reduction", "aten", _parse_aten),
-    (re.compile(r"at::native::(?:\(anonymous namespace\)::)?(?:\w+::)*?(?P<kernel>\w*elementwise_kernel\w*|"
-                r"\w*index\w*_kernel\w*|\w*copy\w*_kernel\w*|\w*cat\w*_kernel\w*)"), "elementwise", "aten",
-     _parse_aten),
+    (_AtenMatcher(_aten_reduction), "reduction", "aten", _parse_aten),
+    (_AtenMatcher(_aten_elementwise), "elementwise", "aten", _parse_aten),
     (re.compile(r"splitKreduce|cub::\w*Reduce|DeviceReduce"), "reduction", None, _nothing),
     (re.compile(r"cublas|gemm|gemv|xmma", re.I), "gemm", None, _nothing),
 ]
@@ -290,6 +356,7 @@ _RULES: list[Rule] = [
 @functools.lru_cache(maxsize=4096)
 def decode(name: str) -> Decoded:
     """Family, library and fields of a kernel name; unknown names are family 'other'."""
+    name = name[:MAX_DECODE_CHARS]
     for pattern, family, library, parse in _RULES:
         m = pattern.search(name)
         if m is None:
