@@ -57,7 +57,7 @@ def run(args) -> int:
     if args.steps < 3:
         raise InputError(f"--steps: expected >= 3 (1 wait + 1 warm-up + >= 1 active), got {args.steps}")
     out = args.out or os.path.join("mlpfuse-results", f"walkthrough-{device.split(':')[0]}")
-    os.makedirs(out, exist_ok=True)
+    workloads.results_folder(out, "--out")
 
     analyses, described, failed = {}, {}, {}
     started = time.perf_counter()
