@@ -1,16 +1,18 @@
 """`mlpfuse` console script.
 
 Each area owns its subcommands: a module listed in `_COMMAND_MODULES` exposes `register(subparsers)`, which adds
-its parsers and sets `func` on them. Exit codes: 0 ok, 1 an expectation was broken, 2 bad input.
+its parsers and sets `func` on them. Exit codes: 0 ok, 1 an expectation was broken, 2 bad input, 141 the reader
+of stdout went away (a closed pipe).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
-from mlpfuse.errors import InputError
+from mlpfuse.errors import InputError, printable
 
 _COMMAND_MODULES = (
     "mlpfuse.walkthrough",
@@ -34,14 +36,47 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _tolerant_stdout()
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not as a message at interpreter exit
+        return code
     except InputError as exc:
-        print(f"mlpfuse: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(f"mlpfuse: error: {printable(exc)}", 2)
+    except BrokenPipeError:
+        return _closed_pipe()
     except KeyboardInterrupt:
-        print("mlpfuse: interrupted", file=sys.stderr)
-        return 130
+        return _fail("mlpfuse: interrupted", 130)
+
+
+def _fail(line: str, code: int) -> int:
+    try:
+        print(line, file=sys.stderr)
+    except BrokenPipeError:
+        pass
+    return code
+
+
+def _tolerant_stdout() -> None:
+    # A terminal or file whose encoding cannot show a character gets an escape, not a UnicodeEncodeError.
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        try:
+            reconfigure(errors="backslashreplace")
+        except (ValueError, OSError):
+            pass
+
+
+def _closed_pipe() -> int:
+    """The reader went away (`mlpfuse analyze t.json | head`): stop quietly with 141 (128 + SIGPIPE), the status
+    of a tool the signal ends. Later writes, and the flush at interpreter exit, go to /dev/null."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout is no real file (captured): nothing to redirect
+        pass
+    return 141
 
 
 if __name__ == "__main__":

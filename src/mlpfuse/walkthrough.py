@@ -58,12 +58,7 @@ def run(args) -> int:
     if args.steps < 3:
         raise InputError(f"--steps: expected >= 3 (1 wait + 1 warm-up + >= 1 active), got {args.steps}")
     out = args.out or os.path.join("mlpfuse-results", f"walkthrough-{device.split(':')[0]}")
-    try:
-        os.makedirs(out, exist_ok=True)
-    except FileExistsError:
-        raise InputError(f"--out: {out} exists and is not a folder") from None
-    except OSError as exc:
-        raise InputError(f"--out: cannot create {out} ({exc.strerror or type(exc).__name__})") from None
+    workloads.results_folder(out, "--out")
 
     analyses, described, failed = {}, {}, {}
     started = time.perf_counter()

@@ -8,6 +8,8 @@ entry knows how to wrap a module and whether it can run on this machine (and if 
 from __future__ import annotations
 
 import dataclasses
+import operator
+import os
 from typing import Any, Callable
 
 import torch
@@ -39,6 +41,8 @@ class WorkloadSpec:
     # size name -> (default on CUDA, default on CPU, help)
     sizes: dict[str, tuple[int, int, str]]
     build: Callable[..., tuple[nn.Module, torch.Tensor]]
+    # elements alive at the peak of one forward (input, parameters, intermediates, output), from the sizes
+    peak_elements: Callable[..., int]
 
 
 def _build_linear(*, batch, in_dim, out_dim, bias=True, device, dtype):
@@ -62,6 +66,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
             "out_dim": (3072, 512, "output features"),
         },
         _build_linear,
+        lambda batch, in_dim, out_dim: batch * in_dim + in_dim * out_dim + out_dim + batch * out_dim,
     ),
     "geglu-mlp": WorkloadSpec(
         "geglu-mlp",
@@ -73,6 +78,8 @@ WORKLOADS: dict[str, WorkloadSpec] = {
             "hidden": (3072, 512, "MLP hidden width"),
         },
         _build_geglu,
+        # x and the output, three weights, and eager's [tokens, hidden] gate, up, gelu(gate) and product
+        lambda batch, seq, dim, hidden: 2 * batch * seq * dim + 3 * dim * hidden + 4 * batch * seq * hidden,
     ),
 }
 
@@ -168,6 +175,55 @@ def resolve_device(name: str | None) -> str:
     return device
 
 
+MAX_SIZE = 2**31 - 1  # one dimension; the memory check below bounds their product
+
+
+def _option(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def available_memory(device: str) -> int | None:
+    """Bytes that can be allocated on `device` now (None when unknown): free GPU memory, or MemAvailable."""
+    if device.startswith("cuda"):
+        try:
+            return torch.cuda.mem_get_info(torch.device(device))[0]
+        except (RuntimeError, ValueError, AssertionError):  # e.g. cuda:7 on a one-GPU machine: torch says so later
+            return None
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_memory(spec: WorkloadSpec, sizes: dict[str, int], device: str, dtype: torch.dtype) -> None:
+    """Refuse sizes that cannot fit before allocating anything (an absurd --batch would otherwise end in an
+    allocator error, or in the machine swapping)."""
+    need = spec.peak_elements(**sizes) * torch.empty((), dtype=dtype).element_size()
+    have = available_memory(device)
+    if have is not None and need > have:
+        given = " ".join(f"{_option(k)} {v}" for k, v in sizes.items())
+        raise InputError(f"{given}: {spec.name} needs about {need / 2**30:,.1f} GiB on {device}, more than the "
+                         f"{have / 2**30:,.1f} GiB available; choose smaller sizes")
+
+
+def results_folder(path: str, option: str = "--out") -> str:
+    """Create the results folder `path` (it may exist); one error line when it cannot be one."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise InputError(f"{option} {path}: exists and is not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"{option} {path}: cannot create the folder ({exc.strerror or exc})") from None
+    return path
+
+
 @dataclasses.dataclass
 class Built:
     """A ready-to-profile workload: call `fn(x)` once per step."""
@@ -219,10 +275,15 @@ def build(
     chosen = {}
     for key, (cuda_default, cpu_default, _) in spec.sizes.items():
         value = sizes.get(key)
-        value = (cuda_default if on_cuda else cpu_default) if value is None else int(value)
-        if value <= 0:
-            raise InputError(f"--{key.replace('_', '-')}: expected a positive integer, got {value}")
+        value = (cuda_default if on_cuda else cpu_default) if value is None else value
+        try:
+            value = operator.index(value) if not isinstance(value, bool) else None
+        except TypeError:
+            value = None
+        if value is None or not 1 <= value <= MAX_SIZE:
+            raise InputError(f"{_option(key)}: expected an integer from 1 to {MAX_SIZE}, got {sizes.get(key)!r}")
         chosen[key] = value
+    _check_memory(spec, chosen, device, torch_dtype)
     use_bias = (workload == "linear") if bias is None else bool(bias)
     torch.manual_seed(seed)
     module, x = spec.build(**chosen, bias=use_bias, device=device, dtype=torch_dtype)

@@ -18,9 +18,9 @@ import numpy as np
 
 from mlpfuse.errors import InputError
 from mlpfuse.profiling import kernel_names
-from mlpfuse.profiling.trace import KERNEL, MEMSET, Event, Trace
+from mlpfuse.profiling.schema import SCHEMA, validate
+from mlpfuse.profiling.trace import KERNEL, MEMSET, Event, Trace, clean_name, describe
 
-SCHEMA = "mlpfuse.analysis/1"
 
 # Verdict threshold: share of the step's GPU window during which a kernel, memset or memcpy runs. At or above it
 # the kernels decide the step time (compute-bound); below it the GPU mostly waits for the CPU (overhead-bound).
@@ -61,6 +61,9 @@ def find_steps(trace: Trace, label: str | None = None) -> tuple[list[Step], str]
                  if e.name.startswith("ProfilerStep#") and _STEP_NAME.match(e.name)]
         if spans:
             return _outermost(spans), "ProfilerStep"
+        if trace.skipped_steps:  # falling back to another span would analyse something else without saying so
+            raise InputError(f"TRACE {trace.path}: all {trace.skipped_steps} ProfilerStep# spans are malformed "
+                             f"(skipped: {describe(trace.skipped)}); no steps to analyse")
         label = trace.metadata.get("mlpfuse_label")
         if not isinstance(label, str) or not label:
             counts = Counter(e.name for e in trace.annotations if not e.name.startswith("## "))
@@ -193,7 +196,10 @@ def _op_rows(ops: list[Event], op_step: list[int], self_us: list[float], launche
 
 
 def gpu_timeline(step: Step, intervals: list[tuple[float, float, str]]) -> dict:
-    """Busy = union of the step's GPU intervals; window = step start .. later of step end and last GPU end."""
+    """Busy = union of the step's GPU intervals; window = step start .. later of step end and last GPU end.
+
+    An interval that starts before its step (skewed clocks, or a hand-made trace) counts from the step start, so
+    busy never exceeds the window."""
     if not intervals:
         return {"busy_us": 0.0, "window_us": step.dur, "gaps": []}
     intervals = sorted(intervals)
@@ -203,6 +209,8 @@ def gpu_timeline(step: Step, intervals: list[tuple[float, float, str]]) -> dict:
     cursor, before = step.ts, "(step start)"
     cur_start, cur_end, cur_last = None, None, ""
     for start, end, name in intervals:
+        if start < step.ts:
+            start, end = step.ts, max(end, step.ts)
         if cur_end is None or start > cur_end:
             if cur_end is not None:
                 busy += cur_end - cur_start
@@ -216,7 +224,8 @@ def gpu_timeline(step: Step, intervals: list[tuple[float, float, str]]) -> dict:
     if window_end > cur_end:
         gaps.append({"start_us": cur_end - step.ts, "dur_us": window_end - cur_end, "after": cur_last,
                      "before": "(step end)"})
-    return {"busy_us": busy, "window_us": window_end - step.ts, "gaps": gaps}
+    window = window_end - step.ts
+    return {"busy_us": min(busy, window), "window_us": window, "gaps": gaps}  # min(): float rounding only
 
 
 # ---------------------------------------------------------------- the analysis
@@ -298,7 +307,7 @@ def analyze_trace(trace: Trace, label: str | None = None) -> "Analysis":
             "step_us": s.dur,
             "gpu_busy_us": tl["busy_us"],
             "gpu_window_us": tl["window_us"],
-            "gpu_idle_us": tl["window_us"] - tl["busy_us"] if intervals[k] else 0.0,
+            "gpu_idle_us": max(tl["window_us"] - tl["busy_us"], 0.0) if intervals[k] else 0.0,
             "gpu_kernels": int(per[k]["gpu_kernels"]),
             "gpu_memsets": int(per[k]["gpu_memsets"]),
             "gpu_memcpys": int(per[k]["gpu_memcpys"]),
@@ -314,7 +323,7 @@ def analyze_trace(trace: Trace, label: str | None = None) -> "Analysis":
     op_table = _op_table(op_rows, n)
     data = {
         "schema": SCHEMA,
-        "trace": trace.path,
+        "trace": clean_name(str(trace.path)),
         "devices": trace.devices,
         "steps": n,
         "step_source": step_source,
@@ -327,6 +336,8 @@ def analyze_trace(trace: Trace, label: str | None = None) -> "Analysis":
         "zero_kernel_ops": zero_kernel_ops(op_rows, n) if has_gpu else [],
         "gpu_gaps": sorted(all_gaps, key=lambda g: -g["dur_us"])[:MAX_GAPS],
         "verdict": verdict(per_step, has_gpu),
+        "skipped_events": dict(sorted(trace.skipped.items())),
+        "repaired_events": dict(sorted(trace.repaired.items())),
     }
     return Analysis(data)
 
@@ -440,9 +451,8 @@ class Analysis:
 
     @classmethod
     def from_dict(cls, data: dict, path: str = "<analysis>") -> "Analysis":
-        required = ("steps", "per_step", "kernels", "ops", "zero_kernel_ops", "verdict")
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA or any(k not in data for k in required):
-            raise InputError(f"{path}: not an mlpfuse analysis JSON (schema {SCHEMA!r})")
+        """A saved analysis (e.g. `analyze --json` output read back), checked against the schema first."""
+        validate(data, path)
         return cls(data)
 
     def to_dict(self) -> dict:
@@ -490,15 +500,18 @@ class Analysis:
                 f"{self.verdict['kind']}, trace={self.trace_path!r}>")
 
 
-def analyze(source: Any, label: str | None = None) -> Analysis:
-    """Analyse a trace path (.json / .json.gz), parsed trace JSON, a saved analysis JSON, or a Trace."""
+def analyze(source: Any, label: str | None = None, max_bytes: int | str | None = None) -> Analysis:
+    """Analyse a trace path (.json / .json.gz), parsed trace JSON, a saved analysis JSON, or a Trace.
+
+    A file is read only if regular, and at most `max_bytes` (default $MLPFUSE_MAX_TRACE_BYTES, else 2 GiB) are
+    read or inflated from it."""
     from mlpfuse.profiling.trace import no_gc
 
     with no_gc():
-        return _analyze(source, label)
+        return _analyze(source, label, max_bytes)
 
 
-def _analyze(source: Any, label: str | None) -> Analysis:
+def _analyze(source: Any, label: str | None, max_bytes: int | str | None) -> Analysis:
     import os
 
     from mlpfuse.profiling import trace as trace_mod
@@ -509,7 +522,7 @@ def _analyze(source: Any, label: str | None) -> Analysis:
         return analyze_trace(source, label)
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        loaded = trace_mod.load_trace_or_json(path)
+        loaded = trace_mod.load_trace_or_json(path, max_bytes)
         if isinstance(loaded, dict):
             return Analysis.from_dict(loaded, path)
         return analyze_trace(loaded, label)

@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 
 from mlpfuse.errors import InputError
 
@@ -18,18 +19,24 @@ _SIZE_OPTIONS = {
 }
 
 
+_MAX_BYTES_HELP = ("most bytes read from a trace file or inflated from its gzip, e.g. 500M or 8G "
+                   "(default $MLPFUSE_MAX_TRACE_BYTES, else 2G)")
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("analyze", help="analyse a Chrome/Kineto trace (.json or .json.gz)",
                               description="Per-step kernels, launches, CPU ops, GPU idle time and a verdict.")
     p.add_argument("trace", metavar="TRACE")
     p.add_argument("--label", help="record_function label to use as steps when the trace has no ProfilerStep#N")
     p.add_argument("--json", action="store_true", help="print the analysis as JSON (schema in the README)")
+    p.add_argument("--max-bytes", metavar="SIZE", help=_MAX_BYTES_HELP)
     p.set_defaults(func=run_analyze)
 
     p = subparsers.add_parser("diff", help="what changed between two traces (or saved analysis JSON)")
     p.add_argument("a", metavar="A")
     p.add_argument("b", metavar="B")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--max-bytes", metavar="SIZE", help=_MAX_BYTES_HELP)
     p.set_defaults(func=run_diff)
 
     p = subparsers.add_parser("profile", help="profile a built-in workload (linear, geglu-mlp)",
@@ -59,15 +66,33 @@ def register(subparsers) -> None:
 
 
 def _dump(obj) -> None:
-    json.dump(obj, sys.stdout, indent=1)
+    # Strict JSON: the analysis holds finite numbers only, and a NaN that slipped through fails loudly here.
+    json.dump(obj, sys.stdout, indent=1, allow_nan=False)
     sys.stdout.write("\n")
+
+
+def _write_json(path: str, obj) -> None:
+    """Write whole or not at all: a temporary file in the same folder, renamed over `path` (concurrent runs on
+    one --out leave one complete file, never a mix)."""
+    folder = os.path.dirname(path) or "."
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as fh:
+                json.dump(obj, fh, indent=1, allow_nan=False)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as exc:
+        raise InputError(f"--out: cannot write {path} ({exc.strerror or exc})") from None
 
 
 def run_analyze(args) -> int:
     from mlpfuse.profiling import render
     from mlpfuse.profiling.analysis import analyze
 
-    result = analyze(args.trace, label=args.label)
+    result = analyze(args.trace, label=args.label, max_bytes=args.max_bytes)
     if args.json:
         _dump(result.to_dict())
     else:
@@ -79,7 +104,7 @@ def run_diff(args) -> int:
     from mlpfuse.profiling import render
     from mlpfuse.profiling.diff import diff
 
-    result = diff(args.a, args.b)
+    result = diff(args.a, args.b, max_bytes=args.max_bytes)
     if args.json:
         _dump(result.to_dict())
     else:
@@ -114,7 +139,7 @@ def run_profile(args) -> int:
 
     sizes = {k: getattr(args, k) for k in _SIZE_OPTIONS[workload]}
     built = workloads.build(workload, variant=variant, device=args.device, dtype=args.dtype, bias=args.bias, **sizes)
-    os.makedirs(args.out, exist_ok=True)
+    workloads.results_folder(args.out, "--out")
     trace_path = os.path.join(args.out, f"{built.label}.pt.trace.json.gz")
     if not args.json:
         print(f"profiling {built.describe()}", file=sys.stderr)
@@ -122,8 +147,7 @@ def run_profile(args) -> int:
                      label=built.label, trace_path=trace_path, expect=args.expect)
     data = result.to_dict()
     data["workload"] = built.describe()
-    with open(os.path.join(args.out, f"{built.label}.analysis.json"), "w") as fh:
-        json.dump(data, fh, indent=1)
+    _write_json(os.path.join(args.out, f"{built.label}.analysis.json"), data)
     if args.json:
         _dump({**data, "expectations": [r.to_dict() for r in result.expectations]})
     else:

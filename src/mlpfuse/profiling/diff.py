@@ -40,8 +40,8 @@ def _kernels(an: Analysis) -> dict[str, dict]:
     return {k["name"]: k for k in an.kernels}
 
 
-def diff(a: Any, b: Any) -> Diff:
-    a, b = analyze(a), analyze(b)
+def diff(a: Any, b: Any, max_bytes: int | str | None = None) -> Diff:
+    a, b = analyze(a, max_bytes=max_bytes), analyze(b, max_bytes=max_bytes)
     ka, kb = _kernels(a), _kernels(b)
 
     def row(k: dict) -> dict:
@@ -71,5 +71,7 @@ def diff(a: Any, b: Any) -> Diff:
         "ops_added": [{"name": n, "per_step": ops_b[n]["per_step"]} for n in ops_b if n not in ops_a],
         "kernels_by_op": {"a": a.data.get("kernels_by_op", {}), "b": b.data.get("kernels_by_op", {})},
         "verdict": {"a": a.verdict["kind"], "b": b.verdict["kind"]},
+        "skipped_events": {"a": a.data.get("skipped_events", {}), "b": b.data.get("skipped_events", {})},
+        "repaired_events": {"a": a.data.get("repaired_events", {}), "b": b.data.get("repaired_events", {})},
     }
     return Diff(data, a, b)

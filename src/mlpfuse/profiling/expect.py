@@ -8,11 +8,12 @@ Grammar (one expectation per string):
   FAMILY=N           kernels of a family per step (gemm, elementwise, triton_pointwise, ...; see kernel_names)
   op=NAME            the CPU op NAME ran in the steps;  no-op=NAME  it did not
   kernel~=TEXT       some kernel's name contains TEXT;  no-kernel~=TEXT  none does
-Counts are per-step averages and must match exactly.
+Counts are per-step averages (finite, >= 0) and must match exactly.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Iterable
@@ -61,9 +62,11 @@ def parse(text: str) -> Expectation:
         pass
     elif key in _COUNTS or key in FAMILIES:
         try:
-            float(value)
+            count = float(value)
         except ValueError:
             raise InputError(f"--expect {text!r}: expected a number after '=', got {value!r}") from None
+        if not 0 <= count < math.inf:  # NaN fails the comparison as well
+            raise InputError(f"--expect {text!r}: expected a finite count >= 0 after '=', got {value!r}")
     else:
         known = ", ".join([*_COUNTS, *FAMILIES, "op", "no-op", "kernel~", "no-kernel~"])
         raise InputError(f"--expect {text!r}: unknown key {key!r}; expected one of {known}")

@@ -1,11 +1,24 @@
-"""Rich tables for analyses, diffs and expectation results. Renderers only read the dicts; they compute nothing."""
+"""Rich tables for analyses, diffs and expectation results. Renderers only read the dicts; they compute nothing.
+
+Every string that came from a trace or a saved file (names, labels, paths, reasons) reaches the terminal as a
+`Text` made by `cell`: never parsed as rich markup (`[bold]` stays literal, `oops[/]` cannot crash), and with
+control characters shown as escapes, so ANSI/OSC sequences, bidi overrides or a lone surrogate in a kernel name
+cannot restyle, rewrite or break the terminal.
+"""
 
 from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
+
+from mlpfuse.errors import printable
 
 NAME_WIDTH = 70
+
+
+def cell(value, style: str = "") -> Text:
+    return Text(printable(value), style=style)
 
 
 def short(name: str, width: int = NAME_WIDTH) -> str:
@@ -23,6 +36,14 @@ def short(name: str, width: int = NAME_WIDTH) -> str:
     return name[: width - 1] + "…"
 
 
+def _name(name: str, width: int = NAME_WIDTH) -> Text:
+    return cell(short(name, width))
+
+
+def _row(table: Table, *values) -> None:
+    table.add_row(*(v if isinstance(v, Text) else cell(v) for v in values))
+
+
 def _fields(decoded: dict) -> str:
     skip = {"family", "flags", "index", "kind", "variant", "raster", "library"}
     parts = []
@@ -35,7 +56,8 @@ def _fields(decoded: dict) -> str:
 
 def analysis_tables(data: dict) -> list[Table]:
     p = data["per_step"]
-    head = Table(title=f"Per step (average over {data['steps']} steps, {data['step_source']})", show_header=False)
+    head = Table(title=cell(f"Per step (average over {data['steps']} steps, {data['step_source']})"),
+                 show_header=False)
     head.add_column("what")
     head.add_column("value", justify="right")
     rows = [
@@ -49,15 +71,15 @@ def analysis_tables(data: dict) -> list[Table]:
         ("kernel families", ", ".join(f"{k} {v:g}" for k, v in p["families"].items()) or "-"),
     ]
     for what, value in rows:
-        head.add_row(what, value)
+        _row(head, what, value)
 
     kernels = Table(title="GPU kernels (per step)")
     for col, justify in (("kernel", "left"), ("family", "left"), ("/step", "right"), ("avg us", "right"),
                          ("launched by", "left"), ("decoded", "left")):
         kernels.add_column(col, justify=justify, overflow="fold")
     for k in data["kernels"]:
-        kernels.add_row(short(k["name"]), k["family"], f"{k['per_step']:g}", f"{k['avg_us']:.1f}",
-                        ", ".join(k["ops"]), _fields(k["decoded"]))
+        _row(kernels, _name(k["name"]), k["family"], f"{k['per_step']:g}", f"{k['avg_us']:.1f}", ", ".join(k["ops"]),
+             _fields(k["decoded"]))
 
     ops = Table(title="CPU ops (per step)")
     for col, justify in (("op", "left"), ("/step", "right"), ("total us", "right"), ("self us", "right"),
@@ -65,8 +87,8 @@ def analysis_tables(data: dict) -> list[Table]:
         ops.add_column(col, justify=justify)
     n = data["steps"]
     for o in data["ops"]:
-        ops.add_row(short(o["name"], 60), f"{o['per_step']:g}", f"{o['cpu_total_us'] / n:.1f}",
-                    f"{o['cpu_self_us'] / n:.1f}", f"{o['kernels']:g}")
+        _row(ops, _name(o["name"], 60), f"{o['per_step']:g}", f"{o['cpu_total_us'] / n:.1f}",
+             f"{o['cpu_self_us'] / n:.1f}", f"{o['kernels']:g}")
 
     tables = [head] + ([kernels] if data["kernels"] else []) + [ops]
     if data["zero_kernel_ops"]:
@@ -74,47 +96,57 @@ def analysis_tables(data: dict) -> list[Table]:
         zero.add_column("op")
         zero.add_column("/step", justify="right")
         for z in data["zero_kernel_ops"]:
-            zero.add_row(z["name"], f"{z['per_step']:g}")
+            _row(zero, z["name"], f"{z['per_step']:g}")
         tables.append(zero)
     if data["gpu_gaps"]:
         gaps = Table(title="Largest GPU idle gaps")
         for col in ("step", "at us", "idle us", "after", "before"):
             gaps.add_column(col, overflow="fold")
         for g in data["gpu_gaps"]:
-            gaps.add_row(g["step"], f"{g['start_us']:.1f}", f"{g['dur_us']:.1f}", short(g["after"], 40),
-                         short(g["before"], 40))
+            _row(gaps, g["step"], f"{g['start_us']:.1f}", f"{g['dur_us']:.1f}", _name(g["after"], 40),
+                 _name(g["before"], 40))
         tables.append(gaps)
     return tables
 
 
-def verdict_line(data: dict) -> str:
+def verdict_line(data: dict) -> Text:
     v = data["verdict"]
-    return f"verdict: {v['kind']} — {v['reason']}"
+    return cell(f"verdict: {v['kind']} — {v['reason']}")
+
+
+def input_line(data: dict) -> Text | None:
+    """What reading the trace left out or fixed (malformed, duplicate or oversized events), when anything."""
+    parts = [f"{word} {sum(counts.values())} ({', '.join(f'{k} {v}' for k, v in counts.items())})"
+             for word, counts in (("skipped", data.get("skipped_events")), ("repaired", data.get("repaired_events")))
+             if counts]
+    return cell(f"trace input: {'; '.join(parts)} events", style="yellow") if parts else None
 
 
 def print_analysis(data: dict, console: Console | None = None) -> None:
     console = console or Console()
     devices = ", ".join(data.get("devices") or []) or "no GPU recorded"
-    console.print(f"[bold]{data.get('trace', '')}[/bold]  ({devices})")
+    console.print(Text.assemble(cell(data.get("trace", ""), style="bold"), cell(f"  ({devices})")))
+    if (line := input_line(data)) is not None:
+        console.print(line)
     for t in analysis_tables(data):
         console.print(t)
     console.print(verdict_line(data))
 
 
 def diff_tables(data: dict) -> list[Table]:
+    removed, added, gone, new = (cell(w, style) for w, style in (("removed", "red"), ("added", "green"),
+                                                                 ("gone in B", "red"), ("new in B", "green")))
     kernels = Table(title="Kernels: A -> B (byte-identical names)")
     for col, justify in (("change", "left"), ("kernel", "left"), ("family", "left"), ("A /step", "right"),
                          ("B /step", "right"), ("A avg us", "right"), ("B avg us", "right")):
         kernels.add_column(col, justify=justify, overflow="fold")
     for k in data["kernels_removed"]:
-        kernels.add_row("[red]removed[/red]", short(k["name"]), k["family"], f"{k['per_step']:g}", "-",
-                        f"{k['avg_us']:.1f}", "-")
+        _row(kernels, removed, _name(k["name"]), k["family"], f"{k['per_step']:g}", "-", f"{k['avg_us']:.1f}", "-")
     for k in data["kernels_added"]:
-        kernels.add_row("[green]added[/green]", short(k["name"]), k["family"], "-", f"{k['per_step']:g}", "-",
-                        f"{k['avg_us']:.1f}")
+        _row(kernels, added, _name(k["name"]), k["family"], "-", f"{k['per_step']:g}", "-", f"{k['avg_us']:.1f}")
     for k in data["kernels_unchanged"]:
-        kernels.add_row("same", short(k["name"]), k["family"], f"{k['per_step']['a']:g}", f"{k['per_step']['b']:g}",
-                        f"{k['avg_us']['a']:.1f}", f"{k['avg_us']['b']:.1f}")
+        _row(kernels, "same", _name(k["name"]), k["family"], f"{k['per_step']['a']:g}", f"{k['per_step']['b']:g}",
+             f"{k['avg_us']['a']:.1f}", f"{k['avg_us']['b']:.1f}")
 
     per = Table(title="Per step")
     for col in ("", "A", "B", "B - A"):
@@ -122,16 +154,16 @@ def diff_tables(data: dict) -> list[Table]:
     a, b, d = data["per_step"]["a"], data["per_step"]["b"], data["per_step"]["delta"]
     for key in a:
         fmt = "{:.1f}" if key.endswith("_us") else "{:g}"
-        per.add_row(key, fmt.format(a[key]), fmt.format(b[key]), ("+" if d[key] > 0 else "") + fmt.format(d[key]))
+        _row(per, key, fmt.format(a[key]), fmt.format(b[key]), ("+" if d[key] > 0 else "") + fmt.format(d[key]))
 
     ops = Table(title="CPU ops")
     ops.add_column("change")
     ops.add_column("op")
     ops.add_column("/step", justify="right")
     for o in data["ops_removed"]:
-        ops.add_row("[red]gone in B[/red]", short(o["name"], 60), f"{o['per_step']:g}")
+        _row(ops, gone, _name(o["name"], 60), f"{o['per_step']:g}")
     for o in data["ops_added"]:
-        ops.add_row("[green]new in B[/green]", short(o["name"], 60), f"{o['per_step']:g}")
+        _row(ops, new, _name(o["name"], 60), f"{o['per_step']:g}")
 
     by_op = Table(title="Kernels by the CPU op that launched them")
     by_op.add_column("side")
@@ -139,20 +171,24 @@ def diff_tables(data: dict) -> list[Table]:
     by_op.add_column("kernels (count over all steps)", overflow="fold")
     for side in ("a", "b"):
         for op, ks in data["kernels_by_op"][side].items():
-            by_op.add_row(side.upper(), short(op, 50), "; ".join(f"{short(k, 60)} x{c}" for k, c in ks.items()))
+            _row(by_op, side.upper(), _name(op, 50), "; ".join(f"{short(k, 60)} x{c}" for k, c in ks.items()))
     return [t for t in (kernels, per, ops, by_op) if t.row_count]
 
 
 def print_diff(data: dict, console: Console | None = None) -> None:
     console = console or Console()
-    console.print(f"A = {data['a']}\nB = {data['b']}")
+    console.print(cell(f"A = {data['a']}"))
+    console.print(cell(f"B = {data['b']}"))
+    for side in ("a", "b"):
+        if (line := input_line({k: data.get(k, {}).get(side) for k in ("skipped_events", "repaired_events")})):
+            console.print(Text.assemble(f"{side.upper()}: ", line))
     for t in diff_tables(data):
         console.print(t)
-    console.print(f"verdict: A {data['verdict']['a']}, B {data['verdict']['b']}")
+    console.print(cell(f"verdict: A {data['verdict']['a']}, B {data['verdict']['b']}"))
 
 
 def print_expectations(results, console: Console | None = None) -> None:
     console = console or Console()
     for r in results:
-        style = "green" if r.ok else "red"
-        console.print(f"[{style}]{r.status:9}[/{style}] {r.expectation}  (actual: {r.actual})")
+        status = cell(f"{r.status:9}", style="green" if r.ok else "red")
+        console.print(Text.assemble(status, cell(f" {r.expectation}  (actual: {r.actual})")))

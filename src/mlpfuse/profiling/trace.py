@@ -11,11 +11,19 @@ analyses see one vocabulary.
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import gzip
+import hashlib
+import itertools
 import json
+import math
+import operator
 import os
+import re
+import stat
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -74,32 +82,145 @@ class Trace:
     gpu: list[Event] = field(default_factory=list)  # kernels, memsets and memcpys
     metadata: dict[str, Any] = field(default_factory=dict)  # top-level keys other than traceEvents
     n_events: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> malformed events left out
+    repaired: dict[str, int] = field(default_factory=dict)  # fix -> events kept with a field fixed or dropped
+    skipped_steps: int = 0  # ProfilerStep# spans among the skipped
 
     @property
     def devices(self) -> list[str]:
-        props = self.metadata.get("deviceProperties") or []
-        return [str(p.get("name")) for p in props if isinstance(p, dict) and p.get("name")]
+        props = self.metadata.get("deviceProperties")
+        if not isinstance(props, list):
+            return []
+        names = (p.get("name") for p in props[:MAX_DEVICES] if isinstance(p, dict))
+        return [clean_name(n) for n in names if isinstance(n, str) and n]
 
 
-def _read_bytes(path: str) -> bytes:
-    if not os.path.exists(path):
-        raise InputError(f"TRACE {path}: no such file")
-    if os.path.isdir(path):
-        raise InputError(f"TRACE {path}: is a directory, expected a .json or .json.gz trace file")
+# ---------------------------------------------------------------- reading: the file is untrusted
+
+DEFAULT_MAX_TRACE_BYTES = 2 << 30  # on the bytes read and on what gzip inflates; env or --max-bytes change it
+MAX_BYTES_ENV = "MLPFUSE_MAX_TRACE_BYTES"
+_CHUNK = 16 << 20
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*$", re.I)
+_FILE_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def parse_size(text: str, what: str) -> int:
+    """'2G', '512M', '1000000' -> bytes (K/M/G/T are powers of 1024)."""
+    m = _SIZE.match(text) if isinstance(text, str) else None
+    if not m or int(m.group(1)) <= 0:
+        raise InputError(f"{what}: expected a positive size in bytes like 500000000, 512M or 2G, got {text!r}")
+    return int(m.group(1)) << (10 * "kmgt".index(m.group(2).lower()) + 10 if m.group(2) else 0)
+
+
+def max_trace_bytes(max_bytes: int | str | None = None) -> int:
+    """The read / inflate limit: the argument, else $MLPFUSE_MAX_TRACE_BYTES, else 2 GiB."""
+    if max_bytes is None:
+        env = os.environ.get(MAX_BYTES_ENV)
+        return DEFAULT_MAX_TRACE_BYTES if env is None else parse_size(env, MAX_BYTES_ENV)
+    if isinstance(max_bytes, str):
+        return parse_size(max_bytes, "--max-bytes")
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+        raise InputError(f"max_bytes: expected a positive integer, got {max_bytes!r}")
+    return max_bytes
+
+
+def _over(path: str, what: str, limit: int) -> InputError:
+    return InputError(f"TRACE {path}: {what} more than the {_human(limit)} limit; raise it with --max-bytes or "
+                      f"{MAX_BYTES_ENV} if the trace is genuine")
+
+
+def _human(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.3g} {unit}"
+    return f"{n} bytes"
+
+
+def _open_regular(path: str) -> int:
+    """A descriptor of a regular file. Special files are refused before they are opened or read: a FIFO would
+    block, /dev/zero never ends. O_NONBLOCK keeps a path swapped for a FIFO after the check from blocking open()."""
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
+        st = os.stat(path)
     except OSError as exc:
-        raise InputError(f"TRACE {path}: cannot be read ({exc.strerror or exc})") from None
-    if not raw.strip():
-        raise InputError(f"TRACE {path}: file is empty, expected a Chrome trace")
-    if raw[:2] == b"\x1f\x8b":
+        raise InputError(f"TRACE {path}: {_stat_problem(path, exc)}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise InputError(f"TRACE {path}: is a directory, expected a .json or .json.gz trace file")
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((k for test, k in _FILE_KINDS if test(st.st_mode)), "not a regular file")
+        raise InputError(f"TRACE {path}: is {kind}, expected a regular .json or .json.gz trace file")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise InputError(f"TRACE {path}: cannot be opened ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InputError(f"TRACE {path}: changed into a special file while being opened; expected a regular file")
+    return fd
+
+
+def _stat_problem(path: str, exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return "symbolic link loop (the link points back to itself)"
+    if exc.errno == errno.ENOENT:
+        if os.path.islink(path):
+            return f"dangling symbolic link (points to {os.readlink(path)!r}, which does not exist)"
+        return "no such file"
+    if exc.errno == errno.ENOTDIR:
+        return "a part of the path is not a folder"
+    if exc.errno == errno.EACCES:
+        return "permission denied"
+    return f"cannot be read ({exc.strerror or exc})"
+
+
+def _read_capped(fh, limit: int, path: str, size_hint: int) -> bytes:
+    # One read of the size fstat reports; chunks past it (procfs reports 0, a file may grow) are counted.
+    first = fh.read(size_hint + 1) if 0 < size_hint <= limit else b""
+    chunks, total = [first], len(first)
+    while True:
+        chunk = fh.read(_CHUNK)
+        if not chunk:
+            break
+        total += len(chunk)
+        if total > limit:
+            raise _over(path, "file holds", limit)
+        chunks.append(chunk)
+    return first if len(chunks) == 1 else b"".join(chunks)
+
+
+def _inflate(fh, limit: int, path: str) -> bytes:
+    # Streamed and checked as it goes: a gzip bomb stops at the limit, not at the end of memory.
+    chunks, total = [], 0
+    try:
+        with gzip.GzipFile(fileobj=fh, mode="rb") as gz:
+            while True:
+                chunk = gz.read(min(_CHUNK, limit + 1 - total))
+                if not chunk:
+                    break
+                total += len(chunk)
+                if total > limit:
+                    raise _over(path, "gzip data inflates to", limit)
+                chunks.append(chunk)
+    except (EOFError, OSError, zlib.error) as exc:
+        raise InputError(f"TRACE {path}: gzip data is truncated or corrupt ({exc})") from None
+    return b"".join(chunks)
+
+
+def _read_bytes(path: str, max_bytes: int | str | None = None) -> bytes:
+    limit = max_trace_bytes(max_bytes)
+    fd = _open_regular(path)
+    size = os.fstat(fd).st_size
+    with os.fdopen(fd, "rb") as fh:
+        if size > limit:
+            raise _over(path, f"file is {_human(size)},", limit)
         try:
-            raw = gzip.decompress(raw)
-        except (EOFError, OSError, zlib.error) as exc:
-            raise InputError(f"TRACE {path}: gzip data is truncated or corrupt ({exc})") from None
-        if not raw.strip():
-            raise InputError(f"TRACE {path}: gzip holds an empty file, expected a Chrome trace")
+            gzipped = fh.peek(2)[:2] == b"\x1f\x8b"
+            raw = _inflate(fh, limit, path) if gzipped else _read_capped(fh, limit, path, size)
+        except OSError as exc:
+            raise InputError(f"TRACE {path}: cannot be read ({exc.strerror or exc})") from None
+    if not raw or raw.isspace():
+        what = "gzip holds an empty file" if gzipped else "file is empty"
+        raise InputError(f"TRACE {path}: {what}, expected a Chrome trace")
     return raw
 
 
@@ -124,63 +245,202 @@ def _decode(raw: bytes, path: str) -> Any:
     except json.JSONDecodeError as exc:
         what = "truncated JSON" if exc.pos >= len(raw.rstrip()) - 1 else "not valid JSON"
         raise InputError(f"TRACE {path}: {what} (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    except RecursionError:
+        raise InputError(f"TRACE {path}: JSON nested too deeply to be a trace") from None
+    except ValueError as exc:  # an integer literal of thousands of digits (Python's int conversion limit)
+        raise InputError(f"TRACE {path}: a number in the JSON cannot be read ({str(exc).split(':')[0]})") from None
 
 
-def load_json(path: str | os.PathLike) -> Any:
-    """Read a .json or gzipped JSON file (detected by content, not suffix)."""
+def load_json(path: str | os.PathLike, max_bytes: int | str | None = None) -> Any:
+    """Read a .json or gzipped JSON file (detected by content, not suffix), at most `max_bytes` read or inflated."""
     path = os.fspath(path)
-    return _decode(_read_bytes(path), path)
+    return _decode(_read_bytes(path, max_bytes), path)
 
 
-def _int_or_none(value: Any) -> int | None:
+# ---------------------------------------------------------------- events: every field is checked
+
+MAX_TIME_US = float(1 << 53)  # past 2^53 us (285 years) a float no longer holds whole microseconds
+MAX_ID = (1 << 63) - 1
+MAX_NAME_CHARS = 16384  # longer names are cut, keeping a hash of the whole so distinct names stay distinct
+MAX_DEVICES = 256
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+DUPLICATE = "duplicate event"
+BAD_THREAD = "pid or tid not a number or string"
+
+
+def clean_name(name: str, repaired: Counter | None = None) -> str:
+    """A name safe to key tables and to write as strict JSON: bounded length, no lone surrogates."""
+    if len(name) > MAX_NAME_CHARS:
+        digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=6).hexdigest()
+        name = f"{name[:MAX_NAME_CHARS]}…[{len(name) - MAX_NAME_CHARS} more chars, #{digest}]"
+        if repaired is not None:
+            repaired[f"name over {MAX_NAME_CHARS} chars truncated"] += 1
+    if not name.isascii() and _SURROGATES.search(name):
+        name = _SURROGATES.sub("\ufffd", name)
+        if repaired is not None:
+            repaired["name with lone surrogates repaired"] += 1
+    return name
+
+
+def _time(value: Any, field: str) -> float | str:
+    """The value as a float of microseconds, or why it is not one."""
     if value is None:
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
+        return f"{field} missing"
+    if type(value) is str:
+        try:
+            value = float(value)
+        except ValueError:
+            return f"{field} not a number"
+    elif type(value) is not int and type(value) is not float:  # bool is not a time either
+        return f"{field} not a number"
+    if value != value or value in (math.inf, -math.inf):
+        return f"{field} not finite"
+    if value < 0:
+        return f"{field} negative"
+    if value > MAX_TIME_US:  # compared before float(): an int of 400 digits does not fit one
+        return f"{field} over 2^53 us"
+    return float(value)
 
+
+def _id(value: Any, field: str, repaired: Counter) -> int | None:
+    """A correlation / External id as a non-negative int; anything else is dropped (the event stays)."""
+    if type(value) is float and value.is_integer():
+        value = int(value)
+    elif type(value) is str and 0 < len(value) <= 20 and value.strip().isdigit():
+        value = int(value)
+    if type(value) is int and 0 <= value <= MAX_ID:
+        return value
+    repaired[f"{field} not an integer id, dropped"] += 1
+    return None
+
+
+def _checked(ev: dict, name: Any, tid: Any, pid: Any) -> tuple[float, float] | str:
+    """The slow path of `_extract`: (ts, dur), or the reason the event is skipped."""
+    if type(name) is not str:
+        return "name missing or not a string"
+    if type(tid) not in _SCALARS or type(pid) not in _SCALARS:
+        return BAD_THREAD
+    ts = _time(ev.get("ts"), "ts")
+    if type(ts) is str:
+        return ts
+    dur = _time(ev.get("dur"), "dur")
+    if type(dur) is str:
+        return dur
+    return ts, dur
+
+
+_SCALARS = frozenset((str, int, float, bool, type(None)))  # JSON's hashable values: usable as pid / tid
 
 Row = tuple  # (name, category, tid, ts, dur, correlation, external_id, pid)
+_NAME = operator.itemgetter(0)
+_TS = operator.itemgetter(3)
 
 
-def _extract(events: list) -> tuple[list[Row], int]:
-    """Complete events of the known categories as plain tuples, and the number of complete events.
+@dataclass
+class Extracted:
+    rows: list[Row]
+    complete: int  # complete ('ph': 'X') events, kept or not
+    skipped: Counter  # reason -> events left out
+    repaired: Counter  # what was fixed -> events kept after a fix
+    skipped_steps: int  # ProfilerStep# spans among the skipped
 
-    The hot loop of `analyze` on large traces: dict lookups only, one tuple per kept event.
+
+def _extract(events: list) -> Extracted:
+    """Complete events of the known categories as plain tuples; malformed ones skipped with a reason.
+
+    The hot loop of `analyze` on large traces: one combined test keeps well-formed events on a fast path of dict
+    lookups; anything unusual goes through `_checked`. Names and duplicates are checked after it, in bulk.
     """
     rows: list[Row] = []
     append = rows.append
     categories = _CATEGORIES
-    complete = 0
+    scalars = _SCALARS
+    skipped: Counter = Counter()
+    repaired: Counter = Counter()
+    complete = skipped_steps = 0
+    max_time, max_id = MAX_TIME_US, MAX_ID
     for ev in events:
         if type(ev) is not dict or ev.get("ph") != "X":
             continue
         complete += 1
         cat = ev.get("cat")
+        if type(cat) is not str:
+            if cat is not None:
+                skipped["cat not a string"] += 1
+            continue
         norm = categories.get(cat)
-        if norm is None:
-            if not isinstance(cat, str) or (norm := categories.get(cat.lower())) is None:
-                continue
+        if norm is None and (norm := categories.get(cat.lower())) is None:
+            continue
+        name = ev.get("name")
         ts = ev.get("ts")
-        dur = ev.get("dur", 0.0)
-        if type(ts) is not float or type(dur) is not float:
-            try:
-                ts, dur = float(ts), float(dur)
-            except (TypeError, ValueError):
-                continue  # a malformed event is skipped, not fatal: the rest of the trace still tells the story
+        dur = ev.get("dur")
+        tid = ev.get("tid")
+        pid = ev.get("pid")
+        if (type(ts) is not float or type(dur) is not float or not 0.0 <= ts <= max_time
+                or not 0.0 <= dur <= max_time or type(name) is not str or type(tid) not in scalars
+                or type(pid) not in scalars):
+            times = _checked(ev, name, tid, pid)
+            if type(times) is str:
+                skipped[times] += 1
+                skipped_steps += type(name) is str and name.startswith("ProfilerStep#")
+                continue
+            ts, dur = times
         args = ev.get("args")
         corr = ext = None
         if type(args) is dict:
             corr = args.get("correlation")
             ext = args.get("External id")
-            if corr is not None and type(corr) is not int:
-                corr = _int_or_none(corr)
-            if ext is not None and type(ext) is not int:
-                ext = _int_or_none(ext)
-        name = ev.get("name", "")
-        append((name if type(name) is str else str(name), norm, ev.get("tid"), ts, dur, corr, ext, ev.get("pid")))
-    return rows, complete
+            if corr is not None and (type(corr) is not int or not 0 <= corr <= max_id):
+                corr = _id(corr, "correlation", repaired)
+            if ext is not None and (type(ext) is not int or not 0 <= ext <= max_id):
+                ext = _id(ext, "External id", repaired)
+        elif args is not None:
+            repaired["args not an object, ids ignored"] += 1
+        append((name, norm, tid, ts, dur, corr, ext, pid))
+    rows = _dedupe(_clean_names(rows, repaired), skipped)
+    return Extracted(rows, complete, skipped, repaired, skipped_steps)
+
+
+def _clean_names(rows: list[Row], repaired: Counter) -> list[Row]:
+    """Over-long names and lone surrogates, checked once per distinct name (hashing the names here costs little:
+    the analyses hash every one of them anyway, and a str keeps its hash)."""
+    fixed: dict[str, tuple[str, Counter]] = {}
+    for name in set(map(_NAME, rows)):
+        if len(name) > MAX_NAME_CHARS or not name.isascii():
+            why: Counter = Counter()
+            if (clean := clean_name(name, why)) != name:
+                fixed[name] = clean, why
+    if not fixed:
+        return rows
+    out = []
+    for row in rows:
+        fix = fixed.get(row[0])
+        if fix is not None:
+            row = (fix[0], *row[1:])
+            repaired.update(fix[1])
+        out.append(row)
+    return out
+
+
+def _dedupe(rows: list[Row], skipped: Counter) -> list[Row]:
+    """Exact duplicates (the same name, category, pid, tid, ts, dur and ids) would count twice: keep the first.
+
+    Duplicates share a start time. Sorting the start times is cheap (they come nearly in order) and, in real
+    traces, shows no two equal, so whole rows are compared only when it shows some."""
+    ts = sorted(map(_TS, rows))
+    if not any(map(operator.eq, ts, itertools.islice(ts, 1, None))):
+        return rows
+    unique = dict.fromkeys(rows)
+    if len(unique) < len(rows):
+        skipped[DUPLICATE] += len(rows) - len(unique)
+        rows = list(unique)
+    return rows
+
+
+def describe(counts: dict) -> str:
+    """{'dur missing': 2, 'duplicate event': 1} -> 'dur missing 2, duplicate event 1'."""
+    return ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def _split_document(data: Any, path: str) -> tuple[list, dict]:
@@ -194,38 +454,39 @@ def _split_document(data: Any, path: str) -> tuple[list, dict]:
     raise InputError(f"TRACE {path}: JSON is a {type(data).__name__}, expected a Chrome trace object")
 
 
-def _build(rows: list[Row], complete: int, n_events: int, metadata: dict, path: str) -> Trace:
-    trace = Trace(path=path, metadata=metadata, n_events=n_events)
+def _build(ex: Extracted, n_events: int, metadata: dict, path: str) -> Trace:
+    trace = Trace(path=path, metadata=metadata, n_events=n_events, skipped=dict(ex.skipped),
+                  repaired=dict(ex.repaired), skipped_steps=ex.skipped_steps)
     buckets = {CPU_OP: trace.cpu_ops, ANNOTATION: trace.annotations, RUNTIME: trace.runtime, KERNEL: trace.gpu,
                MEMSET: trace.gpu, MEMCPY: trace.gpu}
     make = tuple.__new__
-    for row in rows:
+    for row in ex.rows:
         buckets[row[1]].append(make(Event, row))
-    if complete == 0:
+    if ex.complete == 0:
         raise InputError(f"TRACE {path}: no complete ('ph': 'X') events; not a profiler trace or an empty one")
     if not (trace.cpu_ops or trace.annotations or trace.gpu):
-        raise InputError(f"TRACE {path}: no CPU op, annotation or GPU events; not a PyTorch profiler trace")
+        why = f" (skipped as malformed: {describe(ex.skipped)})" if ex.skipped else ""
+        raise InputError(f"TRACE {path}: no CPU op, annotation or GPU events{why}; not a PyTorch profiler trace")
     return trace
 
 
 def from_json(data: Any, path: str = "<trace>") -> Trace:
     """Build the event model from parsed Chrome-trace JSON (object with traceEvents, or a bare event array)."""
     events, metadata = _split_document(data, path)
-    rows, complete = _extract(events)
-    return _build(rows, complete, len(events), metadata, path)
+    return _build(_extract(events), len(events), metadata, path)
 
 
-def load(path: str | os.PathLike) -> Trace:
+def load(path: str | os.PathLike, max_bytes: int | str | None = None) -> Trace:
     path = os.fspath(path)
     with no_gc():
-        return from_json(load_json(path), path)
+        return from_json(load_json(path, max_bytes), path)
 
 
-def load_trace_or_json(path: str | os.PathLike) -> Trace | dict:
+def load_trace_or_json(path: str | os.PathLike, max_bytes: int | str | None = None) -> Trace | dict:
     """A Trace, or the parsed JSON object when the file is not a trace but a saved document with a 'schema' key
     (an mlpfuse analysis); the caller decides what to do with that."""
     path = os.fspath(path)
-    data = load_json(path)
+    data = load_json(path, max_bytes)
     if isinstance(data, dict) and "schema" in data and "traceEvents" not in data:
         return data
     return from_json(data, path)
