@@ -275,11 +275,11 @@ def clean_name(name: str, repaired: Counter | None = None) -> str:
         digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=6).hexdigest()
         name = f"{name[:MAX_NAME_CHARS]}…[{len(name) - MAX_NAME_CHARS} more chars, #{digest}]"
         if repaired is not None:
-            repaired[f"name over {MAX_NAME_CHARS} chars truncated"] += 1
+            repaired[f"name truncated (over {MAX_NAME_CHARS} chars)"] += 1
     if not name.isascii() and _SURROGATES.search(name):
         name = _SURROGATES.sub("\ufffd", name)
         if repaired is not None:
-            repaired["name with lone surrogates repaired"] += 1
+            repaired["name had lone surrogates (now U+FFFD)"] += 1
     return name
 
 
@@ -311,7 +311,7 @@ def _id(value: Any, field: str, repaired: Counter) -> int | None:
         value = int(value)
     if type(value) is int and 0 <= value <= MAX_ID:
         return value
-    repaired[f"{field} not an integer id, dropped"] += 1
+    repaired[f"{field} not an integer id (dropped)"] += 1
     return None
 
 
@@ -396,7 +396,7 @@ def _extract(events: list) -> Extracted:
             if ext is not None and (type(ext) is not int or not 0 <= ext <= max_id):
                 ext = _id(ext, "External id", repaired)
         elif args is not None:
-            repaired["args not an object, ids ignored"] += 1
+            repaired["args not an object (ids ignored)"] += 1
         append((name, norm, tid, ts, dur, corr, ext, pid))
     rows = _dedupe(_clean_names(rows, repaired), skipped)
     return Extracted(rows, complete, skipped, repaired, skipped_steps)
