@@ -393,6 +393,14 @@ def test_symlink_loop_and_dangling_link(tmp_path, capsys):
     one_error_line(code, err, "dangling symbolic link")
 
 
+def test_a_path_with_a_nul_byte(tmp_path):
+    from mlpfuse.errors import InputError
+    from mlpfuse.profiling import analyze
+
+    with pytest.raises(InputError, match="not a valid file name"):
+        analyze(str(tmp_path / "a\0b.json"))
+
+
 def _bomb(path, inflated: int) -> None:
     """A gzip file of `inflated` zero bytes (about a thousandth of that on disk)."""
     comp = zlib.compressobj(9, zlib.DEFLATED, 31)

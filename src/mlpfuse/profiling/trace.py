@@ -3,6 +3,11 @@
 Only the standard library: `mlpfuse analyze` must start fast and run where torch is not installed.
 Every way a file can fail to be a trace ends in one `InputError` line naming the file.
 
+A trace file is untrusted input: only regular files are read, at most a set number of bytes read or inflated,
+and every field of every event is checked. A malformed event is skipped, and a bad id or an oversized name
+repaired, with a count by reason (`Trace.skipped`, `Trace.repaired`) that the analysis reports; the numbers the
+analyses see are finite, non-negative times below 2^53 us, so nothing downstream can overflow or go negative.
+
 Kineto writes complete events (`"ph": "X"`) in categories that changed spelling over PyTorch releases
 (`cpu_op` / `Operator`, `cuda_runtime` / `Runtime`, `kernel` / `Kernel`, ...); they are normalised here so the
 analyses see one vocabulary.
@@ -144,6 +149,8 @@ def _open_regular(path: str) -> int:
         st = os.stat(path)
     except OSError as exc:
         raise InputError(f"TRACE {path}: {_stat_problem(path, exc)}") from None
+    except ValueError:  # a NUL byte, which no file name holds
+        raise InputError(f"TRACE {path!r}: not a valid file name") from None
     if stat.S_ISDIR(st.st_mode):
         raise InputError(f"TRACE {path}: is a directory, expected a .json or .json.gz trace file")
     if not stat.S_ISREG(st.st_mode):
