@@ -430,6 +430,19 @@ def test_a_gzip_bomb_is_refused_without_inflating_it(tmp_path):
         assert peak_mib < 200, peak_mib  # inflating it all would take 512 MiB more
 
 
+def test_gzip_members_padding_and_trailing_garbage(tmp_path, capsys):
+    raw = json.dumps(gpu_trace()).encode()
+    half = len(raw) // 2
+    members = gzip.compress(raw[:half]) + gzip.compress(raw[half:])  # concatenated members are one stream
+    path = tmp_path / "m.json.gz"
+    path.write_bytes(members + b"\0" * 8)
+    assert analyze_json(capsys, str(path))["per_step"]["gpu_kernels"] == 3
+    path.write_bytes(members + b"junk")
+    one_error_line(*run(capsys, "analyze", str(path))[::2], "gzip data is corrupt")
+    path.write_bytes(members[:-9])
+    one_error_line(*run(capsys, "analyze", str(path))[::2], "gzip data is truncated")
+
+
 def test_size_limits(tmp_path, capsys, monkeypatch):
     plain = tmp_path / "plain.json"
     plain.write_bytes(gzip.decompress(open(LINEAR, "rb").read()))
