@@ -105,3 +105,13 @@ def test_workload_sizes_are_checked_before_allocating():
     assert tuple(built.x.shape) == (3, 4)
     need = workloads.WORKLOADS["linear"].peak_elements(batch=3, in_dim=4, out_dim=5)
     assert need == 3 * 4 + 4 * 5 + 5 + 3 * 5
+
+
+@pytest.mark.parametrize("argv", [["profile", "linear", "--batch", "lots"], ["analyze"], ["nonsense"],
+                                  ["analyze", "t.json", "--max-bytes"], ["diff", "a", "b", "--bogus"]])
+def test_command_line_mistakes_are_one_line(capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("mlpfuse: error: ") and "--help" in err

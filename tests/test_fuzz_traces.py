@@ -66,7 +66,10 @@ def time_limit(seconds):
 def cli(*argv):
     out, err = io.StringIO(), io.StringIO()
     with time_limit(60), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:  # argparse's own refusals (an option value that looks like an option)
+            code = exc.code
     return code, out.getvalue(), err.getvalue()
 
 

@@ -461,6 +461,8 @@ def test_size_limits(tmp_path, capsys, monkeypatch):
     one_error_line(*run(capsys, "analyze", LINEAR)[::2], "MLPFUSE_MAX_TRACE_BYTES")
     monkeypatch.delenv("MLPFUSE_MAX_TRACE_BYTES")
     assert trace_mod.max_trace_bytes() == 2 << 30
+    assert analyze_json(capsys, LINEAR, "--max-bytes", str(2**63 - 1))["steps"] == 3  # past ssize_t: no limit
+    assert analyze_json(capsys, LINEAR, "--max-bytes", "9" * 100)["steps"] == 3
     assert trace_mod.parse_size("512M", "x") == 512 << 20 and trace_mod.parse_size("3GiB", "x") == 3 << 30
 
 

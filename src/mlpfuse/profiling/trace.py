@@ -118,15 +118,18 @@ def parse_size(text: str, what: str) -> int:
 
 
 def max_trace_bytes(max_bytes: int | str | None = None) -> int:
-    """The read / inflate limit: the argument, else $MLPFUSE_MAX_TRACE_BYTES, else 2 GiB."""
+    """The read / inflate limit: the argument, else $MLPFUSE_MAX_TRACE_BYTES, else 2 GiB. Anything past 2^60
+    (no limit, in effect) is taken as 2^60, which zlib's and the reader's sizes can hold."""
     if max_bytes is None:
         env = os.environ.get(MAX_BYTES_ENV)
-        return DEFAULT_MAX_TRACE_BYTES if env is None else parse_size(env, MAX_BYTES_ENV)
-    if isinstance(max_bytes, str):
-        return parse_size(max_bytes, "--max-bytes")
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+        limit = DEFAULT_MAX_TRACE_BYTES if env is None else parse_size(env, MAX_BYTES_ENV)
+    elif isinstance(max_bytes, str):
+        limit = parse_size(max_bytes, "--max-bytes")
+    elif isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
         raise InputError(f"max_bytes: expected a positive integer, got {max_bytes!r}")
-    return max_bytes
+    else:
+        limit = max_bytes
+    return min(limit, 1 << 60)
 
 
 def _over(path: str, what: str, limit: int) -> InputError:
