@@ -45,6 +45,11 @@ def test_profile_geglu_cpu_ops(tmp_path, capsys):
     (["profile", "conv", "--device", "cpu"], "WORKLOAD"),
     (["profile", "linear", "--dtype", "int3", "--device", "cpu"], "--dtype"),
     (["profile", "linear", "--batch", "0", "--device", "cpu"], "--batch"),
+    (["profile", "linear", "--batch", "-3", "--device", "cpu"], "--batch"),
+    (["profile", "linear", "--batch", "100000000000", "--device", "cpu"], "--batch: expected an integer from 1 to"),
+    (["profile", "geglu-mlp", "--hidden", "3000000000", "--device", "cpu"], "--hidden"),
+    (["profile", "linear", "--batch", "2000000000", "--device", "cpu"], "more than the"),  # ~1 TB: the memory check
+    (["profile", "geglu-mlp", "--seq", "1000000", "--hidden", "1000000", "--device", "cpu"], "GiB available"),
     (["profile", "linear", "--variant", "nope", "--device", "cpu"], "--variant"),
     (["profile", "linear", "--device", "tpu"], "--device"),
     (["profile", "linear", "--expect", "kernels>3", "--device", "cpu"], "--expect"),
@@ -75,3 +80,38 @@ def test_mlpfuse_variant_computes_the_same_function():
         fused = workloads.build(name, variant="mlpfuse", device="cpu", **sizes)
         with torch.no_grad():
             torch.testing.assert_close(fused.fn(eager.x), eager.fn(eager.x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("command", [["profile", "linear", *TINY_LINEAR], ["walkthrough", "--device", "cpu"]])
+def test_out_pointing_at_a_file_is_one_line(tmp_path, capsys, command):
+    target = tmp_path / "results"
+    target.write_text("not a folder")
+    assert main([*command, "--out", str(target)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--out {target}: exists and is not a folder" in err
+    assert target.read_text() == "not a folder"
+
+
+def test_workload_sizes_are_checked_before_allocating():
+    import torch
+
+    from mlpfuse.errors import InputError
+
+    with pytest.raises(InputError, match="--batch"):
+        workloads.build("linear", device="cpu", batch=2.5)
+    with pytest.raises(InputError, match="--in-dim"):
+        workloads.build("linear", device="cpu", in_dim=True)
+    built = workloads.build("linear", device="cpu", batch=torch.tensor(3).item(), in_dim=4, out_dim=5)
+    assert tuple(built.x.shape) == (3, 4)
+    need = workloads.WORKLOADS["linear"].peak_elements(batch=3, in_dim=4, out_dim=5)
+    assert need == 3 * 4 + 4 * 5 + 5 + 3 * 5
+
+
+@pytest.mark.parametrize("argv", [["profile", "linear", "--batch", "lots"], ["analyze"], ["nonsense"],
+                                  ["analyze", "t.json", "--max-bytes"], ["diff", "a", "b", "--bogus"]])
+def test_command_line_mistakes_are_one_line(capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("mlpfuse: error: ") and "--help" in err

@@ -83,3 +83,43 @@ def test_unknown_or_odd_names_never_fail(name):
 def test_inductor_fused_ops_split():
     assert inductor_fused_ops("_to_copy_add_mul_native_layer_norm") == ["_to_copy", "add", "mul", "native_layer_norm"]
     assert inductor_fused_ops("gelu") == ["gelu"]
+
+
+# The ATen rules as regular expressions: the specification the linear-time matcher implements. Their lazy
+# `(?:\w+::)*?` backtracks quadratically on long names, so they serve only as the oracle, on short ones.
+import re  # noqa: E402
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_REFERENCE = {
+    "reduction": re.compile(r"at::native::(?:\(anonymous namespace\)::)?(?:\w+::)*?(?P<kernel>reduce_kernel|"
+                            r"\w*[Ss]oft[Mm]ax\w*|\w*norm\w*_kernel\w*|\w*_reduce\w*kernel)"),
+    "elementwise": re.compile(r"at::native::(?:\(anonymous namespace\)::)?(?:\w+::)*?(?P<kernel>"
+                              r"\w*elementwise_kernel\w*|\w*index\w*_kernel\w*|\w*copy\w*_kernel\w*|"
+                              r"\w*cat\w*_kernel\w*)"),
+}
+_OP = re.compile(r"at::native::(?:\w+::)*?(\w+)(?=[<(,> ]|$)")
+_PIECES = ["at::native::", "at::native::", "at::native::(anonymous namespace)::", "::", "(anonymous namespace)::", "norm", "_kernel", "kernel", "_reduce", "reduce_kernel",
+           "Softmax", "softmax", "index", "copy", "cat", "elementwise_kernel", "vectorized_", "<", ">", "(", ")", ",",
+           " ", "a", "b_", "c10::Half", "float", "BinaryFunctor", "_internal", "MulFunctor", "void ", "x", "_"]
+
+
+@settings(max_examples=500, derandomize=True, database=None, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), min_size=1, max_size=16).map("".join))
+def test_aten_matching_agrees_with_the_reference_patterns(name):
+    from mlpfuse.profiling.kernel_names import _ATEN_WRAPPERS
+
+    decoded = decode(name)
+    want = next(((family, m) for family, p in _REFERENCE.items() if (m := p.search(name))), None)
+    if want is None:
+        assert decoded.library != "aten"
+        return
+    if any(p.search(name) for p in (re.compile(r"^(?:Memset|memset|Memcpy|memcpy|mlpfuse_|nvjet_|triton_)"),
+                                    re.compile(r"nccl", re.I), re.compile(r"cutlass_\d+_"))):
+        return  # an earlier rule owns the name
+    family, m = want
+    assert (decoded.family, decoded.library, decoded.fields["kernel"]) == (family, "aten", m.group("kernel"))
+    text = name.replace("(anonymous namespace)::", "")
+    rest = text[text.find(m.group("kernel")) + len(m.group("kernel")):]
+    op = next((i for i in _OP.findall(rest) if i not in _ATEN_WRAPPERS and not i.endswith("_internal")), None)
+    assert decoded.fields.get("op") == op

@@ -21,8 +21,15 @@ _COMMAND_MODULES = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """Command-line mistakes end like every other bad input: one `mlpfuse: error:` line, exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"mlpfuse: error: {printable(message)} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mlpfuse",
         description="See where an nn.Linear / MLP block spends its time, kernel by kernel, and make it faster.",
     )

@@ -5,25 +5,22 @@ the argument and what was expected. It is a `ValueError`, so library callers can
 turns it into that one line on stderr and exit code 2.
 """
 
-import re
-
-# C0 and C1 controls (ESC starts ANSI/OSC sequences; newlines would split a line), DEL, bidi controls and
-# zero-width characters (they reorder or hide text), line/paragraph separators, BOM, and lone surrogates
-# (unencodable).
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff\ud800-\udfff]")
-
 
 class InputError(ValueError):
     """Bad input: the message is one line, fit to show a user as is."""
 
 
-def _escape(m: re.Match) -> str:
-    code = ord(m.group())
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+def _escape(ch: str) -> str:
+    code = ord(ch)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def printable(value) -> str:
-    """`value` as text with every unprintable character written as a visible \\xNN / \\uNNNN escape: text from a
+    """`value` as text with every character Python deems unprintable written as a visible escape (\\x1b,
+    \\u202e, ...): control characters (ESC starts ANSI/OSC sequences, a newline would split a line), bidi and
+    zero-width format characters, separators, lone surrogates, private-use and unassigned code points. Text from a
     trace or a file (names, paths) can then neither restyle nor rewrite the terminal, nor break a line."""
     text = value if isinstance(value, str) else str(value)
-    return text if text.isprintable() else _UNPRINTABLE.sub(_escape, text)
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)

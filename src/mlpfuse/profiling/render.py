@@ -17,6 +17,15 @@ from mlpfuse.errors import printable
 NAME_WIDTH = 70
 
 
+class _Console(Console):
+    """rich exits 1 by itself when stdout's reader goes away; let the BrokenPipeError reach the CLI, which exits
+    quietly with 141 as other tools do."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
 def cell(value, style: str = "") -> Text:
     return Text(printable(value), style=style)
 
@@ -116,14 +125,17 @@ def verdict_line(data: dict) -> Text:
 
 def input_line(data: dict) -> Text | None:
     """What reading the trace left out or fixed (malformed, duplicate or oversized events), when anything."""
-    parts = [f"{word} {sum(counts.values())} ({', '.join(f'{k} {v}' for k, v in counts.items())})"
-             for word, counts in (("skipped", data.get("skipped_events")), ("repaired", data.get("repaired_events")))
-             if counts]
-    return cell(f"trace input: {'; '.join(parts)} events", style="yellow") if parts else None
+    parts = []
+    for word, counts in (("skipped", data.get("skipped_events")), ("repaired", data.get("repaired_events"))):
+        if counts:
+            total = sum(counts.values())
+            reasons = ", ".join(f"{reason}: {n}" for reason, n in counts.items())
+            parts.append(f"{total} event{'' if total == 1 else 's'} {word} ({reasons})")
+    return cell(f"trace input: {'; '.join(parts)}", style="yellow") if parts else None
 
 
 def print_analysis(data: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or _Console()
     devices = ", ".join(data.get("devices") or []) or "no GPU recorded"
     console.print(Text.assemble(cell(data.get("trace", ""), style="bold"), cell(f"  ({devices})")))
     if (line := input_line(data)) is not None:
@@ -176,7 +188,7 @@ def diff_tables(data: dict) -> list[Table]:
 
 
 def print_diff(data: dict, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or _Console()
     console.print(cell(f"A = {data['a']}"))
     console.print(cell(f"B = {data['b']}"))
     for side in ("a", "b"):
@@ -188,7 +200,7 @@ def print_diff(data: dict, console: Console | None = None) -> None:
 
 
 def print_expectations(results, console: Console | None = None) -> None:
-    console = console or Console()
+    console = console or _Console()
     for r in results:
         status = cell(f"{r.status:9}", style="green" if r.ok else "red")
         console.print(Text.assemble(status, cell(f" {r.expectation}  (actual: {r.actual})")))

@@ -3,6 +3,11 @@
 Only the standard library: `mlpfuse analyze` must start fast and run where torch is not installed.
 Every way a file can fail to be a trace ends in one `InputError` line naming the file.
 
+A trace file is untrusted input: only regular files are read, at most a set number of bytes read or inflated,
+and every field of every event is checked. A malformed event is skipped, and a bad id or an oversized name
+repaired, with a count by reason (`Trace.skipped`, `Trace.repaired`) that the analysis reports; the numbers the
+analyses see are finite, non-negative times below 2^53 us, so nothing downstream can overflow or go negative.
+
 Kineto writes complete events (`"ph": "X"`) in categories that changed spelling over PyTorch releases
 (`cpu_op` / `Operator`, `cuda_runtime` / `Runtime`, `kernel` / `Kernel`, ...); they are normalised here so the
 analyses see one vocabulary.
@@ -13,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import gc
-import gzip
 import hashlib
 import itertools
 import json
@@ -114,15 +118,18 @@ def parse_size(text: str, what: str) -> int:
 
 
 def max_trace_bytes(max_bytes: int | str | None = None) -> int:
-    """The read / inflate limit: the argument, else $MLPFUSE_MAX_TRACE_BYTES, else 2 GiB."""
+    """The read / inflate limit: the argument, else $MLPFUSE_MAX_TRACE_BYTES, else 2 GiB. Anything past 2^60
+    (no limit, in effect) is taken as 2^60, which zlib's and the reader's sizes can hold."""
     if max_bytes is None:
         env = os.environ.get(MAX_BYTES_ENV)
-        return DEFAULT_MAX_TRACE_BYTES if env is None else parse_size(env, MAX_BYTES_ENV)
-    if isinstance(max_bytes, str):
-        return parse_size(max_bytes, "--max-bytes")
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+        limit = DEFAULT_MAX_TRACE_BYTES if env is None else parse_size(env, MAX_BYTES_ENV)
+    elif isinstance(max_bytes, str):
+        limit = parse_size(max_bytes, "--max-bytes")
+    elif isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
         raise InputError(f"max_bytes: expected a positive integer, got {max_bytes!r}")
-    return max_bytes
+    else:
+        limit = max_bytes
+    return min(limit, 1 << 60)
 
 
 def _over(path: str, what: str, limit: int) -> InputError:
@@ -144,6 +151,8 @@ def _open_regular(path: str) -> int:
         st = os.stat(path)
     except OSError as exc:
         raise InputError(f"TRACE {path}: {_stat_problem(path, exc)}") from None
+    except ValueError:  # a NUL byte, which no file name holds
+        raise InputError(f"TRACE {path!r}: not a valid file name") from None
     if stat.S_ISDIR(st.st_mode):
         raise InputError(f"TRACE {path}: is a directory, expected a .json or .json.gz trace file")
     if not stat.S_ISREG(st.st_mode):
@@ -177,6 +186,8 @@ def _read_capped(fh, limit: int, path: str, size_hint: int) -> bytes:
     # One read of the size fstat reports; chunks past it (procfs reports 0, a file may grow) are counted.
     first = fh.read(size_hint + 1) if 0 < size_hint <= limit else b""
     chunks, total = [first], len(first)
+    if total > limit:
+        raise _over(path, "file holds", limit)
     while True:
         chunk = fh.read(_CHUNK)
         if not chunk:
@@ -188,22 +199,27 @@ def _read_capped(fh, limit: int, path: str, size_hint: int) -> bytes:
     return first if len(chunks) == 1 else b"".join(chunks)
 
 
-def _inflate(fh, limit: int, path: str) -> bytes:
-    # Streamed and checked as it goes: a gzip bomb stops at the limit, not at the end of memory.
-    chunks, total = [], 0
+def _inflate(packed: bytes, limit: int, path: str) -> bytes:
+    """Gzip members one after another, each inflated by zlib with `max_length`: the output stops one byte past the
+    limit, so a gzip bomb costs the limit in memory, never its inflated size (and one call per member keeps the
+    common case as fast as `gzip.decompress`)."""
+    pieces, total = [], 0
     try:
-        with gzip.GzipFile(fileobj=fh, mode="rb") as gz:
-            while True:
-                chunk = gz.read(min(_CHUNK, limit + 1 - total))
-                if not chunk:
-                    break
-                total += len(chunk)
-                if total > limit:
-                    raise _over(path, "gzip data inflates to", limit)
-                chunks.append(chunk)
-    except (EOFError, OSError, zlib.error) as exc:
-        raise InputError(f"TRACE {path}: gzip data is truncated or corrupt ({exc})") from None
-    return b"".join(chunks)
+        while packed:
+            member = zlib.decompressobj(wbits=31)
+            piece = member.decompress(packed, limit + 1 - total)
+            total += len(piece)
+            if total > limit:
+                raise _over(path, "gzip data inflates to", limit)
+            if not member.eof:
+                raise InputError(f"TRACE {path}: gzip data is truncated")
+            pieces.append(piece)
+            packed = member.unused_data
+            if packed[:2] != b"\x1f\x8b" and not packed.strip(b"\0"):
+                break  # zero padding after the last member, as gzip allows
+    except zlib.error as exc:
+        raise InputError(f"TRACE {path}: gzip data is corrupt ({exc})") from None
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _read_bytes(path: str, max_bytes: int | str | None = None) -> bytes:
@@ -214,10 +230,12 @@ def _read_bytes(path: str, max_bytes: int | str | None = None) -> bytes:
         if size > limit:
             raise _over(path, f"file is {_human(size)},", limit)
         try:
-            gzipped = fh.peek(2)[:2] == b"\x1f\x8b"
-            raw = _inflate(fh, limit, path) if gzipped else _read_capped(fh, limit, path, size)
+            raw = _read_capped(fh, limit, path, size)
         except OSError as exc:
             raise InputError(f"TRACE {path}: cannot be read ({exc.strerror or exc})") from None
+    gzipped = raw[:2] == b"\x1f\x8b"
+    if gzipped:
+        raw = _inflate(raw, limit, path)
     if not raw or raw.isspace():
         what = "gzip holds an empty file" if gzipped else "file is empty"
         raise InputError(f"TRACE {path}: {what}, expected a Chrome trace")
@@ -275,11 +293,11 @@ def clean_name(name: str, repaired: Counter | None = None) -> str:
         digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=6).hexdigest()
         name = f"{name[:MAX_NAME_CHARS]}…[{len(name) - MAX_NAME_CHARS} more chars, #{digest}]"
         if repaired is not None:
-            repaired[f"name over {MAX_NAME_CHARS} chars truncated"] += 1
+            repaired[f"name truncated (over {MAX_NAME_CHARS} chars)"] += 1
     if not name.isascii() and _SURROGATES.search(name):
         name = _SURROGATES.sub("\ufffd", name)
         if repaired is not None:
-            repaired["name with lone surrogates repaired"] += 1
+            repaired["name had lone surrogates (now U+FFFD)"] += 1
     return name
 
 
@@ -311,7 +329,7 @@ def _id(value: Any, field: str, repaired: Counter) -> int | None:
         value = int(value)
     if type(value) is int and 0 <= value <= MAX_ID:
         return value
-    repaired[f"{field} not an integer id, dropped"] += 1
+    repaired[f"{field} not an integer id (dropped)"] += 1
     return None
 
 
@@ -396,7 +414,7 @@ def _extract(events: list) -> Extracted:
             if ext is not None and (type(ext) is not int or not 0 <= ext <= max_id):
                 ext = _id(ext, "External id", repaired)
         elif args is not None:
-            repaired["args not an object, ids ignored"] += 1
+            repaired["args not an object (ids ignored)"] += 1
         append((name, norm, tid, ts, dur, corr, ext, pid))
     rows = _dedupe(_clean_names(rows, repaired), skipped)
     return Extracted(rows, complete, skipped, repaired, skipped_steps)
