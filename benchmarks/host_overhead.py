@@ -30,7 +30,8 @@ from mlpfuse.kernels import _common as C
 from mlpfuse.kernels import decode_mlp, gated_gemm, gemm_act, glu_backward
 
 
-def per_call_us(fn, n=300, rounds=7):
+def per_call_rounds(fn, n=300, rounds=7):
+    """µs per call in each round of n back-to-back calls (one synchronize per round), sorted."""
     fn()
     torch.cuda.synchronize()
     out = []
@@ -40,7 +41,11 @@ def per_call_us(fn, n=300, rounds=7):
             fn()
         torch.cuda.synchronize()
         out.append((time.perf_counter() - t) / n * 1e6)
-    return statistics.median(out)
+    return sorted(out)
+
+
+def per_call_us(fn, n=300, rounds=7):
+    return statistics.median(per_call_rounds(fn, n, rounds))
 
 
 class Eager(nn.Module):

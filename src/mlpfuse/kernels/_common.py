@@ -151,6 +151,13 @@ def _launch_hooks_set() -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def _run(entry, device: int, grid, args, consts) -> None:
+    """Launch a compiled kernel directly on the device's current stream: `entry` is (run, function, metadata)."""
+    run, function, metadata = entry
+    run(grid[0], grid[1] if len(grid) > 1 else 1, 1, torch._C._cuda_getCurrentRawStream(device), function, metadata,
+        None, None, None, *args, *consts)
+
+
 class Launcher:
     """Launches of one Triton kernel, the compiled kernel cached per caller-given key.
 
@@ -175,9 +182,7 @@ class Launcher:
             device = torch._C._cuda_getDevice()  # CUDA is initialized: the tensors in `args` live there
             entry = self._compiled.get((key, device))
             if entry is not None and not _launch_hooks_set():
-                run, function, metadata = entry
-                run(grid[0], grid[1] if len(grid) > 1 else 1, 1, torch._C._cuda_getCurrentRawStream(device),
-                    function, metadata, None, None, None, *args, *consts)
+                _run(entry, device, grid, args, consts)
                 return
             compiled = self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
             # What a launch reads, resolved once (CompiledKernel.run is a property).
@@ -197,14 +202,12 @@ class Launcher:
         entry = self._compiled.get((key, device_index)) if DIRECT_LAUNCH else None
         if entry is None:
             return None
-        run, function, metadata = entry
 
         def launch(grid, args, consts, num_warps, num_stages):
             if _launch_hooks_set():  # a profiler's launch hook: let Triton's own path call it
                 self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
                 return
-            run(grid[0], grid[1] if len(grid) > 1 else 1, 1, torch._C._cuda_getCurrentRawStream(device_index),
-                function, metadata, None, None, None, *args, *consts)
+            _run(entry, device_index, grid, args, consts)
 
         return launch
 

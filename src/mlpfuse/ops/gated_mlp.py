@@ -304,14 +304,13 @@ def _(dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, g, u, h, a
     )
 
 
-def _backward(ctx, dy, h, g, u, impl=None, recompute=None):
+def _backward(ctx, dy, h, g, u, impl=None):
     """Gradients for autograd; `impl` None runs the registered backward op (what compile and export record)."""
     x, wg, wu, wd, bg, bu, bd = ctx.saved_tensors[:7]
     need = ctx.needs_input_grad
     need_dw = need[1] or need[2] or need[3]
     grads = (impl or torch.ops.mlpfuse.gated_mlp_backward)(
-        dy, x, wg, wu, wd, bg, bu, g, u, h, ctx.activation, ctx.backend,
-        ctx.recompute if recompute is None else recompute,
+        dy, x, wg, wu, wd, bg, bu, g, u, h, ctx.activation, ctx.backend, ctx.recompute,
         need[0], need_dw,
         bg is not None and need[4], bu is not None and need[5], bd is not None and need[6],
     )
@@ -375,8 +374,10 @@ class _EagerTraining(torch.autograd.Function):
         # later one through the same graph (retain_graph=True) finds them consumed and recomputes them from x.
         consume = not ctx.recompute
         saved = ctx.saved_tensors[7:] if consume else (nothing(dy),) * 3
-        ctx.recompute = True
-        return _backward(ctx, dy, *saved, impl=functools.partial(_gradients, consume=consume), recompute=not consume)
+        try:
+            return _backward(ctx, dy, *saved, impl=functools.partial(_gradients, consume=consume))
+        finally:
+            ctx.recompute = True
 
 
 class DecodeShortcut:
