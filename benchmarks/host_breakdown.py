@@ -3,7 +3,7 @@
     PYTHONPATH=src python3 benchmarks/host_breakdown.py [--out FILE]
 
 At 64 tokens × 768 × 3072 (bf16) every kernel finishes in a few µs, so back-to-back calls measure the host. Pieces:
-the whole `gated_gemm` call with its cached plan and without; its Python before the launch without a plan (the
+the whole `gated_gemm` call with its cached plan (C launch or Triton's launcher) and without; its Python before the launch without a plan (the
 launch replaced by a no-op); the cached launch alone
 with prepared arguments, TMA descriptors on and off; a Triton kernel with one pointer argument and one with the
 gated kernel's argument count (the launcher's floor); and the PyTorch calls the fused path replaces or adds.
@@ -58,8 +58,15 @@ def main():
         rows.append((name, *res))
         print(f"{name:58s} {res[0]:7.2f} us  (min {res[1]:.2f}, max {res[2]:.2f})", flush=True)
 
-    row("gated_gemm call, plan hit (direct launch)", per_call_us(
+    row("gated_gemm call, plan hit (C launch, cached maps)", per_call_us(
         lambda: GG.gated_gemm(x, wg, wu, activation=A.GELU_TANH)))
+    (plan,) = GG._plans.values()
+    raw, plan.raw = plan.raw, None
+    row("gated_gemm call, plan hit (Triton's launcher)", per_call_us(
+        lambda: GG.gated_gemm(x, wg, wu, activation=A.GELU_TANH)))
+    plan.raw = raw
+    row("gated_gemm call, plan hit, saving g and u", per_call_us(
+        lambda: GG.gated_gemm(x, wg, wu, activation=A.GELU_TANH, save_preact=True)))
 
     class NoPlans(dict):  # every call decides everything again, as before plans existed
         def __setitem__(self, key, value):

@@ -107,3 +107,24 @@ def test_plans_keep_no_tensor_alive():
     del x, wg, wu
     gc.collect()
     assert len(GG._plans) == 1 and all(r() is None for r in refs)
+
+
+def test_new_inputs_at_a_reused_address_are_read_again():
+    # x's address recurs when each input is freed before the next is made: a plan that remembered anything about
+    # the memory at that address beyond its layout would return the old values.
+    wg, wu = rand(40, 24, seed=1), rand(40, 24, seed=2)
+    for seed in range(5):
+        x = rand(20, 24, seed=40 + seed)
+        check(x, wg, wu)
+        del x
+    assert len(GG._plans) == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the direct C launch exists for compiled kernels only")
+def test_cuda_plans_launch_directly():
+    x, wg, wu = rand(256, 64, dtype=torch.float16), rand(128, 64, dtype=torch.float16, seed=1), \
+        rand(128, 64, dtype=torch.float16, seed=2)
+    check(x, wg, wu, tol=3e-3)
+    (plan,) = GG._plans.values()
+    assert plan.raw is not None  # the fast path is what the other CUDA tests above exercised
+    check(rand(256, 64, dtype=torch.float16, seed=3), wg, wu, tol=3e-3)

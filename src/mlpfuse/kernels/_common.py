@@ -145,7 +145,7 @@ def check_2d(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
 DIRECT_LAUNCH = True  # False sends every launch through Triton's own path (benchmarks compare the two)
 
 
-def _launch_hooks_set() -> bool:
+def launch_hooks_set() -> bool:
     """Whether a Triton launch hook (e.g. a profiler's) is installed: then every launch goes through Triton."""
     hook = knobs.runtime.launch_enter_hook
     return hook is not None and bool(getattr(hook, "calls", True))
@@ -176,17 +176,19 @@ class Launcher:
     def __init__(self, kernel):
         self.kernel = kernel
         self._compiled: dict = {}
+        self._raw: dict = {}
 
     def __call__(self, key, grid, args, consts, num_warps: int, num_stages: int) -> None:
         if key is not None and DIRECT_LAUNCH and not INTERPRET:
             device = torch._C._cuda_getDevice()  # CUDA is initialized: the tensors in `args` live there
             entry = self._compiled.get((key, device))
-            if entry is not None and not _launch_hooks_set():
+            if entry is not None and not launch_hooks_set():
                 _run(entry, device, grid, args, consts)
                 return
             compiled = self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
             # What a launch reads, resolved once (CompiledKernel.run is a property).
             self._compiled[(key, device)] = (compiled.run, compiled.function, compiled.packed_metadata)
+            self._raw[(key, device)] = Raw.of(compiled)
             return
         self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
 
@@ -204,15 +206,93 @@ class Launcher:
             return None
 
         def launch(grid, args, consts, num_warps, num_stages):
-            if _launch_hooks_set():  # a profiler's launch hook: let Triton's own path call it
+            if launch_hooks_set():  # a profiler's launch hook: let Triton's own path call it
                 self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
                 return
             _run(entry, device_index, grid, args, consts)
 
         return launch
 
+    def raw(self, key, device_index: int) -> "Raw | None":
+        """The compiled key's C launch function (see Raw), or None where plans must launch through `compiled`."""
+        if INTERPRET or not DIRECT_LAUNCH or (key, device_index) not in self._compiled:
+            return None
+        return self._raw.get((key, device_index))
+
     def clear(self) -> None:
         self._compiled.clear()
+        self._raw.clear()
+
+
+class Raw:
+    """A compiled kernel's own C launch function, called with its arguments already in flat form.
+
+    Triton's launcher wraps a generated C function in two Python layers: one allocates scratch space, the other
+    turns each host TMA descriptor into an encoded CUtensorMap plus its shape and strides (a driver call per
+    descriptor, every launch), and the C function then asks the driver to confirm every tensor's pointer. A plan
+    that already knows its operands' layout calls the C function directly: pointers as plain integers, descriptors
+    encoded once per address (`encode`). Built only when the compiled kernel needs no scratch space and every
+    descriptor was lowered to a CUtensorMap; otherwise `of` gives None and the plan launches through `compiled`.
+    """
+
+    __slots__ = ("c_launch", "tail", "desc_meta", "fill")
+
+    @staticmethod
+    def of(compiled) -> "Raw | None":
+        try:
+            launcher = compiled.run
+            wrapped = launcher.launch
+            names = getattr(getattr(wrapped, "__code__", None), "co_freevars", ())
+            c_launch = wrapped.__closure__[names.index("launcher")].cell_contents if "launcher" in names else wrapped
+            if launcher.global_scratch_size or launcher.profile_scratch_size or launcher.num_ctas != 1:
+                return None
+            signature = list(compiled.src.signature.values())
+            descs = [i for i, s in enumerate(signature) if isinstance(s, str) and s.startswith("tensordesc")]
+            meta = list(getattr(compiled.metadata, "tensordesc_meta", None) or [])
+            if len(meta) != len(descs) or any(m is None or m.get("fp4_padded") for m in meta):
+                return None
+            from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+            r = Raw()
+            r.c_launch = c_launch
+            r.tail = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                      compiled.packed_metadata, None, None, None)
+            r.desc_meta = {i: (m["swizzle"], m["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]],
+                               m["block_size"]) for i, m in zip(descs, meta)}
+            r.fill = triton.runtime.driver.active.utils.fill_tma_descriptor
+            return r
+        except (AttributeError, KeyError, IndexError, TypeError, ValueError, ImportError):
+            return None  # another Triton's launcher layout: launch through Triton's own path
+
+    def encode(self, index: int, ptr: int, shape, strides) -> tuple:
+        """The flat form of the descriptor at argument `index` over memory at `ptr`: (CUtensorMap, *shape, *strides).
+        The map holds only the address and the geometry, so one encoded map serves every tensor at that address
+        with that layout."""
+        swizzle, elem_size, elem_type, block = self.desc_meta[index]
+        return (self.fill(ptr, swizzle, elem_size, elem_type, block, list(shape), list(strides), 0),
+                *shape, *strides)
+
+    def __call__(self, grid, device: int, flat) -> None:
+        self.c_launch(grid[0], grid[1] if len(grid) > 1 else 1, 1, torch._C._cuda_getCurrentRawStream(device),
+                      *self.tail, *flat)
+
+
+class Maps:
+    """Encoded descriptors of one plan operand whose address changes between calls (an input, a fresh output), by
+    address. The caching allocator hands the same few addresses back step after step, so most calls hit."""
+
+    __slots__ = ("raw", "index", "shape", "strides", "by_ptr")
+    LIMIT = 64
+
+    def __init__(self, raw: Raw, index: int, shape, strides):
+        self.raw, self.index, self.shape, self.strides, self.by_ptr = raw, index, tuple(shape), tuple(strides), {}
+
+    def __call__(self, ptr: int) -> tuple:
+        flat = self.by_ptr.get(ptr)
+        if flat is None:
+            if len(self.by_ptr) >= self.LIMIT:
+                self.by_ptr.clear()
+            flat = self.by_ptr[ptr] = self.raw.encode(self.index, ptr, self.shape, self.strides)
+        return flat
 
 
 # Largest element offset a kernel may compute in 32-bit integer math. Triton keeps tensor indices in int32 unless

@@ -144,15 +144,25 @@ class _Plan:
     """One call's decisions, kept for the next call with the same key: the configuration, the launch's integer
     arguments and which descriptors to build. It holds no tensor (nothing is kept alive): each call passes its
     own, and the key holds every property the decisions depend on (weights by address, as their descriptors point
-    there), so a hit serves only a layout it was built for."""
+    there), so a hit serves only a layout it was built for.
 
-    __slots__ = ("launch", "make", "rest", "consts", "grid", "x_block", "w_block", "pair", "h_block", "shapes",
-                 "save", "warps", "stages")
+    With the compiled kernel's C launcher at hand (`C.Raw`), a hit passes pointers as integers and descriptors as
+    maps encoded once: the weights' when the plan is made (their addresses are in the key), x's and h's per address
+    seen (`C.Maps`). Otherwise (another Triton, a launch hook installed) it builds descriptors and launches through
+    `launch`, as before."""
+
+    __slots__ = ("launch", "make", "rest", "consts", "grid", "x_block", "w_block", "pair", "h_block", "shape",
+                 "save", "warps", "stages", "raw", "device", "x_maps", "h_maps", "w_flat", "tail")
 
     def run(self, x, wg, wu, bg, bu):
-        outs = [self.make(s) for s in self.shapes]
-        h = outs[0]
-        g, u = (outs[1], outs[2]) if self.save else (h, h)
+        h = self.make(self.shape)
+        g, u = (self.make(self.shape), self.make(self.shape)) if self.save else (h, h)
+        if self.raw is not None and not C.launch_hooks_set():
+            xp, hp = x.data_ptr(), h.data_ptr()
+            flat = (*(self.x_maps(xp) if self.x_maps is not None else (xp,)), *self.w_flat, hp, g.data_ptr(),
+                    u.data_ptr(), *(self.h_maps(hp) if self.h_maps is not None else (None,)), *self.tail)
+            self.raw(self.grid, self.device, flat)
+            return (h, g, u) if self.save else h
         pair = None
         if self.pair is not None:  # (block, gate comes first, shape, strides) of the [2, N, K] weight descriptor
             block, gate_first, shape, strides = self.pair
@@ -164,6 +174,28 @@ class _Plan:
                 C.desc(h, self.h_block) if self.h_block is not None else None, *self.rest)
         self.launch(self.grid, args, self.consts, self.warps, self.stages)
         return (h, g, u) if self.save else h
+
+    def bind_raw(self, raw, x, wg, wu, bg, bu, h) -> None:
+        """Prepare the direct launch (see the class doc): the fixed part of the flat arguments."""
+        self.raw = raw
+        if raw is None:
+            return
+        # Argument order of the kernel: x, wg, wu, wgu, bg, bu, h, g, u, h_desc, then the integers and constexprs.
+        if self.x_block is not None:
+            self.x_maps = C.Maps(raw, 0, x.shape, (x.stride(0), 1))
+        if self.pair is not None:
+            block, gate_first, shape, strides = self.pair
+            base = (wg if gate_first else wu).data_ptr()
+            weights = (wg.data_ptr(), wu.data_ptr(), *raw.encode(3, base, shape, strides))
+        elif self.w_block is not None:
+            weights = (*raw.encode(1, wg.data_ptr(), wg.shape, (wg.stride(0), 1)),
+                       *raw.encode(2, wu.data_ptr(), wu.shape, (wu.stride(0), 1)), None)
+        else:
+            weights = (wg.data_ptr(), wu.data_ptr(), None)
+        self.w_flat = (*weights, 0 if bg is None else bg.data_ptr(), 0 if bu is None else bu.data_ptr())
+        if self.h_block is not None:
+            self.h_maps = C.Maps(raw, 9, h.shape, (h.stride(0), 1))
+        self.tail = (*self.rest, *self.consts)
 
 
 _plans: dict = {}
@@ -217,13 +249,14 @@ def _gated_gemm(x, w_gate, w_up, b_gate, b_up, activation, save_preact, allow_tf
                         C.desc(h, [BM, BN]) if tma_store else None, *rest),
             consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if plan_key is not None:
-        launch = _launch.compiled(key, torch._C._cuda_getDevice() if dev.type == "cuda" else -1)
+        device_index = torch._C._cuda_getDevice() if dev.type == "cuda" else -1
+        launch = _launch.compiled(key, device_index)
         if launch is not None:
             if len(_plans) >= _MAX_PLANS:
                 _plans.clear()
             plan = _Plan()
             plan.launch, plan.grid, plan.consts, plan.save, plan.rest = launch, grid, consts, save_preact, rest
-            plan.warps, plan.stages = cfg.num_warps, cfg.num_stages
+            plan.warps, plan.stages, plan.device = cfg.num_warps, cfg.num_stages, device_index
             plan.x_block = [BM, BK] if use_tma else None
             plan.w_block = [BN, BK] if use_tma and pair is None else None
             plan.pair = None
@@ -231,8 +264,10 @@ def _gated_gemm(x, w_gate, w_up, b_gate, b_up, activation, save_preact, allow_tf
                 d = pair[0]
                 plan.pair = (d.block_shape, d.base.data_ptr() == w_gate.data_ptr(), d.shape, d.strides)
             plan.h_block = [BM, BN] if tma_store else None
-            plan.shapes = [(M, N)] * (3 if save_preact else 1)
+            plan.shape = (M, N)
             plan.make = functools.partial(torch.empty, device=dev, dtype=x.dtype)
+            plan.x_maps = plan.h_maps = None
+            plan.bind_raw(_launch.raw(key, device_index), x, w_gate, w_up, b_gate, b_up, h)
             _plans[plan_key] = plan
     if save_preact:
         return h, g, u

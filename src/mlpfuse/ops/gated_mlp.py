@@ -42,11 +42,9 @@ def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int) -> Tensor:
     )
 
 
-def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training: bool, save: bool, path: str = "",
-             packed: bool = False):
+def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training: bool, save: bool, path: str = ""):
     """(y [..., dim], h, g, u): with `save`, g and u the 2-D pre-activations and h = act(g)·u; else all None.
-    `path` given: the caller already checked the arguments and chose the path. `packed`: on the kernel path g and u
-    are the two column halves of one [M, 2·hidden] buffer, which the backward then overwrites with dg|du."""
+    `path` given: the caller already checked the arguments and chose the path."""
     if not path:
         _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
     act = activations.get(activation)
@@ -59,13 +57,8 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training:
     elif path == dispatch.DECODE:
         y = _decode(x2, wg, wu, wd, bg, bu, bd, act.id)
     else:
-        dest = None
-        if save and packed:
-            n = wg.shape[0]
-            gu = torch.empty(x2.shape[0], 2 * n, device=x2.device, dtype=x2.dtype)
-            dest = (torch.empty(x2.shape[0], n, device=x2.device, dtype=x2.dtype), gu[:, :n], gu[:, n:])
         out = dispatch.kernel("gated_gemm").gated_gemm(
-            x2, wg, wu, bg, bu, activation=act.id, save_preact=save, allow_tf32=dispatch.allow_tf32(), out=dest
+            x2, wg, wu, bg, bu, activation=act.id, save_preact=save, allow_tf32=dispatch.allow_tf32()
         )
         h, g, u = out if save else (out, None, None)
         y = F.linear(h, wd, bd)
@@ -172,14 +165,18 @@ def _gradients(
     need_dgate_bias: bool,
     need_dup_bias: bool,
     need_ddown_bias: bool,
-    consume: bool = False,
+    held: Optional[list] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """All seven gradients (empty placeholders where not needed). `consume`: g and u may be overwritten (eager
-    training's first backward through saved, packed g|u): dg and du then take their place instead of a new buffer."""
+    """All seven gradients (empty placeholders where not needed). `held`: eager training's [g, u], handed over to
+    be overwritten with dg and du and released as soon as their last reader ran (g and u are then placeholders)."""
     act = activations.get(activation)
     x2, dy2 = rows(x), rows(dy.to(x.dtype))
     path = dispatch.gated_mlp_path(backend, x2, gate_weight.shape[0], True)
     triton = path != dispatch.TORCH and x2.shape[0] > 0
+    consume = held is not None and not recompute
+    if consume:
+        g, u = held
+        held.clear()  # the caller's list: no reference to g and u may outlive their last use below
     if recompute:
         if triton:
             tf32 = dispatch.allow_tf32()
@@ -196,36 +193,40 @@ def _gradients(
         )
         dx, dwg, dwu, dwd, dbg, dbu, dbd = grads
     else:
+        held = [g, u]  # handed over: _triton_backward releases them as it goes
+        del g, u
         dx, dwg, dwu, dwd, dbg, dbu, dbd = _triton_backward(
-            dy2, x2, gate_weight, up_weight, down_weight, g, u, h, act.id, need_dx, need_dw, bias_grads,
-            _halves(g, u) if consume and not recompute else None,
+            dy2, x2, gate_weight, up_weight, down_weight, held, h, act.id, need_dx, need_dw, bias_grads, consume
         )
     dx = dx.reshape(x.shape) if dx is not None else None
     return tuple(t if t is not None else nothing(x) for t in (dx, dwg, dwu, dwd, dbg, dbu, dbd))
 
 
-def _triton_backward(dy2, x2, wg, wu, wd, g, u, h, act_id: int, need_dx: bool, need_dw: bool, bias_grads,
-                     gu: Optional[Tensor] = None):
-    """The Triton path's gradients from the saved (or recomputed) g, u and h.
+def _triton_backward(dy2, x2, wg, wu, wd, held: list, h, act_id: int, need_dx: bool, need_dw: bool, bias_grads,
+                     consume: bool):
+    """The Triton path's gradients from the saved (or recomputed) g and u, taken out of `held`, and h.
 
-    dg and du go side by side into one [M, 2·hidden] buffer, so dWg and dWu are one GEMM (`dguᵀ·x`, returned as
-    two views of its [2·hidden, dim] result), and so is dx when the gate and up weights are one packed tensor.
-    `gu`: the [M, 2·hidden] buffer holding g|u, to be overwritten in place (each element of dg and du is written
-    by the program that just read the same element of g and u): the backward then needs no buffer of that size.
+    The order keeps the peak low, as eager autograd's node-by-node release does: dh = dy·Wd; one pass writes dg and
+    du (and h, when not saved, over dh); dWd = dyᵀ·h, after which h is released; dx; dWu = duᵀ·x, after which du
+    is released; dWg = dgᵀ·x. With `consume` (eager training's first backward) dg and du are written over g and u,
+    each element by the program that just read it: the backward then allocates no [M, hidden] buffer but dh, and
+    while the last weight gradient is computed only dg is alive besides the gradients.
     """
+    g, u = held
+    held.clear()  # no reference left with the caller: each buffer dies with its last local name below
     tf32 = dispatch.allow_tf32()
-    m, n = x2.shape[0], wg.shape[0]
-    dgu = gu if gu is not None else torch.empty(m, 2 * n, device=x2.device, dtype=x2.dtype)
-    dg, du = dgu[:, :n], dgu[:, n:]
+    dg, du = (g, u) if consume else (torch.empty_like(g), torch.empty_like(u))
     kernels = dispatch.kernel("glu_backward")
     dbg = dbu = None
     if dispatch.GLU_BACKWARD == "fused":
-        h_new = kernels.matmul_glu_backward(dy2, wd, g, u, activation=act_id, allow_tf32=tf32,
-                                            out=(dg, du, torch.empty_like(g)))[2]
-        h = h_new if h.numel() == 0 else h
+        rebuilt = kernels.matmul_glu_backward(dy2, wd, g, u, activation=act_id, allow_tf32=tf32,
+                                              out=(dg, du, torch.empty_like(g)))[2]
+        h = rebuilt if h.numel() == 0 else h
+        del rebuilt
     else:
         dh = dy2.mm(wd)
-        # Without a saved h (eager training keeps only g|u), the pass writes h over dh, each element after reading it.
+        # Without a saved h (eager training keeps only g and u), the pass writes h over dh, each element after
+        # reading it.
         rebuild_h = h.numel() == 0 and need_dw
         _, _, _, dbg, dbu = kernels.glu_backward_split(
             dh, g, u, activation=act_id, bias_sums=bias_grads[0] or bias_grads[1], out=(dg, du), want_h=rebuild_h,
@@ -234,57 +235,26 @@ def _triton_backward(dy2, x2, wg, wu, wd, g, u, h, act_id: int, need_dx: bool, n
         if rebuild_h:
             h = dh
         del dh
+    del g, u
     dx = dwg = dwu = dwd = None
-    if need_dx:
-        wgu = _stacked(wg, wu)
-        dx = dgu.mm(wgu) if wgu is not None else dg.mm(wg).addmm_(du, wu)
     if need_dw:
         dwd = dy2.t().mm(h)
-        dwgu = dgu.t().mm(x2)
-        dwg, dwu = dwgu[:n], dwgu[n:]
+    del h
+    if need_dx:
+        dx = dg.mm(wg).addmm_(du, wu)
     # Bias gradients are column sums taken in fp32 (the split pass has them from before dg and du were rounded).
     dbg, dbu, dbd = (
         (fp32 if fp32 is not None else t.sum(0, dtype=torch.float32)).to(x2.dtype) if need else None
         for t, fp32, need in zip((dg, du, dy2), (dbg, dbu, None), bias_grads)
     )
+    if need_dw:
+        dwu = du.t().mm(x2)
+        del du
+        dwg = dg.t().mm(x2)
     return dx, dwg, dwu, dwd, dbg, dbu, dbd
 
 
-def _halves(left: Tensor, right: Tensor) -> Optional[Tensor]:
-    """[left | right] as one [m, 2·n] view when they are the two column halves of one buffer (a packed g|u)."""
-    m, n = left.shape
-    if left.stride() != (2 * n, 1) or right.stride() != (2 * n, 1) or right.shape != left.shape:
-        return None
-    if right.data_ptr() != left.data_ptr() + n * left.element_size():
-        return None
-    if left.untyped_storage().data_ptr() != right.untyped_storage().data_ptr():
-        return None
-    return left.as_strided((m, 2 * n), (2 * n, 1))
-
-
-def _stacked(top: Tensor, bottom: Tensor) -> Optional[Tensor]:
-    """[top; bottom] as one [2·n, k] view when `bottom`'s rows follow `top`'s in memory (a packed gate_up weight)."""
-    n, k = top.shape
-    es = top.element_size()
-    if top.stride() != (k, 1) or bottom.stride() != (k, 1) or bottom.data_ptr() != top.data_ptr() + n * k * es:
-        return None
-    if top.untyped_storage().data_ptr() != bottom.untyped_storage().data_ptr():
-        return None
-    return top.as_strided((2 * n, k), (k, 1))
-
-
-@functools.wraps(_backward_impl)
-def _backward_op_impl(*args):
-    grads = _backward_impl(*args)
-    # A custom op's outputs may not alias each other: the Triton path returns dWg and dWu as views of one buffer.
-    dwg, dwu = grads[1], grads[2]
-    if dwu.numel() and dwg.untyped_storage().data_ptr() == dwu.untyped_storage().data_ptr():
-        return (grads[0], dwg, dwu.clone(), *grads[3:])
-    return grads
-
-
-# The registered op is the implementation (outputs made distinct); eager training calls `_backward_impl` directly.
-_gated_mlp_backward_op = torch.library.custom_op("mlpfuse::gated_mlp_backward", mutates_args=())(_backward_op_impl)
+_gated_mlp_backward_op = torch.library.custom_op("mlpfuse::gated_mlp_backward", mutates_args=())(_backward_impl)
 
 
 @_gated_mlp_backward_op.register_fake
@@ -348,17 +318,20 @@ class _EagerTraining(torch.autograd.Function):
     Measured with benchmarks/profile_training.py on an H200 (8192×768×3072 bf16): through torch.library's autograd
     wrapper the two Python ops cost ~640 µs of host time per step, more than the GPU work they launch, and autograd
     zero-filled gradients for the saved g and u outputs. torch.compile, export and TorchScript still see the ops.
+
+    g and u are kept in a plain list on ctx, not through save_for_backward (which would hold them until the node
+    finished): the first backward takes them, writes dg and du over them and releases each as soon as its last
+    reader ran (`_triton_backward`); a later backward through the same graph (retain_graph=True) finds none and
+    recomputes them from x. h is not kept: the backward rebuilds it over dh, so the step's activations are g and u
+    alone, as with Liger and compile.
     """
 
     @staticmethod
     def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, path: str):
-        y, h, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, dispatch.SAVE_PREACT, path,
-                              packed=True)
-        ctx.activation, ctx.backend, ctx.recompute, ctx.extra_inputs = activation, backend, g is None, 1
-        # h is not kept: the backward rebuilds it from g and u in the pass that reads them anyway (one [M, hidden]
-        # write), so the step's activations are g|u alone, as with Liger and compile's recomputation.
-        keep = () if g is None else (nothing(x), g, u)
-        ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, *keep)
+        y, _, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, dispatch.SAVE_PREACT, path)
+        ctx.activation, ctx.backend, ctx.extra_inputs = activation, backend, 1
+        ctx.held = None if g is None else [g, u]
+        ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd)
         return y
 
     @staticmethod
@@ -370,14 +343,10 @@ class _EagerTraining(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dy):
-        # The first backward writes dg|du over the saved g|u (no [M, 2·hidden] buffer at the backward's peak); a
-        # later one through the same graph (retain_graph=True) finds them consumed and recomputes them from x.
-        consume = not ctx.recompute
-        saved = ctx.saved_tensors[7:] if consume else (nothing(dy),) * 3
-        try:
-            return _backward(ctx, dy, *saved, impl=functools.partial(_gradients, consume=consume))
-        finally:
-            ctx.recompute = True
+        held, ctx.held = ctx.held, None
+        ctx.recompute = held is None
+        empty = nothing(dy)
+        return _backward(ctx, dy, empty, empty, empty, impl=functools.partial(_gradients, held=held))
 
 
 class DecodeShortcut:
