@@ -143,12 +143,13 @@ def memory_rows(dev, out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
-    ap.add_argument("--skip-memory", action="store_true")
+    ap.add_argument("--parts", default="host,memory", help="comma list: host, memory")
     args = ap.parse_args()
+    parts = args.parts.split(",")
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device("cuda")
-    host = host_rows(dev, args.out)
-    mem = [] if args.skip_memory else memory_rows(dev, args.out)
+    host = host_rows(dev, args.out) if "host" in parts else []
+    mem = memory_rows(dev, args.out) if "memory" in parts else []
     print("\n| step | host/wall µs median | min | max |\n|---|---|---|---|")
     for name, med, lo, hi in host:
         print(f"| {name} | {med:.1f} | {lo:.1f} | {hi:.1f} |")

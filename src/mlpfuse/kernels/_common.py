@@ -152,8 +152,13 @@ def launch_hooks_set() -> bool:
 
 
 def _run(entry, device: int, grid, args, consts) -> None:
-    """Launch a compiled kernel directly on the device's current stream: `entry` is (run, function, metadata)."""
-    run, function, metadata = entry
+    """Launch a compiled kernel directly on the device's current stream: `entry` is (run, function, metadata, raw),
+    raw a `Raw` for kernels without descriptor arguments (tensors then go to the C launcher as plain addresses)."""
+    run, function, metadata, raw = entry
+    if raw is not None:
+        raw(grid, torch._C._cuda_getCurrentRawStream(device),
+            (*[a.data_ptr() if type(a) is torch.Tensor else a for a in args], *consts))
+        return
     run(grid[0], grid[1] if len(grid) > 1 else 1, 1, torch._C._cuda_getCurrentRawStream(device), function, metadata,
         None, None, None, *args, *consts)
 
@@ -187,8 +192,10 @@ class Launcher:
                 return
             compiled = self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
             # What a launch reads, resolved once (CompiledKernel.run is a property).
-            self._compiled[(key, device)] = (compiled.run, compiled.function, compiled.packed_metadata)
-            self._raw[(key, device)] = Raw.of(compiled)
+            raw = Raw.of(compiled)
+            pointers_only = raw if raw is not None and not raw.desc_meta else None
+            self._compiled[(key, device)] = (compiled.run, compiled.function, compiled.packed_metadata, pointers_only)
+            self._raw[(key, device)] = raw
             return
         self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
 
@@ -271,9 +278,8 @@ class Raw:
         return (self.fill(ptr, swizzle, elem_size, elem_type, block, list(shape), list(strides), 0),
                 *shape, *strides)
 
-    def __call__(self, grid, device: int, flat) -> None:
-        self.c_launch(grid[0], grid[1] if len(grid) > 1 else 1, 1, torch._C._cuda_getCurrentRawStream(device),
-                      *self.tail, *flat)
+    def __call__(self, grid, stream: int, flat) -> None:
+        self.c_launch(grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, *self.tail, *flat)
 
 
 class Maps:

@@ -427,6 +427,9 @@ def _launch(plan, which, grid, args, stream):
     compiled = getattr(plan, which + "compiled")
     consts = getattr(plan, which + "consts")
     if compiled is not None:
+        if type(compiled) is C.Raw:  # the C launcher itself, tensors as plain addresses
+            compiled(grid, stream, (*[a.data_ptr() if type(a) is torch.Tensor else a for a in args], *consts))
+            return
         compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
                      *args, *consts)
         return
@@ -437,7 +440,8 @@ def _launch(plan, which, grid, args, stream):
     else:
         compiled = mlpfuse_decode_mlp_kernel[grid](*args, *consts, num_warps=plan.cfg[3], num_stages=plan.cfg[4])
     if _DIRECT_LAUNCH and stream is not None:
-        setattr(plan, which + "compiled", compiled)
+        raw = C.Raw.of(compiled)
+        setattr(plan, which + "compiled", raw if raw is not None and not raw.desc_meta else compiled)
 
 
 def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, activation: int,

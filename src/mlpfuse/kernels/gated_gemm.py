@@ -161,7 +161,7 @@ class _Plan:
             xp, hp = x.data_ptr(), h.data_ptr()
             flat = (*(self.x_maps(xp) if self.x_maps is not None else (xp,)), *self.w_flat, hp, g.data_ptr(),
                     u.data_ptr(), *(self.h_maps(hp) if self.h_maps is not None else (None,)), *self.tail)
-            self.raw(self.grid, self.device, flat)
+            self.raw(self.grid, torch._C._cuda_getCurrentRawStream(self.device), flat)
             return (h, g, u) if self.save else h
         pair = None
         if self.pair is not None:  # (block, gate comes first, shape, strides) of the [2, N, K] weight descriptor

@@ -1,0 +1,151 @@
+"""Host time per call on every path a module call can take, mlpfuse against the eager module (CUDA GPU).
+
+    PYTHONPATH=src python3 benchmarks/host_paths.py [--out DIR] [--quick]
+
+Host µs: the CPU time to issue one call, measured over short bursts of back-to-back calls started on an idle GPU
+(a synchronize before each burst, none inside it), so the launch queue never fills and the GPU's speed does not
+enter: what a host-bound step pays. Wall µs: calls back to back with one synchronize per round, the time per call
+when the GPU's work and the host's overlap (max of the two). Each figure is the median over rounds, with min and
+max. Variants are timed interleaved (A B C A B C …) after a clock spin-up.
+
+Paths (bf16): decode (no_grad, 1–64 tokens), gated forward (no_grad, 1024–8192 tokens), training forward+backward
+(`.backward()` into the parameters' .grad, as a training loop does), each at 768×3072 and 4096×14336, GeGLU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mlpfuse
+
+
+class Eager(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(d, h, bias=False), nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+def spin_up(seconds=0.5):
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        a @ a
+    torch.cuda.synchronize()
+
+
+def host_round(fn, burst):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(burst):
+        fn()
+    dt = (time.perf_counter() - t) / burst * 1e6
+    torch.cuda.synchronize()
+    return dt
+
+
+def wall_round(fn, n):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
+
+
+def summary(xs):
+    xs = sorted(xs)
+    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1]}
+
+
+def measure(fns: dict, rounds: int, burst: int, n_wall: int):
+    host = {k: [] for k in fns}
+    wall = {k: [] for k in fns}
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            host[k].append(host_round(fn, burst))
+            wall[k].append(wall_round(fn, n_wall))
+    return {k: {"host": summary(host[k]), "wall": summary(wall[k])} for k in fns}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true", help="fewer rounds and sizes")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    rounds = 5 if args.quick else 9
+    rows = []
+    spin_up()
+    for d, hdim in ((768, 3072), (4096, 14336)):
+        eager = Eager(d, hdim).to(dev, dt)
+        fused = {"auto": mlpfuse.GatedMLP.from_module(eager, activation="gelu_tanh"),
+                 "triton": mlpfuse.GatedMLP.from_module(eager, activation="gelu_tanh", backend="triton")}
+        paths = [("decode", m, False) for m in (1, 16, 64)] + [("forward", m, False) for m in (1024, 8192)]
+        paths += [("train", m, True) for m in ((1024, 8192) if not args.quick else (8192,))]
+        for path, m, train in paths:
+            x = torch.randn(m, d, device=dev, dtype=dt, requires_grad=train)
+            dy = torch.randn(m, d, device=dev, dtype=dt)
+            params = list(eager.parameters())
+
+            def make(mod):
+                if not train:
+                    def fwd():
+                        with torch.no_grad():
+                            mod(x)
+                    return fwd
+
+                def step():
+                    for p in params:
+                        p.grad = None
+                    x.grad = None
+                    mod(x).backward(dy)
+                return step
+
+            fns = {"eager": make(eager), "mlpfuse auto": make(fused["auto"]), "mlpfuse triton": make(fused["triton"])}
+            big = m * d * hdim > 2e10
+            res = measure(fns, rounds, burst=3 if train else 8, n_wall=5 if big else 30)
+            base = res["eager"]
+            for name, r in res.items():
+                row = {"shape": f"{m}x{d}x{hdim}", "path": path, "variant": name, **{
+                    f"{kind}_{stat}": r[kind][stat] for kind in ("host", "wall") for stat in ("median", "min", "max")},
+                    "host_vs_eager": r["host"]["median"] / base["host"]["median"],
+                    "wall_vs_eager": r["wall"]["median"] / base["wall"]["median"]}
+                rows.append(row)
+                print(f"{row['shape']:>16s} {path:8s} {name:15s} host {row['host_median']:8.1f} "
+                      f"[{row['host_min']:.1f}, {row['host_max']:.1f}] ({row['host_vs_eager']:.2f}x)  wall "
+                      f"{row['wall_median']:8.1f} [{row['wall_min']:.1f}, {row['wall_max']:.1f}] "
+                      f"({row['wall_vs_eager']:.2f}x)", flush=True)
+            del x, dy
+        del eager, fused
+        torch.cuda.empty_cache()
+    print("\n| shape | path | variant | host µs (min–max) | host vs eager | wall µs (min–max) | wall vs eager |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['path']} | {r['variant']} | {r['host_median']:.1f} ({r['host_min']:.1f}–"
+              f"{r['host_max']:.1f}) | {r['host_vs_eager']:.2f}× | {r['wall_median']:.1f} ({r['wall_min']:.1f}–"
+              f"{r['wall_max']:.1f}) | {r['wall_vs_eager']:.2f}× |")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "host_paths.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
