@@ -128,3 +128,58 @@ def test_cuda_plans_launch_directly():
     (plan,) = GG._plans.values()
     assert plan.raw is not None  # the fast path is what the other CUDA tests above exercised
     check(rand(256, 64, dtype=torch.float16, seed=3), wg, wu, tol=3e-3)
+    from mlpfuse.kernels import gemm_act as GA
+
+    GA._plans.clear()
+    check_linear(x, wg, rand(128, dtype=torch.float16, seed=4), tol=3e-3)
+    (plan,) = GA._plans.values()
+    assert plan.raw is not None
+    check_linear(rand(256, 64, dtype=torch.float16, seed=5), wg, None, tol=3e-3)
+    GA._plans.clear()
+
+
+# GEMM + activation keeps plans the same way.
+
+
+def check_linear(x, w, b=None, tol=1e-5, save=False):
+    from mlpfuse.kernels import gemm_act as GA
+
+    out = GA.gemm_act(x, w, b, activation=A.get("gelu_tanh").id, save_preact=save, allow_tf32=False)
+    z = x.double() @ w.double().T + (0 if b is None else b.double())
+    want = F.gelu(z, approximate="tanh")
+    y, zz = out if save else (out, None)
+    for got, ref_ in ((y, want),) + (((zz, z),) if save else ()):
+        assert got.shape == ref_.shape and got.dtype == x.dtype
+        assert ((got.double() - ref_).norm() / ref_.norm()).item() < tol
+
+
+def test_gemm_act_plans_serve_only_their_layout():
+    from mlpfuse.kernels import gemm_act as GA
+
+    GA._plans.clear()
+    w, b = rand(40, 24, seed=1), rand(40, seed=2)
+    check_linear(rand(20, 24), w, b)
+    check_linear(rand(20, 24, seed=3), w, b)  # a hit: new x, same layout
+    assert len(GA._plans) == 1
+    cases = [
+        ("no bias", rand(20, 24), w, None, False),
+        ("saving z", rand(20, 24), w, b, True),
+        ("rows", rand(33, 24, seed=4), w, b, False),
+        ("column-major x", rand(24, 20, seed=5).t(), w, b, False),
+        ("misaligned x", rand(21, 24, seed=6).flatten()[2:2 + 20 * 24].view(20, 24), w, b, False),
+        ("transposed weight", rand(20, 24, seed=7), rand(24, 40, seed=8).t(), b, False),
+        ("other bias", rand(20, 24), w, rand(40, seed=9), False),
+        ("fp16", rand(20, 24, dtype=torch.float16), w.half(), b.half(), False),
+    ]
+    for i, (what, x, ww, bb, save) in enumerate(cases):
+        check_linear(x, ww, bb, tol=3e-3 if x.dtype == torch.float16 else 1e-5, save=save)
+        assert len(GA._plans) == i + 2, what
+    for seed in range(3):  # weights freed and their memory handed out again: their own values are read
+        ww, bb = rand(40, 24, seed=50 + seed), rand(40, seed=60 + seed)
+        check_linear(rand(20, 24), ww, bb)
+        del ww, bb
+    refs = [weakref.ref(t) for t in (w, b)]
+    del w, b, cases
+    gc.collect()
+    assert all(r() is None for r in refs)  # plans keep no tensor alive
+    GA._plans.clear()

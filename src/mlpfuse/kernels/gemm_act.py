@@ -7,6 +7,8 @@ kernel instead of a GEMM plus a pointwise pass over [M, N]. With save_preact the
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -89,6 +91,68 @@ def gemm_act(
     `out` (optional) receives the results in place: a tensor y, or a tuple (y, z) when save_preact.
     `config` overrides the table (tuning only).
     """
+    key = None
+    if out is None and config is None and (C.DIRECT_LAUNCH or C.INTERPRET):
+        # A repeated layout: the checks and decisions were made for exactly these shapes, strides, alignments,
+        # dtypes, devices and weight/bias addresses (see _Plan).
+        try:
+            key = (x.shape, x.stride(), x.data_ptr() & 15, x.dtype, x.get_device(), w.shape, w.stride(),
+                   w.data_ptr(), w.dtype, w.get_device(),
+                   None if bias is None else (bias.shape, bias.stride(), bias.data_ptr(), bias.dtype,
+                                              bias.get_device()),
+                   activation, save_preact, allow_tf32)
+        except (AttributeError, TypeError):
+            key = None  # not tensors: the checks below name the argument
+        plan = _plans.get(key)
+        if plan is not None:
+            return plan.run(x, w, bias)
+    return _gemm_act(x, w, bias, activation, save_preact, allow_tf32, out, config, key)
+
+
+class _Plan:
+    """One layout's decisions, as in gated_gemm._Plan: no tensor held, weight and bias by address in the key; with
+    the compiled kernel's C launcher (`C.Raw`) a hit passes addresses and encoded TMA maps (the weight's made once,
+    x's and y's per address seen), otherwise it builds descriptors and launches through `launch`."""
+
+    __slots__ = ("launch", "make", "rest", "consts", "grid", "x_block", "w_block", "y_block", "shape", "save",
+                 "warps", "stages", "raw", "device", "x_maps", "y_maps", "w_flat", "tail")
+
+    def run(self, x, w, bias):
+        y = self.make(self.shape)
+        z = self.make(self.shape) if self.save else y
+        if self.raw is not None and not C.launch_hooks_set():
+            xp, yp = x.data_ptr(), y.data_ptr()
+            flat = (*(self.x_maps(xp) if self.x_maps is not None else (xp,)), *self.w_flat, yp, z.data_ptr(),
+                    *(self.y_maps(yp) if self.y_maps is not None else (None,)), *self.tail)
+            self.raw(self.grid, torch._C._cuda_getCurrentRawStream(self.device), flat)
+            return (y, z) if self.save else y
+        args = (C.desc(x, self.x_block) if self.x_block is not None else x,
+                C.desc(w, self.w_block) if self.w_block is not None else w, x if bias is None else bias, y, z,
+                C.desc(y, self.y_block) if self.y_block is not None else None, *self.rest)
+        self.launch(self.grid, args, self.consts, self.warps, self.stages)
+        return (y, z) if self.save else y
+
+    def bind_raw(self, raw, x, w, bias, y) -> None:
+        """Prepare the direct launch: the fixed part of the flat arguments (kernel order: x, w, b, y, z, y_desc)."""
+        self.raw, self.x_maps, self.y_maps = raw, None, None
+        if raw is None:
+            return
+        if self.x_block is not None:
+            self.x_maps = C.Maps(raw, 0, x.shape, (x.stride(0), 1))
+            weight = raw.encode(1, w.data_ptr(), w.shape, (w.stride(0), 1))
+        else:
+            weight = (w.data_ptr(),)
+        self.w_flat = (*weight, 0 if bias is None else bias.data_ptr())
+        if self.y_block is not None:
+            self.y_maps = C.Maps(raw, 5, y.shape, (y.stride(0), 1))
+        self.tail = (*self.rest, *self.consts)
+
+
+_plans: dict = {}
+_MAX_PLANS = 4096  # distinct layouts kept; past that the table starts over (a shape-polymorphic workload)
+
+
+def _gemm_act(x, w, bias, activation, save_preact, allow_tf32, out, config, plan_key):
     C.check_2d("x", x, x)
     C.check_2d("w", w, x)
     M, K = x.shape
@@ -116,11 +180,26 @@ def gemm_act(
     # What the compiled kernel is specialized on (all but M): see C.Launcher.
     key = (consts, cfg, x.dtype, N, K, x.stride(), w.stride(), y.stride(), z.stride(), C.align16(x), C.align16(w),
            C.align16(b_arg), C.align16(y), C.align16(z))
-    _launch(key, (C.grid_size(cfg, sms, M, N),), (
-        xa, wa, b_arg, y, z, C.desc(y, [BM, BN]) if tma_store else None,
-        M, N, K,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1), z.stride(0), z.stride(1),
-    ), consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (C.grid_size(cfg, sms, M, N),)
+    rest = (M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1), z.stride(0),
+            z.stride(1))
+    _launch(key, grid, (xa, wa, b_arg, y, z, C.desc(y, [BM, BN]) if tma_store else None, *rest), consts,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if plan_key is not None:
+        device_index = torch._C._cuda_getDevice() if dev.type == "cuda" else -1
+        launch = _launch.compiled(key, device_index)
+        if launch is not None:
+            if len(_plans) >= _MAX_PLANS:
+                _plans.clear()
+            plan = _Plan()
+            plan.launch, plan.grid, plan.consts, plan.rest, plan.save = launch, grid, consts, rest, save_preact
+            plan.warps, plan.stages, plan.device, plan.shape = cfg.num_warps, cfg.num_stages, device_index, (M, N)
+            plan.x_block = [BM, BK] if use_tma else None
+            plan.w_block = [BN, BK] if use_tma else None
+            plan.y_block = [BM, BN] if tma_store else None
+            plan.make = functools.partial(torch.empty, device=dev, dtype=x.dtype)
+            plan.bind_raw(_launch.raw(key, device_index), x, w, bias, y)
+            _plans[plan_key] = plan
     if save_preact:
         return y, z
     return y
