@@ -120,22 +120,25 @@ def decode_max_m() -> int:
     return int(getattr(mod, "DECODE_MAX_M", 0)) if mod is not None else 0
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def triton_unavailable(x: torch.Tensor, module: str) -> Optional[str]:
     """Why the Triton kernels cannot run this call (None when they can)."""
+    return _unavailable(x.device.type, x.dtype, module, os.environ.get("TRITON_INTERPRET", "0"))
+
+
+@functools.lru_cache(maxsize=None)
+def _unavailable(device_type: str, dtype: torch.dtype, module: str, interpret: str) -> Optional[str]:
+    # Cached per device type, dtype, kernel and interpreter setting: asking Triton and the driver each call cost
+    # ~20 µs of host time, twice per training step.
     from mlpfuse import kernels
 
     if not kernels.available():
         return "Triton is not installed or there is no CUDA device (TRITON_INTERPRET=1 runs the kernels on CPU)"
-    if x.device.type == "cpu" and not _interpreting():
+    if device_type == "cpu" and interpret in ("", "0"):
         return "x is on the CPU; the kernels need CUDA (or TRITON_INTERPRET=1)"
-    if x.device.type not in ("cuda", "cpu"):
-        return f"x is on {x.device.type}; the kernels need CUDA"
-    if x.dtype not in KERNEL_DTYPES:
-        return f"dtype {x.dtype} is not supported by the kernels (bfloat16, float16, float32)"
+    if device_type not in ("cuda", "cpu"):
+        return f"x is on {device_type}; the kernels need CUDA"
+    if dtype not in KERNEL_DTYPES:
+        return f"dtype {dtype} is not supported by the kernels (bfloat16, float16, float32)"
     if _kernel_module(module) is None:
         return f"kernel module mlpfuse.kernels.{module} is not available"
     return None
