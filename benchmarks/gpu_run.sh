@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_run.sh OUTDIR STEP[:SECONDS] ...
 # Steps: numerics, tests, walkthrough, bench-blog, bench-linear, bench-large, bench-large-train, bench-train-mid,
 #        bench-decode, bench-small,
-#        bench-sweep, kernels, tune-linear, tune-blog, tune-llama, decode, decode-sweep, host, one-launch, profile-train.
+#        bench-sweep, bench-sweep-large, kernels, tune-linear, tune-blog, tune-llama, decode, decode-sweep, host,
+#        host-paths, host-breakdown, memory, one-launch, profile-train.
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
 cd "$(dirname "$0")/.."
@@ -48,6 +49,10 @@ for spec in "$@"; do
         decode) run_step decode "$secs" python3 benchmarks/bench_decode.py --out "$W/decode" ;;
         decode-sweep) run_step decode-sweep "$secs" python3 benchmarks/bench_decode.py --sweep --out "$W/decode" ;;
         host) run_step host "$secs" python3 benchmarks/host_overhead.py --out "$W/host" ;;
+        host-paths) run_step host-paths "$secs" python3 benchmarks/host_paths.py --out "$W/host-paths" ;;
+        host-breakdown) run_step host-breakdown "$secs" python3 benchmarks/host_breakdown.py --out "$W/host_breakdown.json" ;;
+        memory) run_step memory "$secs" python3 benchmarks/train_anatomy.py --parts memory --out "$W/memory" ;;
+        bench-sweep-large) run_step bench-sweep-large "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 4096 --hidden 14336 --workload geglu,swiglu --mode fwd,fwd+bwd --variants eager,compile,liger,mlpfuse --out "$W/bench-sweep-large" ;;
         one-launch) run_step one-launch "$secs" python3 benchmarks/decode_one_launch.py ;;
         profile-train) run_step profile-train "$secs" python3 benchmarks/profile_training.py --out "$W/profile-train" ;;
         *) echo "unknown step $step" >> "$SUMMARY" ;;
