@@ -268,7 +268,7 @@ def analyze_trace(trace: Trace, label: str | None = None, steps_from: str = AUTO
         "devices": trace.devices,
         "steps": n_avg,
         "steps_found": n,
-        "steps_left_out": [{"name": steps[k].name, "reason": "no GPU work (other steps have some)"}
+        "steps_left_out": [{"name": steps[k].name, "reason": "no GPU work while other steps have some"}
                            for k in range(n) if not included[k]],
         "step_source": source.describe(),
         "step_source_kind": source.kind,
@@ -318,9 +318,9 @@ def _per_step(step_rows, per, launch_names, runtime_names, fam_counts, keep: lis
     out["cpu_ahead_us"] = mean_of_known("cpu_ahead_us")
     out["launch_to_start_us"] = mean_of_known("launch_to_start_us")
     # The GPU queue in steps: how long a launch waits for the GPU, against the step time. Near 1 the CPU launches
-    # a step while the GPU still runs the previous one.
-    out["cpu_ahead_steps"] = (out["launch_to_start_us"] / out["step_us"]
-                              if out["launch_to_start_us"] is not None and out["step_us"] > 0 else None)
+    # a step while the GPU still runs the previous one. A single span is no loop to be ahead in.
+    out["cpu_ahead_steps"] = (out["launch_to_start_us"] / out["step_us"] if out["launch_to_start_us"] is not None
+                              and out["step_us"] > 0 and len(step_rows) > 1 else None)
     return out
 
 
@@ -406,9 +406,11 @@ def verdict(per_step: dict, has_gpu: bool, whole_trace: bool = False, unread: di
     ahead, queue, ahead_steps = (per_step.get(k) for k in ("cpu_ahead_us", "launch_to_start_us", "cpu_ahead_steps"))
     if not whole_trace and ahead is not None:
         reason += f"; a step's GPU work starts {ahead:.1f} us after its CPU start"
-    if not whole_trace and queue is not None and ahead_steps is not None:
-        reason += (f"; a launch waits {queue:.1f} us for the GPU on average: the CPU runs {ahead_steps:.2f} steps "
-                   "ahead" + (", so launch overhead is hidden" if ahead_steps >= CPU_AHEAD_HIDES_LAUNCHES else ""))
+    if not whole_trace and queue is not None:
+        reason += f"; a launch waits {queue:.1f} us for the GPU on average"
+        if ahead_steps is not None:
+            reason += (f": the CPU runs {ahead_steps:.2f} steps ahead"
+                       + (", so launch overhead is hidden" if ahead_steps >= CPU_AHEAD_HIDES_LAUNCHES else ""))
     launch_bound = kind == "overhead-bound" and launches > 0 and avg_gpu < avg_launch
     if launch_bound:
         reason += f"; launch-bound: a GPU activity lasts {avg_gpu:.1f} us on average, a launch call {avg_launch:.1f} us"

@@ -63,7 +63,7 @@ _DTYPE_TOKENS = {"bf16": "bf16", "f16": "fp16", "fp16": "fp16", "half": "fp16", 
                  "s8": "int8", "int8": "int8"}
 # cuBLAS legacy naming: <arch>_<letter>gemm or <letter><mma shape>gemm, e.g. sgemm, h16816gemm, s16816gemm.
 _GEMM_LETTER = {"s": "fp32", "d": "fp64", "h": "fp16", "c": "complex64", "z": "complex128", "i": "int8"}
-_LAYOUT = re.compile(r"^(?:[tn]{2}|[TN]{2,3})$")
+_LAYOUT = re.compile(r"^(?:[tn]{2,3}|[TN]{2,3})$")
 _TILE = re.compile(r"^(\d+x\d+(?:x\d+)?)$")
 
 

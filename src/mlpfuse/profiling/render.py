@@ -166,8 +166,8 @@ def _after_step(p: dict) -> str | None:
     if ahead is None:
         return None
     text = f"{ahead:.1f} us after the step's CPU start"
-    if queue is not None and steps is not None:
-        text += f"; launches wait {queue:.1f} us ({steps:.2f} steps)"
+    if queue is not None:
+        text += f"; launches wait {queue:.1f} us" + (f" ({steps:.2f} steps)" if steps is not None else "")
     return text
 
 
