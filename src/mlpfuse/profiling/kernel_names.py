@@ -490,7 +490,8 @@ _RULES: list[Rule] = [
     (re.compile(r"^fbgemm_gpu::"), "other", "fbgemm_gpu", _nothing, HEAD),
     # convolutions: cuDNN engines (scudnn, implicit GEMM fprop / dgrad / wgrad, winograd, FFT), MIOpen igemm
     (re.compile(r"scudnn|conv(?!ert)|fprop|dgrad|wgrad|winograd|fft2d|im2col|col2im|im\dd2col|cask_cudnn|cutlass_cudnn|"
-                r"_cudnn::|cudnn::cnn::|igemm_(?:fwd|bwd|wrw)|implicit_?gemm", re.I), "conv", _conv_library, _nothing, HEAD),
+                r"_cudnn::|cudnn::cnn::|igemm_(?:fwd|bwd|wrw)|implicit_?gemm", re.I),
+     "conv", _conv_library, _nothing, HEAD),
     # AMD: Tensile GEMMs from rocBLAS and hipBLASLt (hipBLASLt's carry UserArgs)
     (re.compile(r"^(?:Custom_)?Cijk_"), "gemm", _tensile_library, _parse_tensile, HEAD),
     # TRT-LLM's batched GEMMs on Blackwell (FlashInfer MoE): bmm_<types>_t<tile>..._sm100f
