@@ -238,7 +238,7 @@ def test_a_compile_label_can_be_chosen(capsys, monkeypatch):
     check_rows_against_oracle(data, raw, raw.steps(label))
     assert data["step_source_kind"] == "label" and data["step_label"] == label
     code, out, _ = cli(capsys, "analyze", path("tracelens_torch_compile_triton"), "--label", label)
-    assert code == 0 and f"steps: 1 spans of label {label!r} (chosen)" in out
+    assert code == 0 and f"steps: 1 span of label {label!r} (chosen)" in out
 
 
 def test_steps_from_forces_a_source(capsys):

@@ -1,7 +1,8 @@
 """Small analyses over the event model, each returning a plain table (list of dicts) or dict.
 
-Pipeline: `find_steps` -> `link` (CPU op nesting, launch -> op attribution, GPU activity -> launch through
-correlation ids) -> per-step counts, kernel table, op table, zero-kernel ops, GPU idle and gaps -> verdict.
+Pipeline: `steps.find_steps` -> `link` (CPU op nesting, launch -> op attribution, GPU activity -> launch through
+correlation ids) -> per-step counts, kernel table, op table, zero-kernel ops, `timeline` (GPU windows, busy, idle,
+gaps, CPU-ahead) -> verdict. Steps without GPU work, when others have some, are left out of every average.
 `Analysis` bundles the results; its `to_dict()` is the `analyze --json` schema (README documents every key).
 
 No torch import here: analysis runs wherever the trace file is.
@@ -178,7 +179,7 @@ def analyze_trace(trace: Trace, label: str | None = None, steps_from: str = AUTO
     has_work = np.bincount(act.step[act.step >= 0], minlength=n) > 0
     any_gpu = bool(has_work.any())
     included = has_work.tolist() if any_gpu else [True] * n
-    kept = [k if k >= 0 and included[k] else -1 for k in range(n)]  # step -> itself, or -1 when left out
+    kept = [k if included[k] else -1 for k in range(n)]  # step -> itself, or -1 when left out
 
     # Ops whose subtree launched GPU work (an op "launches" if it or anything under it did).
     launched_any = bytearray(len(ops))

@@ -95,19 +95,23 @@ def _fit(title, columns, rows, width: int) -> Table:
 def steps_line(data: dict) -> Text:
     """Where the steps came from and which were left out of the averages."""
     kind = data.get("step_source_kind")
-    n = data["steps"]
+    n, found = data["steps"], data.get("steps_found", data["steps"])
     if kind == "whole-trace":
-        text = ("steps: the whole trace as one window (no ProfilerStep#N spans; --label NAME or --steps-from choose "
-                "others)" if data.get("step_source_reason") != "chosen" else "steps: the whole trace as one window")
+        text = "steps: the whole trace as one window"
+        if data.get("step_source_reason") != "chosen":
+            text += " (no ProfilerStep#N spans; --label NAME or --steps-from choose others)"
     elif kind == "label":
         why = data.get("step_source_reason") or ""
-        text = f"steps: {n} spans of label {data.get('step_label')!r}" + (f" ({why})" if why else "")
-    else:
-        text = f"steps: {n} {data['step_source']} spans" if kind else f"steps: {n} ({data['step_source']})"
+        text = (f"steps: {found} span{'' if found == 1 else 's'} of label {data.get('step_label')!r}"
+                + (f" ({why})" if why else ""))
+    elif kind:
+        text = f"steps: {found} ProfilerStep#N spans"
+    else:  # an analysis saved before the step source was recorded
+        text = f"steps: {n} ({data['step_source']})"
     left = data.get("steps_left_out") or []
     if left:
         names = ", ".join(s["name"] for s in left[:5]) + (", ..." if len(left) > 5 else "")
-        text += f"; left out of the averages: {names} ({left[0]['reason']})"
+        text += f"; {n} averaged, left out of the averages: {names} ({left[0]['reason']})"
     return cell(text)
 
 
