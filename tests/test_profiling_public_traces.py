@@ -176,7 +176,8 @@ def test_resnet50_training_with_data_loading_in_the_step():
 # ---------------------------------------------------------------- steps: left out, absent, chosen
 
 
-def test_a_trailing_step_without_gpu_work_is_left_out_of_the_averages(capsys):
+def test_a_trailing_step_without_gpu_work_is_left_out_of_the_averages(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")
     raw = Raw("hta_mi250_minitoy_train")
     steps = raw.steps()
     data = analyze(path("hta_mi250_minitoy_train")).to_dict()
@@ -192,9 +193,10 @@ def test_a_trailing_step_without_gpu_work_is_left_out_of_the_averages(capsys):
     assert code == 0 and "left out of the averages: ProfilerStep#2" in out
 
 
-def test_without_profiler_steps_the_whole_trace_is_one_window(capsys):
+def test_without_profiler_steps_the_whole_trace_is_one_window(capsys, monkeypatch):
     """PARAM's simple_add benchmark: no ProfilerStep spans, a warm-up and a measure label. All of its kernels are
     analysed, in one window from the first GPU activity to the last; a label is used only when chosen."""
+    monkeypatch.setenv("COLUMNS", "250")
     raw = Raw("hta_param_simple_add")
     data = analyze(path("hta_param_simple_add")).to_dict()
     assert data["steps"] == 1 and data["step_source_kind"] == "whole-trace" and data["step_label"] is None

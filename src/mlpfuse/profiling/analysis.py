@@ -321,7 +321,7 @@ def _per_step(step_rows, per, launch_names, runtime_names, fam_counts, keep: lis
     # The GPU queue in steps: how long a launch waits for the GPU, against the step time. Near 1 the CPU launches
     # a step while the GPU still runs the previous one. A single span is no loop to be ahead in.
     out["cpu_ahead_steps"] = (out["launch_to_start_us"] / out["step_us"] if out["launch_to_start_us"] is not None
-                              and out["step_us"] > 0 and len(step_rows) > 1 else None)
+                              and out["step_us"] > 0 and n > 1 else None)
     return out
 
 
