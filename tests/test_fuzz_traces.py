@@ -203,24 +203,34 @@ def check_analysis(data):
         assert math.isfinite(x) and x >= 0, (where, x)
     n = data["steps"]
     rows = data["step_table"]
-    assert n >= 1 and len(rows) == n == len(data["step_names"])
+    used = [r for r in rows if r["in_averages"]]
+    assert n >= 1 and len(used) == n == len(data["step_names"]) and len(rows) == data["steps_found"]
+    assert len(rows) - n == len(data["steps_left_out"])
     per = data["per_step"]
     for key in ("gpu_kernels", "gpu_memsets", "gpu_memcpys", "launch_calls", "cpu_ops", "gpu_busy_us", "step_us",
                 "gpu_idle_us", "gpu_window_us"):
-        assert close(per[key], sum(r[key] for r in rows) / n), key
+        assert close(per[key], sum(r[key] for r in used) / n), key
+    any_gpu = any(r["gpu_kernels"] + r["gpu_memsets"] + r["gpu_memcpys"] for r in rows)
+    previous_end = -math.inf
     for r in rows:
         assert r["gpu_busy_us"] <= r["gpu_window_us"] * (1 + 1e-12) + EPS
-        if r["gpu_kernels"] + r["gpu_memsets"] + r["gpu_memcpys"]:
+        assert close(r["gpu_window_us"], r["gpu_window_end_us"] - r["gpu_window_start_us"])
+        if any_gpu:
             assert close(r["gpu_idle_us"], r["gpu_window_us"] - r["gpu_busy_us"])
+            assert r["gpu_window_start_us"] >= previous_end - EPS  # GPU windows never overlap
+            previous_end = r["gpu_window_end_us"]
         else:
             assert r["gpu_busy_us"] == 0 and r["gpu_idle_us"] == 0
-    gpu_total = sum(r["gpu_kernels"] + r["gpu_memsets"] + r["gpu_memcpys"] for r in rows)
+        # a step is left out of the averages exactly when it has no GPU work of its own and another step has some
+        own = r["gpu_kernels"] + r["gpu_memsets"] + r["gpu_memcpys"]
+        assert r["in_averages"] == (own > 0 or not any_gpu)
+    gpu_total = sum(r["gpu_kernels"] + r["gpu_memsets"] + r["gpu_memcpys"] for r in used)
     assert sum(k["count"] for k in data["kernels"]) == gpu_total
     assert sum(sum(ks.values()) for ks in data["kernels_by_op"].values()) == gpu_total
     for k in data["kernels"]:
         assert k["min_us"] - EPS <= k["avg_us"] <= k["max_us"] + EPS and close(k["total_us"], k["avg_us"] * k["count"])
         assert close(k["per_step"], k["count"] / n) and sum(k["ops"].values()) == k["count"]
-    assert sum(o["count"] for o in data["ops"]) == sum(r["cpu_ops"] for r in rows)
+    assert sum(o["count"] for o in data["ops"]) == sum(r["cpu_ops"] for r in used)
     share = data["verdict"]["gpu_busy_share"]
     assert (share is None) == (gpu_total == 0) and (share is None or 0 <= share <= 1 + 1e-12)
     for counts in (data["skipped_events"], data["repaired_events"]):

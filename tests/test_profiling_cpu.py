@@ -10,7 +10,6 @@ from torch import nn
 import mlpfuse
 from mlpfuse.errors import InputError
 from mlpfuse.profiling import analyze, profile
-from mlpfuse.profiling.analysis import gpu_timeline, Step
 
 
 @pytest.fixture(scope="module")
@@ -67,22 +66,26 @@ def test_schedule_arguments_are_checked():
         profile(lambda: None, steps=2)
 
 
-def test_steps_from_a_plain_torch_profiler_trace_use_the_label(tmp_path):
-    """A trace written by anyone's torch.profiler without a schedule: steps are the record_function spans."""
+def test_a_plain_torch_profiler_trace_is_one_window_unless_a_label_is_chosen(tmp_path):
+    """A trace written by anyone's torch.profiler without a schedule: no ProfilerStep spans, so the whole trace is
+    one window; the record_function spans become steps only when named."""
     from torch.profiler import ProfilerActivity, record_function
     from torch.profiler import profile as torch_profile
 
     a, b = torch.randn(16, 16), torch.randn(16, 16)
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.mm(a, b)  # outside the labelled spans: only the whole-trace window holds it
         for _ in range(4):
             with record_function("my-iter"):
                 torch.mm(a, b).relu()
     path = tmp_path / "plain.json"
     prof.export_chrome_trace(str(path))
-    result = analyze(str(path))
-    assert result.steps == 4 and result.data["step_source"] == "label 'my-iter'"
-    assert result.op("aten::mm")["per_step"] == 1 and result.op("aten::relu")["per_step"] == 1
-    assert analyze(str(path), label="my-iter").steps == 4
+    whole = analyze(str(path))
+    assert whole.steps == 1 and whole.data["step_source_kind"] == "whole-trace"
+    assert whole.op("aten::mm")["per_step"] == 5 and whole.op("aten::relu")["per_step"] == 4
+    chosen = analyze(str(path), label="my-iter")
+    assert chosen.steps == 4 and chosen.data["step_source"] == "label 'my-iter'"
+    assert chosen.op("aten::mm")["per_step"] == 1 and chosen.op("aten::relu")["per_step"] == 1
 
 
 def test_top_level_api_is_lazy_and_complete():
@@ -124,12 +127,6 @@ def test_synthetic_trace_attribution_idle_and_counts():
     assert a.op("A")["cpu_self_us"] == pytest.approx(99 - 30 - 10)
     assert (a.op("A")["kernels"], a.op("A")["gpu_activities"], a.op("B")["kernels"]) == (1, 2, 1)
     assert a.verdict["kind"] == "overhead-bound" and a.verdict["gpu_busy_share"] == pytest.approx(110 / 500)
-
-
-def test_gpu_timeline_extends_the_window_past_the_step_when_gpu_work_lags():
-    tl = gpu_timeline(Step("s", 0, 100), [(50, 150, "k"), (160, 170, "k2")])
-    assert tl["busy_us"] == pytest.approx(110) and tl["window_us"] == pytest.approx(170)
-    assert [g["dur_us"] for g in tl["gaps"]] == [50, 10]
 
 
 def test_fused_module_calls_are_named_ops_in_the_trace(tmp_path):

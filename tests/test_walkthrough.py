@@ -12,8 +12,12 @@ from mlpfuse.cli import main
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    import torch
+
     out = tmp_path_factory.mktemp("walkthrough")
-    assert main(["walkthrough", "--device", "cpu", "--out", str(out), "--steps", "3"]) == 0
+    before = torch.get_num_threads()
+    assert main(["walkthrough", "--device", "cpu", "--out", str(out), "--steps", "3", "--threads", "1"]) == 0
+    assert torch.get_num_threads() == before  # the pinned thread count is the run's only
     with open(out / "summary.json") as fh:
         return out, json.load(fh)
 
@@ -49,6 +53,30 @@ def test_summary_md_names_every_case(results):
     text = (out / "summary.md").read_text()
     for case in (*summary["cases"], *summary["failed"]):
         assert f"| {case} |" in text
+
+
+def test_summary_md_says_what_a_cpu_run_shows_and_lists_diffs_both_ways(results):
+    out, summary = results
+    text = (out / "summary.md").read_text()
+    assert "cannot show the kernel story" in text and "needs CUDA" in text and "pinned to 1" in text
+    assert summary["threads"] == 1
+    sections = text.split("\n## ")[1:]
+    for section in sections:  # no heading without content
+        heading, _, body = section.partition("\n")
+        assert body.strip(), heading
+    for title, d in summary["diffs"].items():
+        body = next(s for s in sections if s.startswith(f"diff {title}\n"))
+        for o in d["ops_removed"]:
+            assert f"`{o['name']}`" in body.split("CPU ops gone:")[1].split("\n")[0]
+        for o in d["ops_added"]:
+            assert f"`{o['name']}`" in body.split("CPU ops new:")[1].split("\n")[0]
+    if "linear-eager -> linear-compile" in summary["diffs"]:  # torch.compile needs a C++ compiler on CPU
+        assert summary["diffs"]["linear-eager -> linear-compile"]["ops_added"]  # Dynamo's own ops are new in B
+
+
+def test_threads_must_be_positive(tmp_path, capsys):
+    assert main(["walkthrough", "--device", "cpu", "--out", str(tmp_path), "--threads", "0"]) == 2
+    assert "--threads" in capsys.readouterr().err
 
 
 def test_unavailable_variant_is_recorded_not_fatal(tmp_path, monkeypatch):

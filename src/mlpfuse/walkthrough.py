@@ -37,6 +37,9 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", help="bf16 | fp16 | fp32 (default bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--out", help="results folder (default ./mlpfuse-results/walkthrough-<device>)")
     p.add_argument("--steps", type=int, default=5, help="profiled steps per case: 1 wait, 1 warm-up, rest active")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU intra-op threads during the run (default 1: threads competing for a few cores make CPU "
+                        "timings swing from run to run; the previous setting is restored afterwards)")
     p.set_defaults(func=run)
 
 
@@ -46,6 +49,27 @@ def _one_line(exc: BaseException) -> str:
 
 
 def run(args) -> int:
+    import torch
+
+    from mlpfuse import workloads
+    from mlpfuse.errors import InputError
+
+    device = workloads.resolve_device(args.device)
+    if args.steps < 3:
+        raise InputError(f"--steps: expected >= 3 (1 wait + 1 warm-up + >= 1 active), got {args.steps}")
+    if isinstance(args.threads, bool) or not isinstance(args.threads, int) or args.threads < 1:
+        raise InputError(f"--threads: expected an integer >= 1, got {args.threads!r}")
+    out = args.out or os.path.join("mlpfuse-results", f"walkthrough-{device.split(':')[0]}")
+    workloads.results_folder(out, "--out")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args, device, out)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run(args, device: str, out: str) -> int:
     from rich.console import Console
 
     from mlpfuse import workloads
@@ -54,12 +78,6 @@ def run(args) -> int:
     from mlpfuse.profiling import diff, profile, render
 
     console = Console()
-    device = workloads.resolve_device(args.device)
-    if args.steps < 3:
-        raise InputError(f"--steps: expected >= 3 (1 wait + 1 warm-up + >= 1 active), got {args.steps}")
-    out = args.out or os.path.join("mlpfuse-results", f"walkthrough-{device.split(':')[0]}")
-    workloads.results_folder(out, "--out")
-
     analyses, described, failed = {}, {}, {}
     started = time.perf_counter()
     for case, workload, variant in CASES:
@@ -82,7 +100,7 @@ def run(args) -> int:
         data = result.to_dict()
         data["workload"] = described[case] = built.describe()
         atomic_write_text(os.path.join(out, f"{case}.analysis.json"), json.dumps(data, indent=1))
-        tables = render.analysis_tables(data)
+        tables = render.analysis_tables(data, console.width)
         console.print(tables[0])
         console.print(tables[1])  # the kernel table, or the CPU op table on a CPU-only run
         console.print(render.verdict_line(data))
@@ -96,21 +114,34 @@ def run(args) -> int:
             diffs[f"{a} -> {b}"] = d.to_dict()
             render.print_diff(d.to_dict(), console)
 
-    summary = _summary_md(device, analyses, described, failed, diffs, time.perf_counter() - started)
+    summary = _summary_md(device, analyses, described, failed, diffs, time.perf_counter() - started, args.threads)
     atomic_write_text(os.path.join(out, "summary.md"), summary)
     atomic_write_text(os.path.join(out, "summary.json"), json.dumps(
-        {"device": device, "cases": {c: a.to_dict() for c, a in analyses.items()}, "failed": failed, "diffs": diffs},
-        indent=1))
+        {"device": device, "threads": args.threads, "cases": {c: a.to_dict() for c, a in analyses.items()},
+         "failed": failed, "diffs": diffs}, indent=1))
     console.print(f"results: {out}/ (summary.md, traces *.pt.trace.json.gz open in https://ui.perfetto.dev)")
     return 0
 
 
-def _summary_md(device, analyses, described, failed, diffs, seconds) -> str:
+# What a run on the CPU can tell, said once in its summary.
+CPU_NOTE = (
+    "This run used the CPU, so its traces hold CPU ops only. They show which ATen ops each variant dispatches "
+    "(nn.Linear's `aten::t` is metadata only, its bias is folded into `aten::addmm`, torch.compile removes the view "
+    "ops, mlpfuse's modules appear as one `mlpfuse::` op) and the CPU time of each. They cannot show the kernel "
+    "story: which GEMM kernels run, what gets fused, launches, GPU busy and idle time. That needs CUDA: run "
+    "`mlpfuse walkthrough` on a machine with a GPU. CPU step times are wall times of the CPU kernels, noisy on a "
+    "shared machine: intra-op threads were pinned to {threads} for this run (--threads)."
+)
+
+
+def _summary_md(device, analyses, described, failed, diffs, seconds, threads=1) -> str:
     from mlpfuse.profiling.render import short
 
     lines = [f"# mlpfuse walkthrough ({device})", ""]
     devices = sorted({d for a in analyses.values() for d in a.data.get("devices", [])})
     lines += [f"GPU: {', '.join(devices) or 'none (CPU activity only)'}; total time {seconds:.0f} s.", ""]
+    if not device.startswith("cuda"):
+        lines += [CPU_NOTE.format(threads=threads), ""]
     lines += ["| case | workload | kernels/step | launches/step | GPU busy us | step us | verdict |",
               "|---|---|---|---|---|---|---|"]
     for case, a in analyses.items():
@@ -134,12 +165,23 @@ def _summary_md(device, analyses, described, failed, diffs, seconds) -> str:
             lines.append(f"- ops that launched nothing: {zero}")
         lines += [f"- verdict: {a.verdict['kind']} — {a.verdict['reason']}", ""]
     for title, d in diffs.items():
-        lines += [f"## diff {title}", ""]
-        for key, word in (("kernels_removed", "removed"), ("kernels_added", "added"), ("kernels_unchanged", "same")):
-            for k in d[key]:
-                lines.append(f"- {word}: `{short(k['name'], 100)}` ({k['family']})")
-        gone = ", ".join(f"`{o['name']}`" for o in d["ops_removed"])
-        if gone:
-            lines.append(f"- CPU ops gone: {gone}")
-        lines.append("")
+        lines += [f"## diff {title}", ""] + _diff_lines(d, short) + [""]
     return "\n".join(lines)
+
+
+def _diff_lines(d: dict, short) -> list[str]:
+    """A diff's kernels and CPU ops, both ways; never an empty section."""
+    lines = []
+    for key, word in (("kernels_removed", "removed"), ("kernels_added", "added"), ("kernels_unchanged", "same")):
+        for k in d[key]:
+            lines.append(f"- {word}: `{short(k['name'], 100)}` ({k['family']})")
+    for key, word in (("ops_removed", "CPU ops gone"), ("ops_added", "CPU ops new")):
+        names = ", ".join(f"`{o['name']}` x{o['per_step']:g}" for o in d[key])
+        if names:
+            lines.append(f"- {word}: {names}")
+    if not lines:
+        lines.append("- the same kernels and the same CPU ops on both sides")
+    a, b = d["per_step"]["a"], d["per_step"]["b"]
+    lines.append(f"- per step: {a['cpu_ops']:g} -> {b['cpu_ops']:g} CPU ops, {a['gpu_kernels']:g} -> "
+                 f"{b['gpu_kernels']:g} kernels, step {a['step_us']:.1f} -> {b['step_us']:.1f} us")
+    return lines

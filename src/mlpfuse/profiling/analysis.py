@@ -1,7 +1,8 @@
 """Small analyses over the event model, each returning a plain table (list of dicts) or dict.
 
-Pipeline: `find_steps` -> `link` (CPU op nesting, launch -> op attribution, GPU activity -> launch through
-correlation ids) -> per-step counts, kernel table, op table, zero-kernel ops, GPU idle and gaps -> verdict.
+Pipeline: `steps.find_steps` -> `link` (CPU op nesting, launch -> op attribution, GPU activity -> launch through
+correlation ids) -> per-step counts, kernel table, op table, zero-kernel ops, `timeline` (GPU windows, busy, idle,
+gaps, CPU-ahead) -> verdict. Steps without GPU work, when others have some, are left out of every average.
 `Analysis` bundles the results; its `to_dict()` is the `analyze --json` schema (README documents every key).
 
 No torch import here: analysis runs wherever the trace file is.
@@ -9,7 +10,6 @@ No torch import here: analysis runs wherever the trace file is.
 
 from __future__ import annotations
 
-import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -17,18 +17,19 @@ from typing import Any, Iterable
 import numpy as np
 
 from mlpfuse.errors import InputError
-from mlpfuse.profiling import kernel_names
+from mlpfuse.profiling import kernel_names, timeline
 from mlpfuse.profiling.schema import SCHEMA, validate
-from mlpfuse.profiling.trace import KERNEL, MEMSET, Event, Trace, clean_name, describe
+from mlpfuse.profiling.steps import AUTO, WHOLE_TRACE, Step, find_steps
+from mlpfuse.profiling.trace import KERNEL, MEMSET, Event, Trace, clean_name
 
 
-# Verdict threshold: share of the step's GPU window during which a kernel, memset or memcpy runs. At or above it
+# Verdict threshold: share of the steps' GPU windows during which a kernel, memset or memcpy runs. At or above it
 # the kernels decide the step time (compute-bound); below it the GPU mostly waits for the CPU (overhead-bound).
 # Within overhead-bound, "launch-bound" is added when a GPU activity lasts less than the CPU call that launched it.
 COMPUTE_BOUND_BUSY_SHARE = 0.5
-MAX_GAPS = 5  # largest idle gaps listed, over all steps
-
-_STEP_NAME = re.compile(r"^ProfilerStep#\d+$")
+# A launch that waits this many steps' time in the GPU queue is issued while the GPU is busy with earlier work:
+# the CPU's launch cost is hidden behind it.
+CPU_AHEAD_HIDES_LAUNCHES = 0.5
 
 
 def is_launch(name: str) -> bool:
@@ -38,54 +39,6 @@ def is_launch(name: str) -> bool:
 
 def is_occupancy_query(name: str) -> bool:
     return "Occupancy" in name
-
-
-@dataclass(frozen=True)
-class Step:
-    name: str
-    ts: float
-    end: float
-
-    @property
-    def dur(self) -> float:
-        return self.end - self.ts
-
-
-# ---------------------------------------------------------------- steps
-
-
-def find_steps(trace: Trace, label: str | None = None) -> tuple[list[Step], str]:
-    """Steps and where they came from: `ProfilerStep#N` spans, else spans of the user label."""
-    if label is None:
-        spans = [e for e in (*trace.annotations, *trace.cpu_ops)
-                 if e.name.startswith("ProfilerStep#") and _STEP_NAME.match(e.name)]
-        if spans:
-            return _outermost(spans), "ProfilerStep"
-        if trace.skipped_steps:  # falling back to another span would analyse something else without saying so
-            raise InputError(f"TRACE {trace.path}: all {trace.skipped_steps} ProfilerStep# spans are malformed "
-                             f"(skipped: {describe(trace.skipped)}); no steps to analyse")
-        label = trace.metadata.get("mlpfuse_label")
-        if not isinstance(label, str) or not label:
-            counts = Counter(e.name for e in trace.annotations if not e.name.startswith("## "))
-            label = counts.most_common(1)[0][0] if counts else None
-    if label:
-        spans = [e for e in (*trace.annotations, *trace.cpu_ops) if e.name == label]
-        if spans:
-            return _outermost(spans), f"label {label!r}"
-        raise InputError(f"TRACE {trace.path}: no spans named {label!r} to use as steps")
-    raise InputError(
-        f"TRACE {trace.path}: no steps (no ProfilerStep#N spans and no record_function label); "
-        "capture with a torch.profiler schedule and prof.step(), or pass --label NAME"
-    )
-
-
-def _outermost(spans: list[Event]) -> list[Step]:
-    steps: list[Step] = []
-    for e in sorted(spans, key=lambda e: (e.ts, -e.dur)):
-        if steps and e.ts < steps[-1].end:  # nested or overlapping: the outer span is the step
-            continue
-        steps.append(Step(e.name, e.ts, e.end))
-    return steps
 
 
 # ---------------------------------------------------------------- linking
@@ -192,47 +145,12 @@ def _op_rows(ops: list[Event], op_step: list[int], self_us: list[float], launche
     return rows
 
 
-# ---------------------------------------------------------------- GPU busy / idle
-
-
-def gpu_timeline(step: Step, intervals: list[tuple[float, float, str]]) -> dict:
-    """Busy = union of the step's GPU intervals; window = step start .. later of step end and last GPU end.
-
-    An interval that starts before its step (skewed clocks, or a hand-made trace) counts from the step start, so
-    busy never exceeds the window."""
-    if not intervals:
-        return {"busy_us": 0.0, "window_us": step.dur, "gaps": []}
-    intervals = sorted(intervals)
-    window_end = max(step.end, max(end for _, end, _ in intervals))
-    busy = 0.0
-    gaps = []
-    cursor, before = step.ts, "(step start)"
-    cur_start, cur_end, cur_last = None, None, ""
-    for start, end, name in intervals:
-        if start < step.ts:
-            start, end = step.ts, max(end, step.ts)
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                busy += cur_end - cur_start
-                cursor, before = cur_end, cur_last
-            if start > cursor:
-                gaps.append({"start_us": cursor - step.ts, "dur_us": start - cursor, "after": before, "before": name})
-            cur_start, cur_end, cur_last = start, end, name
-        elif end > cur_end:
-            cur_end, cur_last = end, name
-    busy += cur_end - cur_start
-    if window_end > cur_end:
-        gaps.append({"start_us": cur_end - step.ts, "dur_us": window_end - cur_end, "after": cur_last,
-                     "before": "(step end)"})
-    window = window_end - step.ts
-    return {"busy_us": min(busy, window), "window_us": window, "gaps": gaps}  # min(): float rounding only
-
-
 # ---------------------------------------------------------------- the analysis
 
 
-def analyze_trace(trace: Trace, label: str | None = None) -> "Analysis":
-    steps, step_source = find_steps(trace, label)
+def analyze_trace(trace: Trace, label: str | None = None, steps_from: str = AUTO) -> "Analysis":
+    steps, source = find_steps(trace, label, steps_from)
+    whole = source.kind == WHOLE_TRACE
     links = link(trace)
     n = len(steps)
     ops, runtime, gpu = trace.cpu_ops, trace.runtime, trace.gpu
@@ -242,6 +160,26 @@ def analyze_trace(trace: Trace, label: str | None = None) -> "Analysis":
     own_step = step_indices(steps, [e.ts for e in gpu])
     # GPU work belongs to the step that launched it (it may run after the step's CPU span has ended).
     gpu_step = [rt_step[r] if r >= 0 else own for r, own in zip(links.gpu_runtime, own_step)]
+
+    act = timeline.Activity(
+        start=np.fromiter((e.ts for e in gpu), np.float64, len(gpu)),
+        end=np.fromiter((e.ts + e.dur for e in gpu), np.float64, len(gpu)),
+        launch=np.fromiter((runtime[r].ts if r >= 0 else e.ts for r, e in zip(links.gpu_runtime, gpu)), np.float64,
+                           len(gpu)),
+        launched=np.fromiter((r >= 0 for r in links.gpu_runtime), bool, len(gpu)),
+        step=np.asarray(gpu_step, dtype=np.int64),
+        names=[e.name for e in gpu],
+    )
+    lines = timeline.per_step(steps, act, whole)
+    ahead = timeline.cpu_ahead(steps, act)
+    delay = timeline.launch_delay(steps, act)
+
+    # A step that launched no GPU work while others did (the profiler's trailing step, a data-loading stall) is
+    # reported but left out of every average: it would dilute each per-step figure.
+    has_work = np.bincount(act.step[act.step >= 0], minlength=n) > 0
+    any_gpu = bool(has_work.any())
+    included = has_work.tolist() if any_gpu else [True] * n
+    kept = [k if included[k] else -1 for k in range(n)]  # step -> itself, or -1 when left out
 
     # Ops whose subtree launched GPU work (an op "launches" if it or anything under it did).
     launched_any = bytearray(len(ops))
@@ -254,7 +192,6 @@ def analyze_trace(trace: Trace, label: str | None = None) -> "Analysis":
     launch_names: list[Counter] = [Counter() for _ in range(n)]
     runtime_names: list[Counter] = [Counter() for _ in range(n)]
     fam_counts: list[Counter] = [Counter() for _ in range(n)]
-    intervals: list[list[tuple[float, float, str]]] = [[] for _ in range(n)]
 
     for i, e in enumerate(runtime):
         k = rt_step[i]
@@ -267,7 +204,8 @@ def analyze_trace(trace: Trace, label: str | None = None) -> "Analysis":
         elif is_occupancy_query(e.name):
             per[k]["occupancy_queries"] += 1
 
-    op_rows = _op_rows(ops, op_step, links.op_self_us, launched_any, n)
+    op_kept = [kept[k] if k >= 0 else -1 for k in op_step]
+    op_rows = _op_rows(ops, op_kept, links.op_self_us, launched_any, n)
     for k, c in enumerate(np.bincount(np.asarray(op_step, dtype=np.int64) + 1, minlength=n + 1)[1:]):
         per[k]["cpu_ops"] = float(c)
 
@@ -280,7 +218,6 @@ def analyze_trace(trace: Trace, label: str | None = None) -> "Analysis":
         family = kernel_names.family_of(e.name, e.cat)
         fam_counts[k][family] += 1
         per[k]["gpu_kernels" if e.cat == KERNEL else "gpu_memsets" if e.cat == MEMSET else "gpu_memcpys"] += 1
-        intervals[k].append((e.ts, e.end, e.name))
         o = links.gpu_op[g]
         op_name = ops[o].name if o >= 0 else "(no CPU op)"
         by_op[op_name][e.name] += 1
@@ -300,65 +237,91 @@ def analyze_trace(trace: Trace, label: str | None = None) -> "Analysis":
         row["ops"][op_name] += 1
 
     step_rows, all_gaps = [], []
-    for k, s in enumerate(steps):
-        tl = gpu_timeline(s, intervals[k])
-        row = {
+    for k, (s, tl) in enumerate(zip(steps, lines)):
+        step_rows.append({
             "name": s.name,
+            "in_averages": included[k],
             "step_us": s.dur,
-            "gpu_busy_us": tl["busy_us"],
-            "gpu_window_us": tl["window_us"],
-            "gpu_idle_us": max(tl["window_us"] - tl["busy_us"], 0.0) if intervals[k] else 0.0,
+            "gpu_busy_us": tl.busy_us if any_gpu else 0.0,
+            "gpu_window_us": tl.window_us if any_gpu else s.dur,
+            "gpu_idle_us": max(tl.window_us - tl.busy_us, 0.0) if any_gpu else 0.0,
+            "gpu_window_start_us": tl.window_start if any_gpu else s.ts,
+            "gpu_window_end_us": tl.window_end if any_gpu else s.end,
+            "cpu_ahead_us": None if whole else ahead[k],
+            "launch_to_start_us": delay[k],
             "gpu_kernels": int(per[k]["gpu_kernels"]),
             "gpu_memsets": int(per[k]["gpu_memsets"]),
             "gpu_memcpys": int(per[k]["gpu_memcpys"]),
             "launch_calls": sum(launch_names[k].values()),
             "cpu_ops": int(per[k]["cpu_ops"]),
-        }
-        step_rows.append(row)
-        all_gaps.extend({"step": s.name, **gap} for gap in tl["gaps"])
+        })
+        if included[k] and any_gpu:
+            all_gaps.extend({"step": s.name, **gap} for gap in tl.gaps)
 
-    has_gpu = any(intervals)
-    per_step = _per_step(step_rows, per, launch_names, runtime_names, fam_counts, n)
-    kernels = _kernel_table(kernel_rows, n)
-    op_table = _op_table(op_rows, n)
+    keep = [k for k in range(n) if included[k]]
+    avg = _per_step(step_rows, per, launch_names, runtime_names, fam_counts, keep)
+    n_avg = len(keep)
+    kernels = _kernel_table(kernel_rows, n_avg)
+    op_table = _op_table(op_rows, n_avg)
     data = {
         "schema": SCHEMA,
         "trace": clean_name(str(trace.path)),
         "devices": trace.devices,
-        "steps": n,
-        "step_source": step_source,
-        "step_names": [s.name for s in steps],
-        "per_step": per_step,
+        "steps": n_avg,
+        "steps_found": n,
+        "steps_left_out": [{"name": steps[k].name, "reason": "no GPU work while other steps have some"}
+                           for k in range(n) if not included[k]],
+        "step_source": source.describe(),
+        "step_source_kind": source.kind,
+        "step_label": source.label,
+        "step_source_reason": source.why,
+        "step_names": [steps[k].name for k in keep],
+        "per_step": avg,
         "step_table": step_rows,
         "kernels": kernels,
         "ops": op_table,
         "kernels_by_op": {op: dict(c.most_common()) for op, c in sorted(by_op.items())},
-        "zero_kernel_ops": zero_kernel_ops(op_rows, n) if has_gpu else [],
-        "gpu_gaps": sorted(all_gaps, key=lambda g: -g["dur_us"])[:MAX_GAPS],
-        "verdict": verdict(per_step, has_gpu),
+        "zero_kernel_ops": zero_kernel_ops(op_rows, n_avg) if any_gpu else [],
+        "gpu_gaps": sorted(all_gaps, key=lambda g: -g["dur_us"])[:timeline.MAX_GAPS],
+        "verdict": verdict(avg, any_gpu, whole, trace.unread),
         "skipped_events": dict(sorted(trace.skipped.items())),
         "repaired_events": dict(sorted(trace.repaired.items())),
+        "unread_categories": dict(trace.unread),
     }
     return Analysis(data)
 
 
-def _per_step(step_rows, per, launch_names, runtime_names, fam_counts, n) -> dict:
-    def mean(key):
-        return sum(r[key] for r in step_rows) / n
+def _per_step(step_rows, per, launch_names, runtime_names, fam_counts, keep: list[int]) -> dict:
+    """Means over the steps in `keep`."""
+    n = len(keep)
+    rows = [step_rows[k] for k in keep]
 
-    def mean_counter(counters: Iterable[Counter]) -> dict:
+    def mean(key):
+        return sum(r[key] for r in rows) / n
+
+    def mean_of_known(key):  # None where a step has nothing to measure
+        known = [r[key] for r in rows if r[key] is not None]
+        return sum(known) / len(known) if known else None
+
+    def mean_counter(counters: list[Counter]) -> dict:
         total: Counter = Counter()
-        for c in counters:
-            total.update(c)
+        for k in keep:
+            total.update(counters[k])
         return {name: v / n for name, v in total.most_common()}
 
     out = {key: mean(key) for key in ("gpu_kernels", "gpu_memsets", "gpu_memcpys", "launch_calls", "cpu_ops",
                                        "gpu_busy_us", "step_us", "gpu_idle_us", "gpu_window_us")}
     out["launch_calls_by_name"] = mean_counter(launch_names)
     out["runtime_calls"] = mean_counter(runtime_names)
-    out["occupancy_queries"] = sum(p["occupancy_queries"] for p in per) / n
-    out["launch_cpu_us"] = sum(p["launch_us"] for p in per) / n
+    out["occupancy_queries"] = sum(per[k]["occupancy_queries"] for k in keep) / n
+    out["launch_cpu_us"] = sum(per[k]["launch_us"] for k in keep) / n
     out["families"] = mean_counter(fam_counts)
+    out["cpu_ahead_us"] = mean_of_known("cpu_ahead_us")
+    out["launch_to_start_us"] = mean_of_known("launch_to_start_us")
+    # The GPU queue in steps: how long a launch waits for the GPU, against the step time. Near 1 the CPU launches
+    # a step while the GPU still runs the previous one. A single span is no loop to be ahead in.
+    out["cpu_ahead_steps"] = (out["launch_to_start_us"] / out["step_us"] if out["launch_to_start_us"] is not None
+                              and out["step_us"] > 0 and n > 1 else None)
     return out
 
 
@@ -407,27 +370,48 @@ def zero_kernel_ops(op_rows: dict, n: int) -> list[dict]:
     ]
 
 
-def verdict(per_step: dict, has_gpu: bool) -> dict:
-    """overhead-bound / compute-bound / cpu-only, with the numbers that decided it and the threshold used."""
+# Categories of events that are no device activity: left out when a verdict names what it did not read.
+_NOT_DEVICE = {"python_function", "gpu_user_annotation", "trace", "overhead", "cuda_sync", "ac2g", "fwdbwd"}
+
+
+def _unread_note(unread: dict) -> str:
+    cats = [(c, n) for c, n in unread.items() if c.lower() not in _NOT_DEVICE][:3]
+    return f" (not read: events of categories {', '.join(f'{c} x{n}' for c, n in cats)})" if cats else ""
+
+
+def verdict(per_step: dict, has_gpu: bool, whole_trace: bool = False, unread: dict | None = None) -> dict:
+    """overhead-bound / compute-bound / gpu-not-traced / cpu-only, with the numbers that decided it and the
+    threshold used."""
+    launches = per_step["launch_calls"]
     if not has_gpu:
-        return {
-            "kind": "cpu-only",
-            "reason": "no GPU kernels, memsets or memcpys in the steps: CPU activity only",
-            "gpu_busy_share": None,
-            "threshold": COMPUTE_BOUND_BUSY_SHARE,
-        }
+        if launches > 0:
+            kind = "gpu-not-traced"
+            reason = (f"{launches:g} launches per step, no GPU activity recorded: tracing of CUDA activities was off "
+                      "(capture with ProfilerActivity.CUDA to see kernels)")
+        else:
+            kind = "cpu-only"
+            reason = "no GPU kernels, memsets or memcpys in the steps: CPU activity only"
+        return {"kind": kind, "reason": reason + _unread_note(unread or {}), "gpu_busy_share": None,
+                "threshold": COMPUTE_BOUND_BUSY_SHARE}
     window = per_step["gpu_window_us"]
     share = per_step["gpu_busy_us"] / window if window > 0 else 0.0
-    launches = per_step["launch_calls"]
     work = per_step["gpu_kernels"] + per_step["gpu_memsets"] + per_step["gpu_memcpys"]
     avg_gpu = per_step["gpu_busy_us"] / work if work else 0.0
     avg_launch = per_step["launch_cpu_us"] / launches if launches else 0.0
     kind = "compute-bound" if share >= COMPUTE_BOUND_BUSY_SHARE else "overhead-bound"
     reason = (
-        f"GPU busy {per_step['gpu_busy_us']:.1f} of {window:.1f} us per step ({share:.0%}); "
+        f"GPU busy {per_step['gpu_busy_us']:.1f} of {window:.1f} us per step ({share:.0%} of its GPU window); "
         f"{'>=' if share >= COMPUTE_BOUND_BUSY_SHARE else '<'} {COMPUTE_BOUND_BUSY_SHARE:.0%} busy means "
         + ("the kernels decide the step time" if kind == "compute-bound" else "CPU-side overhead decides it")
     )
+    ahead, queue, ahead_steps = (per_step.get(k) for k in ("cpu_ahead_us", "launch_to_start_us", "cpu_ahead_steps"))
+    if not whole_trace and ahead is not None:
+        reason += f"; a step's GPU work starts {ahead:.1f} us after its CPU start"
+    if not whole_trace and queue is not None:
+        reason += f"; a launch waits {queue:.1f} us for the GPU on average"
+        if ahead_steps is not None:
+            reason += (f": the CPU runs {ahead_steps:.2f} steps ahead"
+                       + (", so launch overhead is hidden" if ahead_steps >= CPU_AHEAD_HIDES_LAUNCHES else ""))
     launch_bound = kind == "overhead-bound" and launches > 0 and avg_gpu < avg_launch
     if launch_bound:
         reason += f"; launch-bound: a GPU activity lasts {avg_gpu:.1f} us on average, a launch call {avg_launch:.1f} us"
@@ -439,6 +423,7 @@ def verdict(per_step: dict, has_gpu: bool) -> dict:
         "avg_gpu_activity_us": avg_gpu,
         "avg_launch_call_us": avg_launch,
         "launch_bound": launch_bound,
+        "cpu_ahead_steps": None if whole_trace else ahead_steps,
     }
 
 
@@ -500,18 +485,21 @@ class Analysis:
                 f"{self.verdict['kind']}, trace={self.trace_path!r}>")
 
 
-def analyze(source: Any, label: str | None = None, max_bytes: int | str | None = None) -> Analysis:
+def analyze(source: Any, label: str | None = None, max_bytes: int | str | None = None,
+            steps_from: str = AUTO) -> Analysis:
     """Analyse a trace path (.json / .json.gz), parsed trace JSON, a saved analysis JSON, or a Trace.
 
+    Steps are `ProfilerStep#N` spans, else the whole trace as one window; `label` uses the spans of that name
+    instead, and `steps_from` forces a source ("auto", "ProfilerStep", "label", "whole-trace").
     A file is read only if regular, and at most `max_bytes` (default $MLPFUSE_MAX_TRACE_BYTES, else 2 GiB) are
     read or inflated from it."""
     from mlpfuse.profiling.trace import no_gc
 
     with no_gc():
-        return _analyze(source, label, max_bytes)
+        return _analyze(source, label, max_bytes, steps_from)
 
 
-def _analyze(source: Any, label: str | None, max_bytes: int | str | None) -> Analysis:
+def _analyze(source: Any, label: str | None, max_bytes: int | str | None, steps_from: str) -> Analysis:
     import os
 
     from mlpfuse.profiling import trace as trace_mod
@@ -519,15 +507,19 @@ def _analyze(source: Any, label: str | None, max_bytes: int | str | None) -> Ana
     if isinstance(source, Analysis):
         return source
     if isinstance(source, Trace):
-        return analyze_trace(source, label)
+        return analyze_trace(source, label, steps_from)
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         loaded = trace_mod.load_trace_or_json(path, max_bytes)
         if isinstance(loaded, dict):
+            if label is not None or steps_from != AUTO:
+                raise InputError(f"{path}: a saved analysis; its steps were chosen when it was made (--label and "
+                                 "--steps-from apply to traces)")
             return Analysis.from_dict(loaded, path)
-        return analyze_trace(loaded, label)
+        return analyze_trace(loaded, label, steps_from)
     if isinstance(source, (dict, list)):
         if isinstance(source, dict) and "schema" in source and "traceEvents" not in source:
+            trace_mod.refuse_execution_trace(source, "<trace>")
             return Analysis.from_dict(source)
-        return analyze_trace(trace_mod.from_json(source), label)
+        return analyze_trace(trace_mod.from_json(source), label, steps_from)
     raise InputError(f"TRACE: expected a path, trace JSON or Analysis, got {type(source).__name__}")

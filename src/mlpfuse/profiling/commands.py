@@ -12,6 +12,7 @@ import sys
 import tempfile
 
 from mlpfuse.errors import InputError
+from mlpfuse.profiling.steps import AUTO, SOURCES
 
 _SIZE_OPTIONS = {
     "linear": ("batch", "in_dim", "out_dim"),
@@ -26,16 +27,20 @@ _MAX_BYTES_HELP = ("most bytes read from a trace file or inflated from its gzip,
 def register(subparsers) -> None:
     p = subparsers.add_parser("analyze", help="analyse a Chrome/Kineto trace (.json or .json.gz)",
                               description="Per-step kernels, launches, CPU ops, GPU idle time and a verdict.")
-    p.add_argument("trace", metavar="TRACE")
-    p.add_argument("--label", help="record_function label to use as steps when the trace has no ProfilerStep#N")
+    p.add_argument("trace", metavar="TRACE", help="trace file (.json or .json.gz), or a saved `analyze --json` file")
+    p.add_argument("--label", metavar="NAME",
+                   help="use the spans of this record_function label as steps (any name, '## ...' ones included)")
+    p.add_argument("--steps-from", choices=SOURCES, default=AUTO,
+                   help="where steps come from: ProfilerStep#N spans, --label spans, or the whole trace as one window "
+                        "(default auto: ProfilerStep#N spans, else the whole trace)")
     p.add_argument("--json", action="store_true", help="print the analysis as JSON (schema in the README)")
     p.add_argument("--max-bytes", metavar="SIZE", help=_MAX_BYTES_HELP)
     p.set_defaults(func=run_analyze)
 
     p = subparsers.add_parser("diff", help="what changed between two traces (or saved analysis JSON)")
-    p.add_argument("a", metavar="A")
-    p.add_argument("b", metavar="B")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("a", metavar="A", help="the trace (or saved analysis) before the change")
+    p.add_argument("b", metavar="B", help="the trace (or saved analysis) after the change")
+    p.add_argument("--json", action="store_true", help="print the diff as JSON (schema in the README)")
     p.add_argument("--max-bytes", metavar="SIZE", help=_MAX_BYTES_HELP)
     p.set_defaults(func=run_diff)
 
@@ -43,7 +48,7 @@ def register(subparsers) -> None:
                               description="Capture a trace of a built-in workload and analyse it.")
     p.add_argument("workload", metavar="WORKLOAD", help="linear | geglu-mlp")
     sizes = p.add_argument_group("sizes (defaults: walkthrough shapes on CUDA, small ones on CPU)")
-    sizes.add_argument("--batch", type=int)
+    sizes.add_argument("--batch", type=int, help="rows of x (linear) or sequences (geglu-mlp)")
     sizes.add_argument("--in-dim", type=int, help="linear: input features")
     sizes.add_argument("--out-dim", type=int, help="linear: output features")
     sizes.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None, help="linear: bias (default on)")
@@ -54,14 +59,14 @@ def register(subparsers) -> None:
     p.add_argument("--device", help="cpu | cuda (default cuda when present)")
     p.add_argument("--compile", action="store_true", help="same as --variant compile")
     p.add_argument("--variant", default=None, help="eager | compile | mlpfuse (default eager)")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--wait", type=int, default=1)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--active", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="steps run in all (>= wait + warmup + active; default 5)")
+    p.add_argument("--wait", type=int, default=1, help="steps run before the profiler starts (default 1)")
+    p.add_argument("--warmup", type=int, default=1, help="profiled steps thrown away as warm-up (default 1)")
+    p.add_argument("--active", type=int, default=3, help="steps recorded and analysed (default 3)")
     p.add_argument("--out", default=os.path.join("mlpfuse-results", "profile"), help="folder for trace + JSON")
     p.add_argument("--expect", action="append", default=[], metavar="EXPR",
                    help="kernels=N, launches=N, FAMILY=N, op=NAME, no-op=NAME, kernel~=TEXT (repeatable)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the analysis and expectation results as JSON")
     p.set_defaults(func=run_profile)
 
 
@@ -92,7 +97,7 @@ def run_analyze(args) -> int:
     from mlpfuse.profiling import render
     from mlpfuse.profiling.analysis import analyze
 
-    result = analyze(args.trace, label=args.label, max_bytes=args.max_bytes)
+    result = analyze(args.trace, label=args.label, max_bytes=args.max_bytes, steps_from=args.steps_from)
     if args.json:
         _dump(result.to_dict())
     else:

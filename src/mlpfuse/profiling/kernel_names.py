@@ -1,8 +1,9 @@
 """Decode GPU kernel names into a family and the fields the name carries.
 
 Table-driven: `_RULES` maps a name pattern to (family, library, field parser). The first matching rule wins; a
-name no rule knows is family `other` with no fields — decoding never fails. Families (DESIGN.md): gemm, elementwise,
-reduction, triton_pointwise, triton_reduction, triton_persistent, memset, copy, communication, other.
+name no rule knows is family `other` with no fields — decoding never fails. Families (DESIGN.md): gemm, attention,
+conv, embedding, elementwise, reduction, triton_pointwise, triton_reduction, triton_persistent, memset, copy,
+communication, other.
 
 Examples of what the names carry:
   nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT      arch sm90, tile 256x128, k-tile x stages 64x4,
@@ -22,6 +23,9 @@ from typing import Any, Callable
 
 FAMILIES = (
     "gemm",
+    "attention",
+    "conv",
+    "embedding",
     "elementwise",
     "reduction",
     "triton_pointwise",
@@ -59,7 +63,7 @@ _DTYPE_TOKENS = {"bf16": "bf16", "f16": "fp16", "fp16": "fp16", "half": "fp16", 
                  "s8": "int8", "int8": "int8"}
 # cuBLAS legacy naming: <arch>_<letter>gemm or <letter><mma shape>gemm, e.g. sgemm, h16816gemm, s16816gemm.
 _GEMM_LETTER = {"s": "fp32", "d": "fp64", "h": "fp16", "c": "complex64", "z": "complex128", "i": "int8"}
-_LAYOUT = re.compile(r"^(?:[tn]{2}|[TN]{2,3})$")
+_LAYOUT = re.compile(r"^(?:[tn]{2,3}|[TN]{2,3})$")
 _TILE = re.compile(r"^(\d+x\d+(?:x\d+)?)$")
 
 
@@ -327,29 +331,179 @@ def _nothing(m: re.Match, name: str) -> dict:
     return {}
 
 
-# (pattern: anything with `search(name)` -> match or None, family or family(match), library, field parser)
-Rule = tuple[Any, "str | Callable[[re.Match], str]", "str | None", Callable[[re.Match, str], dict]]
+_BRACKETS = re.compile(r"[<>()]")
+_WRAPPERS = {"device_kernel", "Kernel", "Kernel2", "kentry"}  # launch wrappers whose first template argument is the
+# kernel itself (CUTLASS 2 and 3, cudnn's CUTLASS builds, composable_kernel)
+MAX_HEAD_CHARS = 300
+
+
+def kernel_head(name: str) -> str:
+    """The kernel's own qualified name, without return type, template arguments or parameters:
+    'void at::native::reduce_kernel<512, 1, ...>(...)' -> 'at::native::reduce_kernel'. For a launch wrapper
+    ('cutlass::device_kernel<K<...>, ...>') the start of its first template argument is kept, since it names the
+    kernel: 'cutlass::device_kernel<flash::FlashAttnFwdSm90<...'. Linear in the name's length."""
+    text = name.replace("(anonymous namespace)::", "")
+    depth, paren, pieces, last, opened = 0, 0, [], 0, -1
+    for m in _BRACKETS.finditer(text):
+        ch, i = m.group(), m.start()
+        if depth and ch in "()":  # parentheses inside template arguments may hold comparisons: (8)>(0)
+            paren = max(paren + (1 if ch == "(" else -1), 0)
+        elif paren:
+            continue
+        elif ch == "<":
+            if depth == 0:
+                pieces.append(text[last:i])
+                opened = i
+            depth += 1
+        elif ch == ">":
+            if depth:
+                depth -= 1
+                last = i + 1
+        elif ch == "(":
+            pieces.append(text[last:i])
+            break
+    else:
+        if depth == 0:
+            pieces.append(text[last:])
+    head = "".join(pieces).strip().rsplit(" ", 1)[-1]
+    if head.rsplit("::", 1)[-1] in _WRAPPERS and opened >= 0:
+        inner = re.split(r"[,()]", text[opened + 1:opened + 1 + MAX_HEAD_CHARS], maxsplit=1)[0]
+        head = f"{head}<{inner.strip()}"
+    return head
+
+
+def _parse_tensile(m: re.Match, name: str) -> dict:
+    # Cijk_<A index>_<B index>_<types>_..._MT<M>x<N>x<depth U>_MI<matrix instruction>_..._ISA<gfx>_...
+    tokens = name.split("_")
+    out: dict = {}
+    layout = {"Ailk": "N", "Alik": "T"}.get(tokens[1] if len(tokens) > 1 else "", "")
+    layout += {"Bljk": "N", "Bjlk": "T"}.get(tokens[2] if len(tokens) > 2 else "", "")
+    if len(layout) == 2:
+        out["layout"] = layout
+    if len(tokens) > 3 and tokens[3][:1] in _TENSILE_TYPES:
+        out["dtype"] = _TENSILE_TYPES[tokens[3][:1]]
+    for tok in tokens:
+        if tok.startswith("MT") and re.match(r"^MT\d+x\d+x\d+$", tok):
+            mt = tok[2:].split("x")
+            out["tile"], out["depth_u"] = f"{mt[0]}x{mt[1]}", int(mt[2])
+        elif tok.startswith("MI") and re.match(r"^MI\d+(?:x\d+)+$", tok):
+            out["matrix_instruction"] = tok[2:]
+        elif tok.startswith("ISA") and tok[3:].isalnum() and len(tok) <= 8:
+            out["arch"] = "gfx" + tok[3:]
+        elif tok == "Bias":
+            out["epilogue"] = ["bias"]
+    return out
+
+
+_TENSILE_TYPES = {"B": "bf16", "H": "fp16", "S": "fp32", "D": "fp64", "I": "int8", "F": "fp8"}
+
+
+def _tensile_library(m: re.Match, name: str) -> str:
+    return "hipblaslt" if "_UserArgs_" in name else "rocblas"
+
+
+def _parse_trtllm_bmm(m: re.Match, name: str) -> dict:
+    # bmm_<A type>_<B types>_<acc>_t<tile>u2_s<stages>_..._<layout>_..._sm100f
+    out: dict = {}
+    for tok in name.split("_"):
+        if "tile" not in out and (t := re.match(r"^t(\d+x\d+x\d+)", tok)):
+            out["tile"] = t.group(1)
+        elif re.match(r"^s\d+$", tok):
+            out["stages"] = tok[1:]
+        elif tok in ("TN", "NT", "NN", "TT"):
+            out["layout"] = tok
+        elif re.match(r"^sm\d+\w?$", tok):
+            out["arch"] = re.match(r"^sm\d+", tok).group(0)
+        elif tok.lower() in ("swiglu", "geglu", "relu", "gelu") or tok.startswith("bias"):
+            out.setdefault("epilogue", []).append("bias" if tok.startswith("bias") else tok.lower())
+    return out
+
+
+def _parse_cutlass3(m: re.Match, name: str) -> dict:
+    # cutlass3x_sm90_tensorop_gemm_f16_f16_f32_f16_f16_128x128x64_2x1x1_0_tnt_align8_warpspecialized_...
+    tokens = m.group(0).split("_")
+    out: dict = {"arch": tokens[1]} if len(tokens) > 1 else {}
+    out.update(_gemm_tokens(tokens[2:]))
+    return out
+
+
+def _device_kernel_family(m: re.Match) -> str:
+    inner = m.string.lower()
+    if "conv" in inner or "fprop" in inner or "dgrad" in inner or "wgrad" in inner:
+        return "conv"
+    return "gemm" if "gemm" in inner or "mma" in inner else "other"
+
+
+def _conv_library(m: re.Match, name: str) -> str:
+    head = m.string
+    if head.startswith(("igemm_", "MIOpen", "miopen")) or re.match(r"^Im\dd2Col", head):
+        return "miopen"
+    return "composable_kernel" if head.startswith("_ZN2ck") else "cudnn"
+
+
+def _communication_library(m: re.Match, name: str) -> str:
+    low = name.lower()
+    return "rccl" if "rccl" in low else "nccl" if "nccl" in low else "custom"
+
+
+# A rule: (pattern with `search(text)`, family or family(match), library or library(match, name), field parser,
+# whether the pattern looks at the kernel's head (`kernel_head`) rather than the whole name). The head keeps a
+# rule from firing on a word that only appears in a kernel's template arguments (an embedding kernel templated on
+# an fbgemm type is no GEMM; a quantize kernel taking a flashinfer type is no attention).
+Rule = tuple[Any, "str | Callable[[re.Match], str]", "str | Callable[[re.Match, str], str] | None",
+             Callable[[re.Match, str], dict], bool]
+NAME, HEAD = False, True
 
 # Every matcher and parser is linear in the name's length; past this many characters (real kernel names run to a
 # few KB) a name is decoded from its start only, which bounds the fields it yields too.
 MAX_DECODE_CHARS = 32768
 
-# Order matters: specific before generic. Patterns are `search`ed; anchor where a name must start with them.
+# Order matters: specific before generic. Patterns are `search`ed; anchor where a name must start with them. Each
+# rule has a test row in tests/test_profiling_kernel_names.py with a name from a published trace.
 _RULES: list[Rule] = [
-    (re.compile(r"^(?:Memset|memset)"), "memset", None, _nothing),
-    (re.compile(r"^(?:Memcpy|memcpy)"), "copy", None, _nothing),
-    (re.compile(r"^mlpfuse_(?P<kind>\w+?)(?:_kernel)?$"), _mlpfuse_family, "mlpfuse", _parse_mlpfuse),
-    (re.compile(r"^nvjet_"), "gemm", "nvjet", _parse_nvjet),
+    (re.compile(r"^(?:Memset|memset)"), "memset", None, _nothing, NAME),
+    (re.compile(r"^(?:Memcpy|memcpy)"), "copy", None, _nothing, NAME),
+    (re.compile(r"^mlpfuse_(?P<kind>\w+?)(?:_kernel)?$"), _mlpfuse_family, "mlpfuse", _parse_mlpfuse, NAME),
+    # cuBLAS (CUDA 12.8+): nvjet_sm90_tst_..., nvjet_sm100_tst_..., and nvjet_tst_... without the arch
+    (re.compile(r"^nvjet_"), "gemm", "nvjet", _parse_nvjet, HEAD),
     (re.compile(r"^triton_(?P<kind>poi|red|per|tem)_fused_?(?P<ops>.*?)_(?P<idx>\d+)$"), _inductor_family,
-     "inductor", _parse_inductor),
-    (re.compile(r"nccl(?:Dev)?Kernel|ncclKernel|\bnccl", re.I), "communication", "nccl", _parse_nccl),
-    (re.compile(r"cutlass_\d+_[A-Za-z0-9_]+"), "gemm", "cutlass", _parse_cutlass),
+     "inductor", _parse_inductor, NAME),
+    # NCCL and RCCL (ROCm keeps NCCL's kernel names), and all-reduce kernels outside them (symmetric memory, vLLM)
+    (re.compile(r"nccl|rccl|msccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|cross_device_reduce",
+                re.I), "communication", _communication_library, _parse_nccl, HEAD),
+    # FlashAttention 2/3, PyTorch's flash and memory-efficient (fmha_cutlass*) kernels, cuDNN SDPA, FlashInfer,
+    # TRT-LLM / Blackwell fmha, AMD CK and Triton attention, vLLM paged and unified attention
+    (re.compile(r"flash_?attn|flash_(?:fwd|bwd)|fmha|(?:^|_)mha_(?:fwd|bwd|varlen)|attn_(?:fwd|bwd)|attention|sdpa|"
+                r"(?:Batch|Single)(?:Prefill|Decode)With|sage_fwd", re.I), "attention", None, _nothing, HEAD),
+    (_AtenMatcher(_aten_reduction), "reduction", "aten", _parse_aten, NAME),
+    (_AtenMatcher(_aten_elementwise), "elementwise", "aten", _parse_aten, NAME),
+    # normalizations and softmax outside at::native: cuDNN batch norm, MIOpen, vLLM / AITER / CK RMSNorm
+    (re.compile(r"(?:rms|layer|group|batch|instance)_?norm|\bbn_(?:fw|bw)|softmax", re.I), "reduction", None,
+     _nothing, HEAD),
+    # pointwise work outside at::native: rotary embeddings, layout transposes, MIOpen tensor ops, cuDNN scaling
+    (re.compile(r"elementwise|rotary|transpose|nchw_?to_?nhwc|nhwc_?to_?nchw|^(?:Sub)?TensorOp|^Op(?:\dd)?Tensor|"
+                r"scalePackedTensor|CatArrayBatchedCopy|multi_tensor_apply|dropout|reshape_and_cache|store_kvcache",
+                re.I), "elementwise", None, _nothing, HEAD),
+    # fbgemm_gpu's table-batched embeddings (TorchRec): lookups and their fused optimizer backward, not GEMMs
+    (re.compile(r"split_embedding|embedding_?bag|embedding_backward|embedding_dense|permute_pooled_embs|"
+                r"bounds_check_indices|linearize_index", re.I), "embedding", "fbgemm_gpu", _nothing, HEAD),
+    (re.compile(r"^fbgemm_gpu::"), "other", "fbgemm_gpu", _nothing, HEAD),
+    # convolutions: cuDNN engines (scudnn, implicit GEMM fprop / dgrad / wgrad, winograd, FFT), MIOpen igemm
+    (re.compile(r"scudnn|conv(?!ert)|fprop|dgrad|wgrad|winograd|fft2d|im2col|col2im|im\dd2col|cask_cudnn|cutlass_cudnn|"
+                r"_cudnn::|cudnn::cnn::|igemm_(?:fwd|bwd|wrw)|implicit_?gemm", re.I),
+     "conv", _conv_library, _nothing, HEAD),
+    # AMD: Tensile GEMMs from rocBLAS and hipBLASLt (hipBLASLt's carry UserArgs)
+    (re.compile(r"^(?:Custom_)?Cijk_"), "gemm", _tensile_library, _parse_tensile, HEAD),
+    # TRT-LLM's batched GEMMs on Blackwell (FlashInfer MoE): bmm_<types>_t<tile>..._sm100f
+    (re.compile(r"^bmm_\w+_sm\d+"), "gemm", "trtllm", _parse_trtllm_bmm, HEAD),
+    (re.compile(r"cutlass3x_sm\d+_\w+"), "gemm", "cutlass", _parse_cutlass3, HEAD),
+    (re.compile(r"^cutlass::device_kernel<"), _device_kernel_family, "cutlass", _nothing, HEAD),
+    (re.compile(r"cutlass_\d+_[A-Za-z0-9_]+"), "gemm", "cutlass", _parse_cutlass, HEAD),
     (re.compile(r"^(?P<arch>maxwell|pascal|volta|turing|ampere|ada|hopper|blackwell|sm\d{2,3})_\w*?(?:gemm|xmma|gemv)",
-                re.I), "gemm", "cublas", _parse_cublas),
-    (_AtenMatcher(_aten_reduction), "reduction", "aten", _parse_aten),
-    (_AtenMatcher(_aten_elementwise), "elementwise", "aten", _parse_aten),
-    (re.compile(r"splitKreduce|cub::\w*Reduce|DeviceReduce"), "reduction", None, _nothing),
-    (re.compile(r"cublas|gemm|gemv|xmma", re.I), "gemm", None, _nothing),
+                re.I), "gemm", "cublas", _parse_cublas, HEAD),
+    (re.compile(r"splitKreduce|cub::\w*Reduce|DeviceReduce"), "reduction", None, _nothing, HEAD),
+    (re.compile(r"gemm|gemv|xmma|matmul", re.I), "gemm", None, _nothing, HEAD),
+    (re.compile(r"cublas", re.I), "gemm", "cublas", _nothing, NAME),
 ]
 
 
@@ -357,8 +511,9 @@ _RULES: list[Rule] = [
 def decode(name: str) -> Decoded:
     """Family, library and fields of a kernel name; unknown names are family 'other'."""
     name = name[:MAX_DECODE_CHARS]
-    for pattern, family, library, parse in _RULES:
-        m = pattern.search(name)
+    head = kernel_head(name)
+    for pattern, family, library, parse, on_head in _RULES:
+        m = pattern.search(head if on_head else name)
         if m is None:
             continue
         try:
@@ -366,9 +521,10 @@ def decode(name: str) -> Decoded:
         except Exception:  # a name that half-matches keeps its family; decoding must never fail on odd names
             fields = {}
         fam = family(m) if callable(family) else family
-        if library == "cublas" and name.startswith("sm") and "cutlass" in name.lower():
-            library = "cutlass"
-        return Decoded(fam, library, fields)
+        lib = library(m, name) if callable(library) else library
+        if lib == "cublas" and head.startswith("sm") and "cutlass" in head.lower():
+            lib = "cutlass"
+        return Decoded(fam, lib, fields)
     return Decoded("other")
 
 

@@ -8,6 +8,8 @@ cannot restyle, rewrite or break the terminal.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -53,6 +55,10 @@ def _row(table: Table, *values) -> None:
     table.add_row(*(v if isinstance(v, Text) else cell(v) for v in values))
 
 
+# Below this console width the kernel table leaves out its `decoded` column (the JSON keeps it).
+WIDE = 120
+
+
 def _fields(decoded: dict) -> str:
     skip = {"family", "flags", "index", "kind", "variant", "raster", "library"}
     parts = []
@@ -63,15 +69,65 @@ def _fields(decoded: dict) -> str:
     return " ".join(parts)
 
 
-def analysis_tables(data: dict) -> list[Table]:
+def _fit(title, columns, rows, width: int) -> Table:
+    """A table whose every cell stays on one line, within `width` where it can. Columns are (header, justify,
+    narrowest): a column with a narrowest width is flexible (names); the flexible ones share what the others
+    leave, and a cell longer than its column ends in an ellipsis instead of wrapping into what would read as
+    further rows."""
+    rows = [[v if isinstance(v, Text) else cell(v) for v in row] for row in rows]
+    natural = [max([len(header)] + [row[i].cell_len for row in rows]) for i, (header, _, _) in enumerate(columns)]
+    flexible = [i for i, c in enumerate(columns) if c[2] is not None]
+    room = width - sum(w for i, w in enumerate(natural) if i not in flexible) - 3 * len(columns) - 1
+    wanted = sum(natural[i] for i in flexible)
+    widths = list(natural)
+    if flexible and wanted > room:
+        for i in flexible:
+            widths[i] = min(natural[i], max(columns[i][2], room * natural[i] // wanted))
+    table = Table(title=title)
+    for (header, justify, narrowest), w in zip(columns, widths):
+        table.add_column(header, justify=justify, no_wrap=True, overflow="ellipsis",
+                         max_width=w if narrowest is not None else None)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def steps_line(data: dict) -> Text:
+    """Where the steps came from and which were left out of the averages."""
+    kind = data.get("step_source_kind")
+    n, found = data["steps"], data.get("steps_found", data["steps"])
+    if kind == "whole-trace":
+        text = "steps: the whole trace as one window"
+        if data.get("step_source_reason") != "chosen":
+            text += " (no ProfilerStep#N spans; --label NAME or --steps-from choose others)"
+    elif kind == "label":
+        why = data.get("step_source_reason") or ""
+        text = (f"steps: {found} span{'' if found == 1 else 's'} of label {data.get('step_label')!r}"
+                + (f" ({why})" if why else ""))
+    elif kind:
+        text = f"steps: {found} ProfilerStep#N spans"
+    else:  # an analysis saved before the step source was recorded
+        text = f"steps: {n} ({data['step_source']})"
+    left = data.get("steps_left_out") or []
+    if left:
+        names = ", ".join(s["name"] for s in left[:5]) + (", ..." if len(left) > 5 else "")
+        text += f"; {n} averaged, left out of the averages: {names} ({left[0]['reason']})"
+    return cell(text)
+
+
+def analysis_tables(data: dict, width: int = WIDE) -> list[Table]:
     p = data["per_step"]
     head = Table(title=cell(f"Per step (average over {data['steps']} steps, {data['step_source']})"),
                  show_header=False)
-    head.add_column("what")
-    head.add_column("value", justify="right")
+    head.add_column("what", no_wrap=True)
+    head.add_column("value")
+    window = p["gpu_window_us"]
+    share = f" ({p['gpu_busy_us'] / window:.0%} busy)" if window > 0 and p["gpu_busy_us"] else ""
     rows = [
         ("step wall time", f"{p['step_us']:.1f} us"),
-        ("GPU busy / idle", f"{p['gpu_busy_us']:.1f} / {p['gpu_idle_us']:.1f} us"),
+        ("GPU window", f"{window:.1f} us"),
+        ("GPU busy / idle", f"{p['gpu_busy_us']:.1f} / {p['gpu_idle_us']:.1f} us{share}"),
+        ("GPU work starts", _after_step(p)),
         ("GPU kernels", f"{p['gpu_kernels']:g}"),
         ("memsets / memcpys", f"{p['gpu_memsets']:g} / {p['gpu_memcpys']:g}"),
         ("launch calls", ", ".join(f"{k} {v:g}" for k, v in p["launch_calls_by_name"].items()) or "0"),
@@ -80,42 +136,43 @@ def analysis_tables(data: dict) -> list[Table]:
         ("kernel families", ", ".join(f"{k} {v:g}" for k, v in p["families"].items()) or "-"),
     ]
     for what, value in rows:
-        _row(head, what, value)
+        if value is not None:
+            _row(head, what, value)
 
-    kernels = Table(title="GPU kernels (per step)")
-    for col, justify in (("kernel", "left"), ("family", "left"), ("/step", "right"), ("avg us", "right"),
-                         ("launched by", "left"), ("decoded", "left")):
-        kernels.add_column(col, justify=justify, overflow="fold")
-    for k in data["kernels"]:
-        _row(kernels, _name(k["name"]), k["family"], f"{k['per_step']:g}", f"{k['avg_us']:.1f}", ", ".join(k["ops"]),
-             _fields(k["decoded"]))
-
-    ops = Table(title="CPU ops (per step)")
-    for col, justify in (("op", "left"), ("/step", "right"), ("total us", "right"), ("self us", "right"),
-                         ("kernels", "right")):
-        ops.add_column(col, justify=justify)
+    wide = width >= WIDE
+    kernels = _fit("GPU kernels (per step)",
+                   [("kernel", "left", 20), ("family", "left", 6), ("/step", "right", None),
+                    ("avg us", "right", None), ("launched by", "left", 8)] + ([("decoded", "left", 10)] * wide),
+                   [[_name(k["name"]), k["family"], f"{k['per_step']:g}", f"{k['avg_us']:.1f}", ", ".join(k["ops"])]
+                    + ([_fields(k["decoded"])] * wide) for k in data["kernels"]], width)
     n = data["steps"]
-    for o in data["ops"]:
-        _row(ops, _name(o["name"], 60), f"{o['per_step']:g}", f"{o['cpu_total_us'] / n:.1f}",
-             f"{o['cpu_self_us'] / n:.1f}", f"{o['kernels']:g}")
-
+    ops = _fit("CPU ops (per step)", [("op", "left", 20), ("/step", "right", None), ("total us", "right", None),
+                                      ("self us", "right", None), ("kernels", "right", None)],
+               [[_name(o["name"], 60), f"{o['per_step']:g}", f"{o['cpu_total_us'] / n:.1f}",
+                 f"{o['cpu_self_us'] / n:.1f}", f"{o['kernels']:g}"] for o in data["ops"]], width)
     tables = [head] + ([kernels] if data["kernels"] else []) + [ops]
     if data["zero_kernel_ops"]:
-        zero = Table(title="CPU ops that launched no GPU work (metadata only)")
-        zero.add_column("op")
-        zero.add_column("/step", justify="right")
-        for z in data["zero_kernel_ops"]:
-            _row(zero, z["name"], f"{z['per_step']:g}")
-        tables.append(zero)
+        tables.append(_fit("CPU ops that launched no GPU work (metadata only)",
+                           [("op", "left", 20), ("/step", "right", None)],
+                           [[z["name"], f"{z['per_step']:g}"] for z in data["zero_kernel_ops"]], width))
     if data["gpu_gaps"]:
-        gaps = Table(title="Largest GPU idle gaps")
-        for col in ("step", "at us", "idle us", "after", "before"):
-            gaps.add_column(col, overflow="fold")
-        for g in data["gpu_gaps"]:
-            _row(gaps, g["step"], f"{g['start_us']:.1f}", f"{g['dur_us']:.1f}", _name(g["after"], 40),
-                 _name(g["before"], 40))
-        tables.append(gaps)
+        tables.append(_fit("Largest GPU idle gaps",
+                           [("step", "left", 8), ("at us", "right", None), ("idle us", "right", None),
+                            ("after", "left", 12), ("before", "left", 12)],
+                           [[g["step"], f"{g['start_us']:.1f}", f"{g['dur_us']:.1f}", _name(g["after"], 40),
+                             _name(g["before"], 40)] for g in data["gpu_gaps"]], width))
     return tables
+
+
+def _after_step(p: dict) -> str | None:
+    """When a step's GPU work starts, and how long launches wait in the GPU queue (None for the whole trace)."""
+    ahead, queue, steps = p.get("cpu_ahead_us"), p.get("launch_to_start_us"), p.get("cpu_ahead_steps")
+    if ahead is None:
+        return None
+    text = f"{ahead:.1f} us after the step's CPU start"
+    if queue is not None:
+        text += f"; launches wait {queue:.1f} us" + (f" ({steps:.2f} steps)" if steps is not None else "")
+    return text
 
 
 def verdict_line(data: dict) -> Text:
@@ -136,29 +193,30 @@ def input_line(data: dict) -> Text | None:
 
 def print_analysis(data: dict, console: Console | None = None) -> None:
     console = console or _Console()
-    devices = ", ".join(data.get("devices") or []) or "no GPU recorded"
+    counts = Counter(data.get("devices") or [])
+    devices = ", ".join(f"{n} x {d}" if n > 1 else d for d, n in counts.items()) or "no GPU recorded"
     console.print(Text.assemble(cell(data.get("trace", ""), style="bold"), cell(f"  ({devices})")))
     if (line := input_line(data)) is not None:
         console.print(line)
-    for t in analysis_tables(data):
+    console.print(steps_line(data))
+    for t in analysis_tables(data, console.width):
         console.print(t)
     console.print(verdict_line(data))
 
 
-def diff_tables(data: dict) -> list[Table]:
+def diff_tables(data: dict, width: int = WIDE) -> list[Table]:
     removed, added, gone, new = (cell(w, style) for w, style in (("removed", "red"), ("added", "green"),
                                                                  ("gone in B", "red"), ("new in B", "green")))
-    kernels = Table(title="Kernels: A -> B (byte-identical names)")
-    for col, justify in (("change", "left"), ("kernel", "left"), ("family", "left"), ("A /step", "right"),
-                         ("B /step", "right"), ("A avg us", "right"), ("B avg us", "right")):
-        kernels.add_column(col, justify=justify, overflow="fold")
-    for k in data["kernels_removed"]:
-        _row(kernels, removed, _name(k["name"]), k["family"], f"{k['per_step']:g}", "-", f"{k['avg_us']:.1f}", "-")
-    for k in data["kernels_added"]:
-        _row(kernels, added, _name(k["name"]), k["family"], "-", f"{k['per_step']:g}", "-", f"{k['avg_us']:.1f}")
-    for k in data["kernels_unchanged"]:
-        _row(kernels, "same", _name(k["name"]), k["family"], f"{k['per_step']['a']:g}", f"{k['per_step']['b']:g}",
-             f"{k['avg_us']['a']:.1f}", f"{k['avg_us']['b']:.1f}")
+    rows = [[removed, _name(k["name"]), k["family"], f"{k['per_step']:g}", "-", f"{k['avg_us']:.1f}", "-"]
+            for k in data["kernels_removed"]]
+    rows += [[added, _name(k["name"]), k["family"], "-", f"{k['per_step']:g}", "-", f"{k['avg_us']:.1f}"]
+             for k in data["kernels_added"]]
+    rows += [["same", _name(k["name"]), k["family"], f"{k['per_step']['a']:g}", f"{k['per_step']['b']:g}",
+              f"{k['avg_us']['a']:.1f}", f"{k['avg_us']['b']:.1f}"] for k in data["kernels_unchanged"]]
+    kernels = _fit("Kernels: A -> B (byte-identical names)",
+                   [("change", "left", None), ("kernel", "left", 16), ("family", "left", 6),
+                    ("A/step", "right", None), ("B/step", "right", None), ("A us", "right", None),
+                    ("B us", "right", None)], rows, width)
 
     per = Table(title="Per step")
     for col in ("", "A", "B", "B - A"):
@@ -168,22 +226,14 @@ def diff_tables(data: dict) -> list[Table]:
         fmt = "{:.1f}" if key.endswith("_us") else "{:g}"
         _row(per, key, fmt.format(a[key]), fmt.format(b[key]), ("+" if d[key] > 0 else "") + fmt.format(d[key]))
 
-    ops = Table(title="CPU ops")
-    ops.add_column("change")
-    ops.add_column("op")
-    ops.add_column("/step", justify="right")
-    for o in data["ops_removed"]:
-        _row(ops, gone, _name(o["name"], 60), f"{o['per_step']:g}")
-    for o in data["ops_added"]:
-        _row(ops, new, _name(o["name"], 60), f"{o['per_step']:g}")
+    ops = _fit("CPU ops: A -> B", [("change", "left", None), ("op", "left", 20), ("/step", "right", None)],
+               [[gone, _name(o["name"], 60), f"{o['per_step']:g}"] for o in data["ops_removed"]]
+               + [[new, _name(o["name"], 60), f"{o['per_step']:g}"] for o in data["ops_added"]], width)
 
-    by_op = Table(title="Kernels by the CPU op that launched them")
-    by_op.add_column("side")
-    by_op.add_column("op")
-    by_op.add_column("kernels (count over all steps)", overflow="fold")
-    for side in ("a", "b"):
-        for op, ks in data["kernels_by_op"][side].items():
-            _row(by_op, side.upper(), _name(op, 50), "; ".join(f"{short(k, 60)} x{c}" for k, c in ks.items()))
+    by_op = _fit("Kernels by the CPU op that launched them",
+                 [("side", "left", None), ("op", "left", 12), ("kernels (count over all steps)", "left", 20)],
+                 [[side.upper(), _name(op, 50), "; ".join(f"{short(k, 60)} x{c}" for k, c in ks.items())]
+                  for side in ("a", "b") for op, ks in data["kernels_by_op"][side].items()], width)
     return [t for t in (kernels, per, ops, by_op) if t.row_count]
 
 
@@ -194,7 +244,7 @@ def print_diff(data: dict, console: Console | None = None) -> None:
     for side in ("a", "b"):
         if (line := input_line({k: data.get(k, {}).get(side) for k in ("skipped_events", "repaired_events")})):
             console.print(Text.assemble(f"{side.upper()}: ", line))
-    for t in diff_tables(data):
+    for t in diff_tables(data, console.width):
         console.print(t)
     console.print(cell(f"verdict: A {data['verdict']['a']}, B {data['verdict']['b']}"))
 

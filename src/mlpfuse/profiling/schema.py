@@ -38,7 +38,16 @@ class MapOf:
         self.value = value
 
 
+class Maybe:
+    """A key that may be absent (analyses saved before it existed)."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+
 COUNTS = MapOf(NUM)
+NUM_OR_NULL = _Spec("a finite number >= 0 or null", lambda v: v is None or _number(v))
+STR_OR_NULL = _Spec("a string or null", lambda v: v is None or type(v) is str)
 
 _PER_STEP = {key: NUM for key in ("gpu_kernels", "gpu_memsets", "gpu_memcpys", "launch_calls", "cpu_ops",
                                   "gpu_busy_us", "gpu_idle_us", "gpu_window_us", "step_us", "occupancy_queries",
@@ -49,7 +58,8 @@ ANALYSIS = {
     "steps": COUNT,
     "step_source": STR,
     "devices": [STR],
-    "per_step": {**_PER_STEP, "launch_calls_by_name": COUNTS, "families": COUNTS},
+    "per_step": {**_PER_STEP, "launch_calls_by_name": COUNTS, "families": COUNTS,
+                 **{key: Maybe(NUM_OR_NULL) for key in ("cpu_ahead_us", "launch_to_start_us", "cpu_ahead_steps")}},
     "kernels": [{"name": STR, "family": STR, "count": NUM, "per_step": NUM, "total_us": NUM, "avg_us": NUM,
                  "ops": COUNTS, "decoded": MapOf(FIELD)}],
     "ops": [{"name": STR, "count": NUM, "per_step": NUM, "cpu_total_us": NUM, "cpu_self_us": NUM, "kernels": NUM}],
@@ -58,7 +68,9 @@ ANALYSIS = {
     "gpu_gaps": [{"step": STR, "start_us": NUM, "dur_us": NUM, "after": STR, "before": STR}],
     "verdict": {"kind": STR, "reason": STR},
 }
-OPTIONAL = {"skipped_events": COUNTS, "repaired_events": COUNTS}
+OPTIONAL = {"skipped_events": COUNTS, "repaired_events": COUNTS, "unread_categories": COUNTS, "steps_found": COUNT,
+            "steps_left_out": [{"name": STR, "reason": STR}], "step_source_kind": STR, "step_label": STR_OR_NULL,
+            "step_source_reason": STR}
 
 
 def _kind(v: Any) -> str:
@@ -89,6 +101,10 @@ def _check(value: Any, spec: Any, where: str) -> str | None:
                 return problem
         return None
     for key, item_spec in spec.items():
+        if isinstance(item_spec, Maybe):
+            if key not in value:
+                continue
+            item_spec = item_spec.spec
         if key not in value:
             return f"{where}.{key} is missing"
         if problem := _check(value[key], item_spec, f"{where}.{key}"):

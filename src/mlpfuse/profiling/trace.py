@@ -89,6 +89,7 @@ class Trace:
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> malformed events left out
     repaired: dict[str, int] = field(default_factory=dict)  # fix -> events kept with a field fixed or dropped
     skipped_steps: int = 0  # ProfilerStep# spans among the skipped
+    unread: dict[str, int] = field(default_factory=dict)  # category -> events not read (python_function, ...)
 
     @property
     def devices(self) -> list[str]:
@@ -281,6 +282,7 @@ MAX_TIME_US = float(1 << 53)  # past 2^53 us (285 years) a float no longer holds
 MAX_ID = (1 << 63) - 1
 MAX_NAME_CHARS = 16384  # longer names are cut, keeping a hash of the whole so distinct names stay distinct
 MAX_DEVICES = 256
+MAX_UNREAD_CATEGORIES = 32  # distinct unread categories counted (a hostile trace may invent millions)
 _SURROGATES = re.compile("[\ud800-\udfff]")
 
 DUPLICATE = "duplicate event"
@@ -362,6 +364,7 @@ class Extracted:
     skipped: Counter  # reason -> events left out
     repaired: Counter  # what was fixed -> events kept after a fix
     skipped_steps: int  # ProfilerStep# spans among the skipped
+    unread: Counter  # category -> complete events of a category the analyses do not read
 
 
 def _extract(events: list) -> Extracted:
@@ -376,6 +379,7 @@ def _extract(events: list) -> Extracted:
     scalars = _SCALARS
     skipped: Counter = Counter()
     repaired: Counter = Counter()
+    unread: Counter = Counter()
     complete = skipped_steps = 0
     max_time, max_id = MAX_TIME_US, MAX_ID
     for ev in events:
@@ -389,6 +393,8 @@ def _extract(events: list) -> Extracted:
             continue
         norm = categories.get(cat)
         if norm is None and (norm := categories.get(cat.lower())) is None:
+            if cat in unread or len(unread) < MAX_UNREAD_CATEGORIES:
+                unread[cat] += 1
             continue
         name = ev.get("name")
         ts = ev.get("ts")
@@ -409,6 +415,8 @@ def _extract(events: list) -> Extracted:
         if type(args) is dict:
             corr = args.get("correlation")
             ext = args.get("External id")
+            if ext is None:
+                ext = args.get("external id")  # PyTorch 1.8's spelling
             if corr is not None and (type(corr) is not int or not 0 <= corr <= max_id):
                 corr = _id(corr, "correlation", repaired)
             if ext is not None and (type(ext) is not int or not 0 <= ext <= max_id):
@@ -417,7 +425,7 @@ def _extract(events: list) -> Extracted:
             repaired["args not an object (ids ignored)"] += 1
         append((name, norm, tid, ts, dur, corr, ext, pid))
     rows = _dedupe(_clean_names(rows, repaired), skipped)
-    return Extracted(rows, complete, skipped, repaired, skipped_steps)
+    return Extracted(rows, complete, skipped, repaired, skipped_steps, unread)
 
 
 def _clean_names(rows: list[Row], repaired: Counter) -> list[Row]:
@@ -461,7 +469,19 @@ def describe(counts: dict) -> str:
     return ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def is_execution_trace(data: Any) -> bool:
+    """PyTorch's execution trace (ET, `ExecutionTraceObserver`): a graph of op nodes, no timeline events."""
+    return isinstance(data, dict) and isinstance(data.get("nodes"), list) and "traceEvents" not in data
+
+
+def refuse_execution_trace(data: Any, path: str) -> None:
+    if is_execution_trace(data):
+        raise InputError(f"TRACE {path}: this is a PyTorch execution trace (ET), not a Kineto trace; export a "
+                         "timeline with torch.profiler (prof.export_chrome_trace or a tensorboard_trace_handler)")
+
+
 def _split_document(data: Any, path: str) -> tuple[list, dict]:
+    refuse_execution_trace(data, path)
     if isinstance(data, dict):
         events = data.get("traceEvents")
         if not isinstance(events, list):
@@ -473,8 +493,11 @@ def _split_document(data: Any, path: str) -> tuple[list, dict]:
 
 
 def _build(ex: Extracted, n_events: int, metadata: dict, path: str) -> Trace:
+    unread: Counter = Counter()
+    for cat, count in ex.unread.items():
+        unread[clean_name(cat[:200])] += count
     trace = Trace(path=path, metadata=metadata, n_events=n_events, skipped=dict(ex.skipped),
-                  repaired=dict(ex.repaired), skipped_steps=ex.skipped_steps)
+                  repaired=dict(ex.repaired), skipped_steps=ex.skipped_steps, unread=dict(unread.most_common()))
     buckets = {CPU_OP: trace.cpu_ops, ANNOTATION: trace.annotations, RUNTIME: trace.runtime, KERNEL: trace.gpu,
                MEMSET: trace.gpu, MEMCPY: trace.gpu}
     make = tuple.__new__
@@ -482,9 +505,10 @@ def _build(ex: Extracted, n_events: int, metadata: dict, path: str) -> Trace:
         buckets[row[1]].append(make(Event, row))
     if ex.complete == 0:
         raise InputError(f"TRACE {path}: no complete ('ph': 'X') events; not a profiler trace or an empty one")
-    if not (trace.cpu_ops or trace.annotations or trace.gpu):
+    if not (trace.cpu_ops or trace.annotations or trace.runtime or trace.gpu):
         why = f" (skipped as malformed: {describe(ex.skipped)})" if ex.skipped else ""
-        raise InputError(f"TRACE {path}: no CPU op, annotation or GPU events{why}; not a PyTorch profiler trace")
+        raise InputError(f"TRACE {path}: no CPU op, annotation, runtime or GPU events{why}; not a PyTorch profiler "
+                         "trace")
     return trace
 
 
@@ -505,6 +529,7 @@ def load_trace_or_json(path: str | os.PathLike, max_bytes: int | str | None = No
     (an mlpfuse analysis); the caller decides what to do with that."""
     path = os.fspath(path)
     data = load_json(path, max_bytes)
+    refuse_execution_trace(data, path)
     if isinstance(data, dict) and "schema" in data and "traceEvents" not in data:
         return data
     return from_json(data, path)
