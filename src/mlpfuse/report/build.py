@@ -153,7 +153,13 @@ def _variant_section(v: Variant, report_path: str, budget: list[int]) -> str:
 def build_page(title: str, variants: list[Variant] = (), diffs: list[tuple[str, dict]] = (),
                bench: Bench | None = None, notes: list[str] = (), report_path: str = "report.html") -> str:
     """The whole page as a string. `diffs`: (title, diff dict) pairs; `notes`: lines shown under the title."""
-    variants = list(variants)
+    from mlpfuse.profiling.trace import no_gc
+
+    with no_gc():  # traces read here hold millions of small objects, as in the analysis
+        return _build_page(title, list(variants), diffs, bench, notes, report_path)
+
+
+def _build_page(title, variants, diffs, bench, notes, report_path) -> str:
     for i, v in enumerate(variants):
         v.anchor = _anchor(v.name, i)
     stamp = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")

@@ -20,7 +20,7 @@ from mlpfuse.profiling.trace import ANNOTATION, CPU_OP, PYTHON, RUNTIME, Trace
 from mlpfuse.report.markup import TITLE_CHARS, esc, plural, us
 from mlpfuse.report.steps import Span
 
-MAX_EVENTS = 150_000  # events the tree is built from
+MAX_EVENTS = 60_000  # events the tree is built from
 MAX_FRAMES = 4000  # frames drawn
 MAX_ROWS = 40
 WIDTH = 1200
@@ -82,7 +82,9 @@ def _sample(spans: list[Span], chosen: int, starts: np.ndarray) -> tuple[list[Sp
 
 def build(trace: Trace, spans: list[Span], chosen: int) -> Tree:
     events = list(chain(trace.annotations, trace.cpu_ops, trace.python, trace.runtime))
-    starts = np.sort(np.fromiter((e.ts for e in events), np.float64, len(events)))
+    ts = np.fromiter((e.ts for e in events), np.float64, len(events))
+    order = np.argsort(ts, kind="stable")
+    starts = ts[order]
     steps, cut_at = _sample(spans, chosen, starts)
     step_names = {s.name for s in spans}
     tree = Tree(steps=steps, of_steps=len(spans), cut_at=cut_at, has_python=bool(trace.python))
@@ -100,8 +102,9 @@ def build(trace: Trace, spans: list[Span], chosen: int) -> Tree:
     bound_starts = [lo for lo, _ in bounds]
     first, last = bounds[0][0], bounds[-1][1]
     by_thread: dict[tuple[str, str], list] = {}
-    for e in events:
-        if first <= e.ts < last and not (e.name in step_names and e.cat in (ANNOTATION, CPU_OP)):
+    window = order[np.searchsorted(starts, first, side="left"):np.searchsorted(starts, last, side="left")]
+    for e in map(events.__getitem__, window.tolist()):
+        if not (e.name in step_names and e.cat in (ANNOTATION, CPU_OP)):
             lo, hi = bounds[bisect.bisect_right(bound_starts, e.ts) - 1]
             if e.ts < hi:
                 by_thread.setdefault((str(e.pid), str(e.tid)), []).append((e.ts, -min(e.end, hi), e))
