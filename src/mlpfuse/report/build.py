@@ -175,7 +175,7 @@ def _build_page(title, variants, diffs, bench, notes, report_path) -> str:
                     + page.section("the verdict table", lambda: tables.verdict_table(variants))
                     + '<p class="note">Per step, averaged over the profiled steps. GPU busy is the time the GPU '
                     "ran any kernel, memset or memcpy in the step's GPU window; host µs is the step's wall time "
-                    "on the CPU; launch calls µs the CPU time inside the launch calls.</p></section>")
+                    "on the CPU; in launch calls, the CPU time spent inside the launch calls.</p></section>")
     if diffs:
         body.append('<section id="diffs"><h2>Diffs</h2>')
         for t, d in diffs:

@@ -40,6 +40,7 @@ table.kernels td:first-child,table.ops td:first-child,table.diff td:nth-child(2)
 .badge.muted{background:#eceff3;color:#4a5563}.badge.bad{background:#fde0e0;color:#a12020}
 .badge.removed{background:#fde0e0;color:#a12020}.badge.added{background:#dff3e4;color:#1b6b32}
 .badge.same{background:#eceff3;color:#4a5563}
+table.verdicts th,table.verdicts td{white-space:nowrap}
 ul.reasons{margin:4px 0 0;padding-left:20px;font-size:13px;color:var(--muted)}
 .busybar rect.idle{fill:#e3e7ec}.busybar rect.busy{fill:#2f7d4f}
 figure{margin:10px 0}figcaption{color:var(--muted);font-size:13px;margin-top:4px}

@@ -91,10 +91,10 @@ def busy_bar(busy, idle) -> str:
     b, i = finite(busy), finite(idle)
     if b is None or i is None or b + i <= 0:
         return ""
-    w = 120 * b / (b + i)
-    return (f'<svg class="busybar" width="122" height="12" viewBox="0 0 122 12" role="img">'
+    w = 80 * b / (b + i)
+    return (f'<svg class="busybar" width="82" height="12" viewBox="0 0 82 12" role="img">'
             f"<title>GPU busy {us(b)} µs, idle {us(i)} µs</title>"
-            f'<rect class="idle" x="1" y="1" width="120" height="10"/>'
+            f'<rect class="idle" x="1" y="1" width="80" height="10"/>'
             f'<rect class="busy" x="1" y="1" width="{w:.1f}" height="10"/></svg>')
 
 
@@ -106,8 +106,8 @@ def verdict_badge(kind: Any) -> str:
 
 def verdict_table(variants: list) -> str:
     """One row per variant (a failed one says why); the reasons follow as a list."""
-    heads = ["variant", "verdict", "kernels /step", "launches /step", "GPU busy µs", "GPU idle µs", "busy",
-             "host µs /step", "launch calls µs", "CPU ops /step"]
+    heads = ["variant", "verdict", "kernels/step", "launches/step", "GPU busy µs", "GPU idle µs", "GPU busy",
+             "host µs/step", "in launch calls µs", "CPU ops/step"]
     rows, reasons = [], []
     for v in variants:
         name = f'<a href="#{v.anchor}">{esc(v.name, 120)}</a>'
