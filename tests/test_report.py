@@ -308,6 +308,30 @@ def test_a_step_with_too_many_events_is_drawn_in_part_and_says_so():
     assert "&lt;b&gt;0&lt;/b&gt;" in html and "<b>0</b>" not in html
 
 
+def test_many_large_hostile_variants_still_make_a_page_under_5_mb():
+    """Names of 16k characters that grow when escaped (`&`, markup, bidi controls), thousands per step, on several
+    variants: the page drops whole parts, saying so, rather than grow past its limit."""
+    n, length = 2500, 16000
+    events = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 1, "tid": 1, "ts": 0.0,
+               "dur": 1e7}]
+    for i in range(n):
+        t = 2.0 + 50 * i
+        events += [{"ph": "X", "cat": "cpu_op", "name": f"op{i}" + "<o>" * (length // 3), "pid": 1, "tid": 1,
+                    "ts": t, "dur": 5000.0},
+                   {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel" + '"' * length, "pid": 1, "tid": 1,
+                    "ts": t + 1, "dur": 3.0, "args": {"correlation": i}},
+                   {"ph": "X", "cat": "kernel", "name": f"k{i}" + "&" * length, "pid": 0, "tid": 7, "ts": t + 10,
+                    "dur": 20.0, "args": {"correlation": i}},
+                   {"ph": "X", "cat": "python_function", "name": f"py{i}" + "\u202e" * length, "pid": 1, "tid": 1,
+                    "ts": t + 1.5, "dur": 1.0}]
+    tr = trace_mod.from_json({"traceEvents": events})
+    data = analyze(tr).to_dict()
+    html = build_page("big", [Variant(f"v{i}", data, trace_path="big.json", trace=tr) for i in range(3)])
+    assert len(html.encode()) < 5_000_000
+    assert "left out: the page reached its size limit" in html and BROKEN not in html
+    assert "\u202e" not in html and "<o>" not in html
+
+
 # ---------------------------------------------------------------- the commands that write it
 
 

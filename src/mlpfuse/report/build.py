@@ -18,8 +18,24 @@ from mlpfuse.errors import InputError
 from mlpfuse.report import flame, page, steps, tables, timeline
 from mlpfuse.report.markup import esc, plural, us
 
-# The page stays under this size: once the variants' pictures reach it, later variants keep their tables only.
-PICTURE_BUDGET = 3_500_000
+# Bytes the page's parts may take together (the page stays under 5 MB with its fixed parts): each part that would
+# pass it is replaced by a line saying it was left out. Pictures and tables are bounded each on their own; this
+# bounds their number.
+PAGE_BUDGET = 4_700_000
+
+
+class Budget:
+    def __init__(self, size: int = PAGE_BUDGET):
+        self.left = size
+
+    def take(self, part: str, what: str) -> str:
+        size = len(part.encode("utf-8", "replace"))
+        if size > self.left:
+            return (f'<p class="missing">{esc(what, 300)} left out: the page reached its size limit '
+                    f"({PAGE_BUDGET / 1e6:.1f} MB) with the parts above. Open the trace in Perfetto, or make a page "
+                    "of this trace alone with <code>mlpfuse analyze TRACE --html FILE</code>.</p>")
+        self.left -= size
+        return part
 
 
 @dataclass
@@ -81,15 +97,11 @@ def _trace_block(v: Variant, report_path: str) -> str:
             "nothing from the network.</p>")
 
 
-def _pictures(v: Variant, trace, budget: list[int]) -> str:
+def _pictures(v: Variant, trace, budget: Budget) -> str:
     data = v.analysis or {}
     spans = steps.step_spans(trace, data)
     if not spans:
         return '<p class="missing">The trace has no events to draw.</p>'
-    if budget[0] <= 0:
-        return ('<p class="missing">Timeline and flamegraph left out: the page reached its size budget with the '
-                "variants above; open this variant's trace in Perfetto, or make its own page with "
-                "<code>mlpfuse analyze TRACE --html FILE</code>.</p>")
     chosen, why = steps.choose_step(spans, data)
     out = []
 
@@ -118,13 +130,11 @@ def _pictures(v: Variant, trace, budget: list[int]) -> str:
                 + (f"<h4>Where the GPU work was launched from</h4>{table}" if table else ""))
 
     for what, fn in (("the timeline", draw_timeline), ("the flamegraph", draw_flame)):
-        part = page.section(f"{v.name}: {what}", fn)
-        budget[0] -= len(part)
-        out.append(part)
+        out.append(budget.take(page.section(f"{v.name}: {what}", fn), f"{v.name}: {what}"))
     return "".join(out)
 
 
-def _variant_section(v: Variant, report_path: str, budget: list[int]) -> str:
+def _variant_section(v: Variant, report_path: str, budget: Budget) -> str:
     about = f' <span class="sub">{esc(v.about, 300)}</span>' if v.about else ""
     out = [f'<section id="{v.anchor}"><h2>{esc(v.name, 200)}{about}</h2>']
     if v.analysis is None:
@@ -142,10 +152,11 @@ def _variant_section(v: Variant, report_path: str, budget: list[int]) -> str:
         out.append(f'<p class="missing">{esc(why, 1000)}</p>')
     else:
         out.append(_pictures(v, trace, budget))
-    out.append(page.section(f"{v.name}: tables", lambda: (
+    out.append(budget.take(page.section(f"{v.name}: tables", lambda: (
         "<h3>Per step</h3>" + tables.per_step_table(data) + "<h3>GPU kernels</h3>" + tables.kernel_table(data)
         + "<h3>CPU ops</h3>" + tables.op_table(data) + tables.zero_kernel_table(data)
-        + ("<h3>Largest GPU idle gaps</h3>" + tables.gaps_table(data) if data.get("gpu_gaps") else ""))))
+        + ("<h3>Largest GPU idle gaps</h3>" + tables.gaps_table(data) if data.get("gpu_gaps") else ""))),
+        f"{v.name}: the tables"))
     out.append("</section>")
     return "".join(out)
 
@@ -176,20 +187,21 @@ def _build_page(title, variants, diffs, bench, notes, report_path) -> str:
                     + '<p class="note">Per step, averaged over the profiled steps. GPU busy is the time the GPU '
                     "ran any kernel, memset or memcpy in the step's GPU window; host µs is the step's wall time "
                     "on the CPU; in launch calls, the CPU time spent inside the launch calls.</p></section>")
+    budget = Budget()
     if diffs:
         body.append('<section id="diffs"><h2>Diffs</h2>')
         for t, d in diffs:
-            body.append(f"<h3>{esc(t, 300)}</h3>" + page.section(f"diff {t}", lambda d=d: tables.diff_tables(d)))
+            body.append(f"<h3>{esc(t, 300)}</h3>" + budget.take(
+                page.section(f"diff {t}", lambda d=d: tables.diff_tables(d)), f"diff {t}"))
         body.append("</section>")
-    budget = [PICTURE_BUDGET]
     for v in variants:
         body.append(page.section(f"variant {v.name}", lambda v=v: _variant_section(v, report_path, budget)))
     if bench is not None:
         from mlpfuse.report.bench import bench_section
 
-        body.append('<section id="bench"><h2>Bench</h2>'
-                    + page.section("the bench tables", lambda: bench_section(bench.meta, bench.rows, bench.plots))
-                    + "</section>")
+        body.append('<section id="bench"><h2>Bench</h2>' + budget.take(
+            page.section("the bench tables", lambda: bench_section(bench.meta, bench.rows, bench.plots)),
+            "the bench plots and tables") + "</section>")
     if not variants and not diffs and bench is None:
         body.append('<p class="missing">Nothing to report: no variant, diff or bench result was given.</p>')
     body.append('<footer>Names from traces are shown as text, escaped; long names are cut on the page (the '

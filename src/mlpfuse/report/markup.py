@@ -15,7 +15,7 @@ import re
 from mlpfuse.errors import printable
 
 NAME_CHARS = 240  # names in tables; the analysis JSON keeps them whole
-TITLE_CHARS = 160  # names in SVG tooltips, of which a timeline may hold thousands
+TITLE_CHARS = 120  # names in SVG tooltips, of which a timeline may hold thousands
 _CLASS = re.compile(r"[^a-z0-9_-]+")
 
 
@@ -26,8 +26,22 @@ def cut(text: str, limit: int | None) -> str:
 
 
 def esc(value, limit: int | None = NAME_CHARS) -> str:
-    """Any value as HTML text (and attribute) content: printable, cut to `limit` characters, entity-escaped."""
-    return html.escape(cut(printable("" if value is None else value), limit), quote=True)
+    """Any value as HTML text (and attribute) content: printable, cut to `limit` characters, entity-escaped.
+
+    A name made of `&` or `"` grows six-fold when escaped; past twice the limit it is cut further, so the bytes a
+    name takes on the page stay bounded too."""
+    text = cut(printable("" if value is None else value), limit)
+    out = html.escape(text, quote=True)
+    if limit is not None and len(out) > 2 * limit:
+        kept, size = [], 0
+        for ch in text:
+            piece = html.escape(ch, quote=True)
+            size += len(piece)
+            if size > 2 * limit - 1:
+                break
+            kept.append(piece)
+        out = "".join(kept) + "…"
+    return out
 
 
 def css_class(word: str) -> str:

@@ -126,7 +126,7 @@ def timeline_svg(view: StepEvents, decoded: dict[str, str]) -> str:
             about = decoded.get(e.name, "")
             corr = f' data-correlation="{e.correlation}"' if e.correlation is not None else ""
             title = (f"{esc(e.name, TITLE_CHARS)} — {_when(e, t0)}; {esc(family)}"
-                     + (f"; {esc(about, TITLE_CHARS)}" if about else "")
+                     + (f"; {esc(about, 100)}" if about else "")
                      + (f"; correlation {e.correlation}" if e.correlation is not None else ""))
             x, _ = cv.rect(e, y, ROW + 4, f"gpu {kind} fam-{css_class(family)}", title, _short(e.name), corr)
             if e.correlation is not None and e.correlation in launch_at:
