@@ -253,9 +253,9 @@ def diff_tables(d: dict) -> str:
                      ("+" if dv is not None and dv > 0 else "") + fmt(dv)])
     if prow:
         out.append("<h4>Per step</h4>" + table(["", "A", "B", "B − A"], prow, "kv", numeric=(1, 2, 3)))
-    ops = [[f'<span class="badge removed">gone in B</span>', esc(o.get("name")), num(o.get("per_step"))]
+    ops = [['<span class="badge removed">gone in B</span>', esc(o.get("name")), num(o.get("per_step"))]
            for o in _rows(d.get("ops_removed"))]
-    ops += [[f'<span class="badge added">new in B</span>', esc(o.get("name")), num(o.get("per_step"))]
+    ops += [['<span class="badge added">new in B</span>', esc(o.get("name")), num(o.get("per_step"))]
             for o in _rows(d.get("ops_added"))]
     if ops:
         out.append("<h4>CPU ops</h4>" + table(["change", "op", "/step"], ops[:MAX_ROWS], "diff-ops",
