@@ -49,8 +49,8 @@ def diff_to_html(a, b, html_path, max_bytes=None):
     check_target(html_path)
     an_a, va = load_variant(a, max_bytes=max_bytes)
     an_b, vb = load_variant(b, max_bytes=max_bytes)
+    title = f"{va.name} → {vb.name}"
     va.name, vb.name = f"A: {va.name}", f"B: {vb.name}"
     result = diff(an_a, an_b)
-    write(html_path, f"mlpfuse diff: {va.name[3:]} → {vb.name[3:]}", [va, vb],
-          diffs=[(f"{va.name} → {vb.name}", result.to_dict())])
+    write(html_path, f"mlpfuse diff: {title}", [va, vb], diffs=[(f"A → B: {title}", result.to_dict())])
     return result
