@@ -60,6 +60,31 @@ def test_the_timeline_shows_a_typical_step():
     assert row["gpu_kernels"] + row["gpu_memsets"] == 7 and "average" in why
 
 
+def test_gpu_work_of_an_earlier_step_is_drawn_apart():
+    """The CPU runs ahead: each step's two 80 us kernels run while later steps are launched. The drawn step's own
+    kernels are `kernel`; the earlier step's, running inside its window, `other-step`."""
+    events, corr, gpu_free = [], 0, 20.0
+    for s in range(3):
+        t0 = 100.0 * s
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{s}", "pid": 1, "tid": 1,
+                       "ts": t0, "dur": 100.0})
+        for k in range(2):
+            corr += 1
+            events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+                           "ts": t0 + 5 + 5 * k, "dur": 2.0, "args": {"correlation": corr}})
+            events.append({"ph": "X", "cat": "kernel", "name": f"k{s}_{k}", "pid": 0, "tid": 7, "ts": gpu_free,
+                           "dur": 80.0, "args": {"correlation": corr}})
+            gpu_free += 80.0
+    tr = trace_mod.from_json({"traceEvents": events})
+    html = build_page("ahead", [Variant("ahead", analyze(tr).to_dict(), trace_path="a.json", trace=tr)])
+    ((svg, drawn),) = timeline_kernels(html)
+    assert svg["data-step"] == "ProfilerStep#2" and drawn == 2
+    other = [a for a in Elements(html).find("rect", "other-step") if "gpu" in a["class"].split()]
+    assert min(float(a["x"]) for a in other) >= float(Elements(html).find("line", "step-edge")[0]["x1"])
+    titles = re.findall(r'class="gpu other-step"[^>]*><title>([^<]*)</title>', html)
+    assert len(titles) == len(other) == 2 and all(t.startswith("k1_") for t in titles)
+
+
 def _gpu_under(doc, op_name: str) -> float:
     """GPU time launched from inside ops named op_name (time containment on the runtime call's thread), per step,
     over every step of the trace."""

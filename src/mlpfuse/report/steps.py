@@ -115,17 +115,17 @@ def step_events(trace: Trace, spans: list[Span], index: int, why: str) -> StepEv
     # Correlation ids of runtime calls in other steps: their GPU work is not this step's even if it runs here.
     launched_elsewhere = {e.correlation for e in trace.runtime if e.correlation is not None
                           and not lo <= e.ts <= hi} if trace.runtime else set()
-    mine, others = [], []
+    mine, rest = [], []
     for e in trace.gpu:
         c = e.correlation
         if c is not None and c in by_corr:
             mine.append(e)
         elif (c is None or c not in launched_elsewhere) and lo <= e.ts <= hi:
             mine.append(e)  # no runtime call to say which step launched it: the one it starts in
-        elif e.ts < hi and e.end > lo:
-            others.append(e)
+        else:
+            rest.append(e)
     window_end = max([hi] + [e.end for e in mine])
-    others = [e for e in others if e.ts < window_end]
+    others = [e for e in rest if e.ts < window_end and e.end > lo]
     ops = [e for e in chain(trace.annotations, trace.cpu_ops) if lo <= e.ts <= hi]
     nested = _nest(ops)
     deep = sum(1 for _, d in nested if d >= MAX_DEPTH)

@@ -52,8 +52,9 @@ class _Canvas:
         return LEFT + (t - self.t0) * self.scale
 
     def rect(self, e: Event, y: float, h: float, cls: str, title: str, label: str = "", extra: str = "") -> tuple:
-        x = self.x(e.ts)
-        w = max(e.dur * self.scale, 1.0)
+        start = max(e.ts, self.t0)  # another step's work may have started before this step: cut at its start
+        x = self.x(start)
+        w = max((e.end - start) * self.scale, 1.0)
         text = _label(label, w) if label else ""
         self.parts.append(f'<rect class="{cls}" x="{x:.2f}" y="{y:.1f}" width="{w:.2f}" height="{h}"{extra}>'
                           f"<title>{title}</title></rect>")
