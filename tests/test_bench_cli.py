@@ -90,6 +90,10 @@ def test_tiny_cpu_run_end_to_end(tmp_path, capsys, monkeypatch):
         image = matplotlib.image.imread(out / name)
         assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
+    html = (out / "report.html").read_text()  # the same tables, and both plots inlined
+    assert html.count('src="data:image/png;base64,') == 2 and html.count("<h4>") == 8
+    assert html.count("<tr>") - html.count("<table") == len(rows) and "could not be drawn" not in html
+
 
 def test_json_flag_prints_the_result(tmp_path, capsys):
     assert main([*TINY, "--variants", "eager", "--json", "--no-plots", "--no-profile", "--out", str(tmp_path)]) == 0

@@ -21,7 +21,7 @@ def test_profile_linear_expectations_and_exit_code(tmp_path, capsys):
     assert data["verdict"]["kind"] == "cpu-only"
     assert "batch=4 in_dim=8 out_dim=16 bias=True dtype=float32" in data["workload"]
     files = sorted(os.listdir(tmp_path))
-    assert files == ["linear-eager.analysis.json", "linear-eager.pt.trace.json.gz"]
+    assert files == ["linear-eager.analysis.json", "linear-eager.pt.trace.json.gz", "report.html"]
 
 
 def test_profile_no_bias_has_no_addmm(tmp_path, capsys):

@@ -291,9 +291,21 @@ def test_device_properties_of_any_shape(tmp_path, capsys, props, devices):
 
 def test_non_object_entries_and_unknown_categories_are_ignored(tmp_path, capsys):
     doc = gpu_trace()
-    doc["traceEvents"] += [1, "x", None, [1], {"ph": "X", "cat": "python_function", "name": "f", "ts": "bad"}]
+    doc["traceEvents"] += [1, "x", None, [1], {"ph": "X", "cat": "Trace", "name": "f", "ts": "bad"}]
     data = analyze_json(capsys, write(tmp_path, doc))
     assert data["per_step"]["gpu_kernels"] == 3 and data["skipped_events"] == {}
+
+
+def test_malformed_python_frames_are_counted(tmp_path, capsys):
+    # Python frames (with_stack=True) are read for the report's flamegraph, so they are checked like any event.
+    doc = gpu_trace()
+    doc["traceEvents"] += [{"ph": "X", "cat": "python_function", "name": "f", "pid": 1, "tid": 1, "ts": "bad",
+                            "dur": 1.0},
+                           {"ph": "X", "cat": "python_function", "name": "g", "pid": 1, "tid": 1, "ts": 5.0,
+                            "dur": 1.0}]
+    data = analyze_json(capsys, write(tmp_path, doc))
+    assert data["per_step"]["gpu_kernels"] == 3 and data["skipped_events"] == {"ts not a number": 1}
+    assert [e.name for e in trace_mod.load(write(tmp_path, doc, "b.json")).python] == ["g"]
 
 
 @pytest.mark.parametrize("where", ["document", "event args"])

@@ -3,6 +3,7 @@ results folder complete, and the walkthrough's CPU-side facts visible in its own
 
 import json
 import os
+from html import escape
 
 import pytest
 
@@ -46,6 +47,19 @@ def test_cpu_walkthrough_facts(results):
         assert "aten::t" in {o["name"] for o in d["ops_removed"]}
     mlp = {o["name"]: o["per_step"] for o in cases["geglu-mlp-eager"]["ops"]}
     assert mlp["aten::linear"] == 3 and mlp["aten::gelu"] == 1 and mlp["aten::mul"] == 1
+
+
+def test_report_html_has_every_case(results):
+    out, summary = results
+    html = (out / "report.html").read_text()
+    assert "could not be drawn" not in html and "No GPU in this run" in html
+    for case in summary["cases"]:
+        assert f"{case}.pt.trace.json.gz" in html and 'data-step="ProfilerStep#' in html
+    for reason in summary["failed"].values():
+        assert f"Not run: {escape(reason)}" in html
+    assert html.count('class="timeline"') == len(summary["cases"])
+    for title in summary["diffs"]:
+        assert title.replace(">", "&gt;") in html
 
 
 def test_summary_md_names_every_case(results):

@@ -1,9 +1,10 @@
 """`mlpfuse walkthrough`: the nn.Linear -> fused MLP story, end to end, on this machine.
 
 Profiles Linear eager vs torch.compile, the GeGLU MLP eager vs torch.compile, and the MLP through mlpfuse's fused
-modules where they import; prints each profile and the diffs between them; writes traces, analysis JSON and a
-summary.md to the results folder, each file replaced atomically. A variant that fails (no C++ compiler for
-torch.compile on CPU, fused modules not importable) is recorded with its one-line reason and the walkthrough goes on.
+modules where they import; prints each profile and the diffs between them; writes traces, analysis JSON, a
+summary.md and report.html (`mlpfuse.report`) to the results folder, each file replaced atomically. A variant
+that fails (no C++ compiler for torch.compile on CPU, fused modules not importable) is recorded with its one-line
+reason and the walkthrough goes on.
 """
 
 from __future__ import annotations
@@ -119,8 +120,29 @@ def _run(args, device: str, out: str) -> int:
     atomic_write_text(os.path.join(out, "summary.json"), json.dumps(
         {"device": device, "threads": args.threads, "cases": {c: a.to_dict() for c, a in analyses.items()},
          "failed": failed, "diffs": diffs}, indent=1))
-    console.print(f"results: {out}/ (summary.md, traces *.pt.trace.json.gz open in https://ui.perfetto.dev)")
+    report = _report(out, device, analyses, described, failed, diffs)
+    console.print(f"results: {out}/ (report.html, summary.md, traces *.pt.trace.json.gz open in "
+                  "https://ui.perfetto.dev)")
+    console.print(f"report: {report}", markup=False, highlight=False)
     return 0
+
+
+def _report(out, device, analyses, described, failed, diffs) -> str:
+    from mlpfuse.report import Variant, write
+
+    variants = []
+    for case, _, _ in CASES:
+        if case in analyses:
+            variants.append(Variant(case, analyses[case].to_dict(), about=described[case],
+                                    trace_path=os.path.join(out, f"{case}.pt.trace.json.gz")))
+        elif case in failed:
+            variants.append(Variant(case, error=failed[case]))
+    notes = []
+    if not any(a.data.get("devices") for a in analyses.values()):
+        notes.append("No GPU in this run: the pages show CPU ops only. Kernels, launches, GPU lanes and the "
+                     "fused MLP's story need a CUDA device.")
+    return write(os.path.join(out, "report.html"), f"mlpfuse walkthrough ({device})", variants,
+                 diffs=list(diffs.items()), notes=notes, what="--out")
 
 
 # What a run on the CPU can tell, said once in its summary.

@@ -147,6 +147,7 @@ def run_command(args) -> int:
 
         written += [p for p in (plots.speedup_plot(result, folder / "speedup.png"),
                                 plots.roofline_plot(result, folder / "roofline.png")) if p]
+    written.append(_report(folder, result, [p for p in written if p.suffix == ".png"]))
     if args.json:
         print(outputs.to_json(result))
     else:
@@ -157,6 +158,14 @@ def run_command(args) -> int:
         err.print("[red]disagreed with the fp64 reference:[/] " + "; ".join(wrong))
         return 1
     return 0
+
+
+def _report(folder: Path, result, plots: list[Path]) -> Path:
+    from mlpfuse.report import Bench, write
+
+    meta = result.meta
+    title = f"mlpfuse bench — {meta.get('device', '')}"
+    return Path(write(folder / "report.html", title, bench=Bench(meta, result.rows, plots), what="--out"))
 
 
 _OPTIONS = ("preset", "tokens", "dim", "hidden", "dtype", "activation", "workload", "mode", "variants",

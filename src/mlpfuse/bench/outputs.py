@@ -112,7 +112,7 @@ TABLE_COLUMNS = (
 )
 
 
-def _columns(rows: list[dict]):
+def table_columns(rows: list[dict]):
     """The table's columns minus those empty in every row (GPU time on a CPU, counts without the profiler)."""
     no_gpu = all(r["gpu_us"] is None for r in rows)
     # Without a GPU the headline speed-up already is the wall-time one, and kernels/launches are all zero.
@@ -128,7 +128,7 @@ def _cases(result: BenchResult):
     return groupby(result.rows, key=lambda r: r["case"])
 
 
-def _case_caption(rows: list[dict]) -> str:
+def case_caption(rows: list[dict]) -> str:
     r = rows[0]
     floor = next((x["floor_us"] for x in rows if x.get("floor_us")), None)
     where = f"floor {floor:.1f} µs" if floor else "floor –"
@@ -163,9 +163,9 @@ def markdown(result: BenchResult) -> str:
         lines.append(f"\nNote: {note}")
     for _, group in _cases(result):
         rows = list(group)
-        columns = _columns(rows)
+        columns = table_columns(rows)
         heads = [h for h, _ in columns]
-        lines += ["", f"### {_case_caption(rows)}", "", "| " + " | ".join(heads) + " |"]
+        lines += ["", f"### {case_caption(rows)}", "", "| " + " | ".join(heads) + " |"]
         lines.append("|" + "|".join("---" for _ in heads) + "|")
         for r in rows:
             cells = [fn(r).replace("|", "\\|") for _, fn in columns]
@@ -184,8 +184,8 @@ def print_table(result: BenchResult, console) -> None:
     console.print(peaks_line(result.meta))
     for _, group in _cases(result):
         rows = list(group)
-        columns = _columns(rows)
-        table = Table(title=_case_caption(rows), title_justify="left", show_lines=False)
+        columns = table_columns(rows)
+        table = Table(title=case_caption(rows), title_justify="left", show_lines=False)
         for head, _ in columns:
             table.add_column(head, overflow="fold", max_width=60 if head == "status" else None)
         for r in rows:

@@ -22,6 +22,7 @@ _SIZE_OPTIONS = {
 
 _MAX_BYTES_HELP = ("most bytes read from a trace file or inflated from its gzip, e.g. 500M or 8G "
                    "(default $MLPFUSE_MAX_TRACE_BYTES, else 2G)")
+_HTML_HELP = "also write a self-contained HTML report (timeline, flamegraph, tables) to FILE"
 
 
 def register(subparsers) -> None:
@@ -35,6 +36,7 @@ def register(subparsers) -> None:
                         "(default auto: ProfilerStep#N spans, else the whole trace)")
     p.add_argument("--json", action="store_true", help="print the analysis as JSON (schema in the README)")
     p.add_argument("--max-bytes", metavar="SIZE", help=_MAX_BYTES_HELP)
+    p.add_argument("--html", metavar="FILE", help=_HTML_HELP)
     p.set_defaults(func=run_analyze)
 
     p = subparsers.add_parser("diff", help="what changed between two traces (or saved analysis JSON)")
@@ -42,6 +44,7 @@ def register(subparsers) -> None:
     p.add_argument("b", metavar="B", help="the trace (or saved analysis) after the change")
     p.add_argument("--json", action="store_true", help="print the diff as JSON (schema in the README)")
     p.add_argument("--max-bytes", metavar="SIZE", help=_MAX_BYTES_HELP)
+    p.add_argument("--html", metavar="FILE", help=_HTML_HELP)
     p.set_defaults(func=run_diff)
 
     p = subparsers.add_parser("profile", help="profile a built-in workload (linear, geglu-mlp)",
@@ -97,7 +100,14 @@ def run_analyze(args) -> int:
     from mlpfuse.profiling import render
     from mlpfuse.profiling.analysis import analyze
 
-    result = analyze(args.trace, label=args.label, max_bytes=args.max_bytes, steps_from=args.steps_from)
+    if args.html:
+        from mlpfuse.report import analyze_to_html
+
+        result = analyze_to_html(args.trace, args.html, label=args.label, max_bytes=args.max_bytes,
+                                 steps_from=args.steps_from)
+        print(f"report: {args.html}", file=sys.stderr)
+    else:
+        result = analyze(args.trace, label=args.label, max_bytes=args.max_bytes, steps_from=args.steps_from)
     if args.json:
         _dump(result.to_dict())
     else:
@@ -109,7 +119,13 @@ def run_diff(args) -> int:
     from mlpfuse.profiling import render
     from mlpfuse.profiling.diff import diff
 
-    result = diff(args.a, args.b, max_bytes=args.max_bytes)
+    if args.html:
+        from mlpfuse.report import diff_to_html
+
+        result = diff_to_html(args.a, args.b, args.html, max_bytes=args.max_bytes)
+        print(f"report: {args.html}", file=sys.stderr)
+    else:
+        result = diff(args.a, args.b, max_bytes=args.max_bytes)
     if args.json:
         _dump(result.to_dict())
     else:
@@ -153,10 +169,15 @@ def run_profile(args) -> int:
     data = result.to_dict()
     data["workload"] = built.describe()
     _write_json(os.path.join(args.out, f"{built.label}.analysis.json"), data)
+    from mlpfuse.report import Variant, write
+
+    report = write(os.path.join(args.out, "report.html"), f"mlpfuse profile: {built.label}",
+                   [Variant(built.label, data, trace_path=trace_path, about=built.describe())], what="--out")
     if args.json:
         _dump({**data, "expectations": [r.to_dict() for r in result.expectations]})
     else:
         render.print_analysis(data)
         render.print_expectations(result.expectations)
         print(f"trace: {trace_path}  (open in https://ui.perfetto.dev)")
+        print(f"report: {report}")
     return 1 if any(not r.ok for r in result.expectations) else 0

@@ -40,6 +40,7 @@ RUNTIME = "runtime"  # CUDA runtime and driver API calls (launches, memcpy/memse
 KERNEL = "kernel"
 MEMSET = "memset"
 MEMCPY = "memcpy"
+PYTHON = "python_function"  # Python frames, in traces captured with with_stack=True (read by the report only)
 
 _CATEGORIES = {
     "cpu_op": CPU_OP,
@@ -53,6 +54,7 @@ _CATEGORIES = {
     "memset": MEMSET,
     "gpu_memcpy": MEMCPY,
     "memcpy": MEMCPY,
+    "python_function": PYTHON,
 }
 GPU_CATEGORIES = (KERNEL, MEMSET, MEMCPY)
 
@@ -84,6 +86,7 @@ class Trace:
     annotations: list[Event] = field(default_factory=list)
     runtime: list[Event] = field(default_factory=list)
     gpu: list[Event] = field(default_factory=list)  # kernels, memsets and memcpys
+    python: list[Event] = field(default_factory=list)  # Python frames (with_stack=True), for flamegraphs
     metadata: dict[str, Any] = field(default_factory=dict)  # top-level keys other than traceEvents
     n_events: int = 0
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> malformed events left out
@@ -499,7 +502,7 @@ def _build(ex: Extracted, n_events: int, metadata: dict, path: str) -> Trace:
     trace = Trace(path=path, metadata=metadata, n_events=n_events, skipped=dict(ex.skipped),
                   repaired=dict(ex.repaired), skipped_steps=ex.skipped_steps, unread=dict(unread.most_common()))
     buckets = {CPU_OP: trace.cpu_ops, ANNOTATION: trace.annotations, RUNTIME: trace.runtime, KERNEL: trace.gpu,
-               MEMSET: trace.gpu, MEMCPY: trace.gpu}
+               MEMSET: trace.gpu, MEMCPY: trace.gpu, PYTHON: trace.python}
     make = tuple.__new__
     for row in ex.rows:
         buckets[row[1]].append(make(Event, row))
