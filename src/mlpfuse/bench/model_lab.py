@@ -122,19 +122,27 @@ def liger_missing(device: torch.device) -> str | None:
     return None
 
 
-def apply_liger(model: torch.nn.Module, model_type: str) -> None:
-    """Liger's patch for this model type with only its MLP option on. Liger also rebinds names in the model's
-    transformers module (its MLP class) for models built later: those are put back, so other variants built from
-    the same classes stay what they are."""
+def _liger_fn(model_type: str):
+    """(Liger's apply function for this model type, its MLP options), or (None, why not)."""
     from liger_kernel.transformers import monkey_patch
 
     fn = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
     if fn is None:
-        raise InputError(f"liger: no Liger patch for model type {model_type!r}")
-    params = inspect.signature(fn).parameters
-    mlp = [p for p in ("swiglu", "geglu") if p in params]
+        return None, f"Liger has no patch for model type {model_type!r}"
+    mlp = [p for p in ("swiglu", "geglu") if p in inspect.signature(fn).parameters]
     if not mlp:
-        raise InputError(f"liger: Liger's patch for {model_type!r} has no MLP option")
+        return None, f"Liger's patch for {model_type!r} has no MLP option"
+    return fn, mlp
+
+
+def apply_liger(model: torch.nn.Module, model_type: str) -> None:
+    """Liger's patch for this model type with only its MLP option on. Liger also rebinds names in the model's
+    transformers module (its MLP class) for models built later: those are put back, so other variants built from
+    the same classes stay what they are."""
+    fn, mlp = _liger_fn(model_type)
+    if fn is None:
+        raise InputError(f"liger: {mlp}")
+    params = inspect.signature(fn).parameters
     flags = {p: p in mlp for p, v in params.items() if p != "model" and isinstance(v.default, bool)}
     module = sys.modules[type(model).__module__]
     saved = dict(vars(module))
@@ -368,7 +376,11 @@ def _skip_reason(variant: str, built: models.Built, case: LabCase, device: torch
     if case.mode == "decode" and built.kind != models.CAUSAL:
         return f"a {built.kind} LM does not generate"
     if variant == "liger":
-        return liger_missing(device)
+        missing = liger_missing(device)
+        if missing:
+            return missing
+        fn, why = _liger_fn(built.model_type)
+        return why if fn is None else None
     return None
 
 
