@@ -9,7 +9,6 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import mlpfuse
 from mlpfuse.patching import GatedBlock, TwoLayerBlock

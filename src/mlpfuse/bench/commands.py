@@ -234,7 +234,6 @@ def _run_with_progress(sweep, cases, chosen, device, peaks, settings, console, c
 
 def run_model_lab(args) -> int:
     """`mlpfuse bench --model ...`: every flag checked before the model is built."""
-    import torch
     from rich.console import Console
 
     from mlpfuse.bench import lab_outputs, model_lab, models

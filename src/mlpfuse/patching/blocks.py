@@ -19,7 +19,6 @@ Layouts (mlpfuse.patching.table names the families that use them):
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 from torch import Tensor
 
