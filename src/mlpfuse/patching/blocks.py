@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from mlpfuse.modules import _weight_bias
+from mlpfuse.ops import dispatch
 from mlpfuse.ops.gated_mlp import DecodeShortcut, gated_mlp_call
 from mlpfuse.ops.linear_act import linear_act_call
 
@@ -115,9 +116,15 @@ class TwoLayerBlock(PatchedBlock):
         w, b = _weight_bias(fc)
         if proj.weight.dtype is not w.dtype or self._dropout_active():
             return self._source_forward(hidden_states)
+        backend = self.fused_backend
         if self.fused_transposed:
             w = w.t()  # Conv1D keeps [in, out]: the [out, in] view the op takes, no copy
-        h = linear_act_call(hidden_states, w, b, self.fused_activation, self.fused_backend)
+            # The GEMM+activation kernel's fast (TMA) mainloop needs unit-stride weight rows; `auto`'s thresholds
+            # were measured with them. Over this view `auto` keeps cuBLAS (the activation still runs as one op);
+            # backend="triton" forces the kernel's pointer-load path.
+            if dispatch.resolve_backend(backend) == "auto":
+                backend = "torch"
+        h = linear_act_call(hidden_states, w, b, self.fused_activation, backend)
         y = proj(h)
         return mods[self.fused_dropout_after](y) if self.fused_dropout_after else y
 
