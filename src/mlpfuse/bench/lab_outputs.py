@@ -3,9 +3,10 @@ table per case) and the terminal tables. Files are replaced atomically, as the o
 
 Row fields: model, model_type, weights, layers, mode, batch, seq, new_tokens, case, variant, dtype, status (ok |
 skipped | error | wrong), error, time_ms (GPU time per call for prefill and train on CUDA, else wall time; decode:
-wall ms per generated token), spread_pct, wall_ms, unit, peak_mem_mb (CUDA: above what was allocated before the
-call), first_call_ms (compilation included), rel_err (last-position logits against the fp32 run, relative Frobenius),
-err_vs_eager, vs_eager (time ratio, < 1 is faster), vs_compile, mem_vs_eager, patched (blocks mlpfuse swapped).
+wall ms per generated token), spread_pct, wall_ms, unit, peak_mem_mb (CUDA: the peak above what was allocated
+before the call, the weights' gradients freed first), first_call_ms (compilation included), rel_err (last-position
+logits against the fp32 run, relative Frobenius), err_vs_eager, vs_eager (time ratio, < 1 is faster), vs_compile,
+mem_vs_eager, patched (blocks mlpfuse swapped).
 """
 
 from __future__ import annotations

@@ -180,7 +180,6 @@ def _forward_last(module, ids, kind):
 def prepare(variant: str, built: models.Built, case: LabCase, ids: torch.Tensor, settings: LabSettings,
             device: torch.device) -> Prepared:
     module = twin(built.model)
-    report = None
     if variant == "liger":
         apply_liger(module, built.model_type)
     if variant.startswith("mlpfuse"):
@@ -413,6 +412,7 @@ def _run_case(built, case, variants, rows, ref, settings, device, progress) -> N
                 for step in p.steps.values():
                     step()
             if cuda:
+                p.module.zero_grad(set_to_none=True)  # the peak above the weights: a train step's gradients count
                 timing.sync(device)
                 torch.cuda.reset_peak_memory_stats(device)
                 base = torch.cuda.memory_allocated(device)
