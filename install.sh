@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs mlpfuse into the current Python environment (PYTHON, default python3).
 #   bash install.sh        mlpfuse and its runtime needs
-#   bash install.sh test   the same, plus what the test suite needs (Debian's chromium too, when run as root)
+#   bash install.sh test   the same, plus what the test suite needs (pytest, hypothesis, transformers 5; Debian's
+#                          chromium too, when run as root)
 # An installed torch is never replaced: a CUDA build stays as it is. Only where no torch is importable does this
 # install one, pinned (MLPFUSE_TORCH, default torch==2.13.0) so that a CPU machine gets that release's CPU wheel
 # from its package index rather than whatever newest build pip would resolve on its own.
@@ -18,7 +19,7 @@ fi
 case "${1:-run}" in
     run) pip_install -e . ;;
     test)
-        pip_install -e ".[test]"
+        pip_install -e ".[test,models]"
         # Without CUDA the suite runs the Triton kernels through Triton's interpreter (Triton 3.6, which needs
         # numpy < 2.4). A CUDA machine keeps its own Triton and numpy.
         if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then

@@ -165,3 +165,28 @@ def test_compile_with_the_triton_backend():
         torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(xx.grad, g_ref[0], rtol=1e-5, atol=1e-5)
+
+
+
+def _on_fake_cuda(module, dim):
+    """`module` with its Linear weights replaced by fake CUDA tensors, and a fake CUDA input [3, dim]: Dynamo then
+    traces the forward down the branches a GPU takes (the decode shortcut's `x.is_cuda` holds) on a machine
+    without one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        for lin in (m for m in module.modules() if isinstance(m, torch.nn.Linear)):
+            lin.weight = torch.nn.Parameter(torch.empty(lin.weight.shape, device="cuda"))
+        return torch.empty(3, dim, device="cuda")
+
+
+def test_gated_module_traces_fullgraph_on_cuda_inputs_under_no_grad():
+    # Under no_grad a CUDA input reaches the decode shortcut, which once asked torch._C._is_tracing() first: Dynamo
+    # cannot trace that call ("torch.* op returned non-Tensor"), so a model holding the module failed to compile.
+    # (Under grad the shortcut returns before; compiling with grad is tested on CPU models in test_patching_models.)
+    m = GatedMLP(16, 24, activation="silu", device="meta")
+    x = _on_fake_cuda(m, 16)
+    with torch.no_grad():
+        ep = torch.export.export(m, (x,), strict=True)
+    ops = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert ops == ["mlpfuse.gated_mlp.default"], ops

@@ -104,3 +104,14 @@ def test_unavailable_variant_is_recorded_not_fatal(tmp_path, monkeypatch):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert list(summary["cases"]) == ["linear-eager"]
     assert "cannot be imported" in summary["failed"]["linear-mlpfuse"]
+
+
+def test_walkthrough_ends_with_a_patched_model_layer(results):
+    pytest.importorskip("transformers")
+    out, summary = results
+    keys = [k for k in summary["diffs"] if k.endswith(": eager -> mlpfuse.patch")]
+    assert keys == ["llama3-8b (tiny), 1 layer 1x64 float32: eager -> mlpfuse.patch"]
+    d = summary["diffs"][keys[0]]
+    assert "mlpfuse::gated_mlp" in {o["name"] for o in d["ops_added"]}  # the layer's MLP, now one op
+    assert f"## diff {keys[0]}" in (out / "summary.md").read_text()
+    assert {"model-eager.pt.trace.json.gz", "model-mlpfuse.pt.trace.json.gz"} <= set(os.listdir(out / "model"))

@@ -17,6 +17,9 @@ _EXPORTS = {
     "profile": "mlpfuse.profiling",
     "analyze": "mlpfuse.profiling",
     "diff": "mlpfuse.profiling",
+    "patch": "mlpfuse.patching",
+    "unpatch": "mlpfuse.patching",
+    "PatchReport": "mlpfuse.patching",
     "InputError": "mlpfuse.errors",
 }
 

@@ -84,6 +84,22 @@ def _check_init(sizes: tuple, bias, device, dtype) -> tuple[int, ...]:
     return ints
 
 
+def activation_name(fn) -> Optional[str]:
+    """Our name for the activation an object computes (a torch.nn or transformers activation module, F.silu-style
+    function, or a name), or None when it is not one of ours."""
+    if isinstance(fn, str):
+        try:
+            return activations.get(fn).name
+        except InputError:
+            return None
+    if isinstance(fn, nn.GELU):
+        return "gelu_tanh" if fn.approximate == "tanh" else "gelu"
+    name = _ACTIVATION_CLASSES.get(type(fn).__name__)
+    if name is None and callable(fn) and getattr(fn, "__name__", None) in ("silu", "gelu", "relu"):
+        name = fn.__name__  # a plain function such as F.silu
+    return name
+
+
 def _activation_of(module: nn.Module, argument: str = "activation") -> str:
     """The activation a source module applies: its activation attribute, else its config's hidden_act."""
     for attr in _ACTIVATION_ATTRS:
@@ -92,11 +108,7 @@ def _activation_of(module: nn.Module, argument: str = "activation") -> str:
             continue
         if isinstance(fn, str):
             return activations.get(fn, argument=f"{argument} ({attr})").name
-        if isinstance(fn, nn.GELU):
-            return "gelu_tanh" if fn.approximate == "tanh" else "gelu"
-        name = _ACTIVATION_CLASSES.get(type(fn).__name__)
-        if name is None and callable(fn) and getattr(fn, "__name__", None) in ("silu", "gelu", "relu"):
-            name = fn.__name__  # a plain function such as F.silu
+        name = activation_name(fn)
         if name is None:
             raise InputError(
                 f"{argument}: cannot tell which activation {type(module).__name__}.{attr} "

@@ -1,10 +1,11 @@
 """`mlpfuse walkthrough`: the nn.Linear -> fused MLP story, end to end, on this machine.
 
 Profiles Linear eager vs torch.compile, the GeGLU MLP eager vs torch.compile, and the MLP through mlpfuse's fused
-modules where they import; prints each profile and the diffs between them; writes traces, analysis JSON, a
-summary.md and report.html (`mlpfuse.report`) to the results folder, each file replaced atomically. A variant
-that fails (no C++ compiler for torch.compile on CPU, fused modules not importable) is recorded with its one-line
-reason and the walkthrough goes on.
+modules where they import; prints each profile and the diffs between them; where transformers is installed, ends
+with one Llama-3-8B-shaped layer before and after `mlpfuse.patch` (toy widths on a CPU); writes traces, analysis
+JSON, a summary.md and report.html (`mlpfuse.report`) to the results folder, each file replaced atomically. A
+variant that fails (no C++ compiler for torch.compile on CPU, fused modules not importable) is recorded with its
+one-line reason and the walkthrough goes on.
 """
 
 from __future__ import annotations
@@ -115,6 +116,10 @@ def _run(args, device: str, out: str) -> int:
             diffs[f"{a} -> {b}"] = d.to_dict()
             render.print_diff(d.to_dict(), console)
 
+    model_part = _model_layer(device, args.dtype, os.path.join(out, "model"), console, failed)
+    if model_part is not None:
+        diffs[f"{model_part.label}: eager -> mlpfuse.patch"] = model_part.diff.to_dict()
+
     summary = _summary_md(device, analyses, described, failed, diffs, time.perf_counter() - started, args.threads)
     atomic_write_text(os.path.join(out, "summary.md"), summary)
     atomic_write_text(os.path.join(out, "summary.json"), json.dumps(
@@ -154,6 +159,35 @@ CPU_NOTE = (
     "`mlpfuse walkthrough` on a machine with a GPU. CPU step times are wall times of the CPU kernels, noisy on a "
     "shared machine: intra-op threads were pinned to {threads} for this run (--threads)."
 )
+
+
+MODEL = "llama3-8b"  # one layer of it, before and after mlpfuse.patch
+
+
+def _model_layer(device, dtype, out, console, failed):
+    """The story on a real model's layer, where transformers is installed; None (and said why) otherwise."""
+    import importlib.util
+
+    from rich.text import Text
+
+    case = f"{MODEL} layer: eager -> mlpfuse.patch"
+    if importlib.util.find_spec("transformers") is None:
+        failed[case] = "unavailable: transformers is not installed (pip install 'mlpfuse[models]')"
+        console.print(Text(f"{case}: skipped ({failed[case]})", style="yellow"))
+        return None
+    from mlpfuse.bench import model_diff
+    from mlpfuse.profiling import render
+
+    try:
+        result = model_diff.profile_model(MODEL, device=device, dtype=dtype, out=out)
+    except Exception as exc:  # noqa: BLE001 - the walkthrough goes on, as for the other cases
+        failed[case] = _one_line(exc)
+        console.print(Text(f"{case}: failed ({failed[case]})", style="red"))
+        return None
+    console.rule(f"{result.label}: eager -> mlpfuse.patch")
+    console.print(result.report.summary(), markup=False, highlight=False)
+    render.print_diff(result.diff.to_dict(), console)
+    return result
 
 
 def _summary_md(device, analyses, described, failed, diffs, seconds, threads=1) -> str:

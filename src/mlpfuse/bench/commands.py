@@ -15,7 +15,13 @@ EPILOG = """examples:
   mlpfuse bench --preset decode                        1..64 tokens x 4096x14336
   mlpfuse bench --tokens 1,64,512,4096 --dim 768 --hidden 3072 --activation gelu_tanh,silu --workload gated
   mlpfuse bench --preset small --variants eager,compile,mlpfuse --compile-mode max-autotune
-exit status: 0 ok, 1 a variant disagreed with the fp64 reference, 2 bad input.
+model lab (a whole transformers model; eager, compile, liger, mlpfuse, mlpfuse-compile):
+  mlpfuse bench --model llama3-8b --tokens 1x8192                      prefill, 32 layers
+  mlpfuse bench --model llama3-8b --layers 4 --mode decode,train --tokens 2x2048
+  mlpfuse bench --model gpt2 --tokens 1x128,8x128 --mode prefill,decode,train
+  mlpfuse bench --model gpt2 --tiny --device cpu                       a CPU-sized run of the same code
+  mlpfuse bench --model ./my-model-folder --layers 2                   a local config.json (and its weights)
+exit status: 0 ok, 1 a variant disagreed with the fp64 reference (model lab: gave non-finite logits), 2 bad input.
 """
 
 
@@ -48,6 +54,15 @@ def register(subparsers) -> None:
     p.add_argument("--out", help="output folder (default ./mlpfuse-results/bench-<device>/<timestamp>)")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     p.add_argument("--list", action="store_true", help="list presets, workloads and variants, then exit")
+    lab = p.add_argument_group("model lab (with --model; --tokens, --mode, --variants, --dtype, --rounds, "
+                               "--target-ms, --device, --out, --json apply too)")
+    lab.add_argument("--model", help="llama3-8b, gemma2-2b, qwen3-4b, gpt2, bert-base, or a local model folder")
+    lab.add_argument("--layers", type=int, help="decoder layers to build (default: the model's own count)")
+    lab.add_argument("--tiny", action="store_true", help="the built-in model at toy widths (CPU runs, tests)")
+    lab.add_argument("--new-tokens", type=int, help="decode: tokens generated per timed call (default 32)")
+    lab.add_argument("--backend", help="mlpfuse backend of the patched variants: auto, triton, torch (default auto)")
+    lab.add_argument("--compile-backend", help="torch.compile backend of the compile variants (default inductor; "
+                     "aot_eager compiles fast, for checks)")
     p.set_defaults(func=run_command)
 
 
@@ -85,9 +100,19 @@ def _print_list() -> int:
     return 0
 
 
+_SWEEP_ONLY = ("preset", "dim", "hidden", "activation", "workload", "compile_mode", "remeasure_peaks", "no_profile",
+               "no_plots")
+_LAB_ONLY = ("layers", "tiny", "new_tokens", "backend", "compile_backend")
+
+
 def run_command(args) -> int:
     if args.list:
         return _print_list()
+    if args.model is not None:
+        return run_model_lab(args)
+    for name in _LAB_ONLY:
+        if getattr(args, name, None) not in (None, False):
+            raise InputError(f"--{name.replace('_', '-')}: applies to the model lab only (give --model)")
     from rich.console import Console
 
     from mlpfuse.bench import outputs, presets, roofline, sweep, variants
@@ -170,12 +195,14 @@ def _report(folder: Path, result, plots: list[Path]) -> Path:
 
 _OPTIONS = ("preset", "tokens", "dim", "hidden", "dtype", "activation", "workload", "mode", "variants",
             "compile_mode", "device", "rounds", "target_ms", "no_profile", "no_plots", "remeasure_peaks", "out", "json")
+_LAB_OPTIONS = ("model", "layers", "tiny", "tokens", "mode", "new_tokens", "variants", "dtype", "backend",
+                "compile_backend", "device", "rounds", "target_ms", "out", "json")
 
 
-def _command_line(args) -> str:
+def _command_line(args, options=_OPTIONS) -> str:
     """The command that reproduces this run, rebuilt from the parsed flags (however main() was called)."""
     words = ["mlpfuse", "bench"]
-    for name in _OPTIONS:
+    for name in options:
         value = getattr(args, name, None)
         if value in (None, False) or (name == "device" and value == "auto"):
             continue
@@ -194,11 +221,11 @@ def _make_folder(folder: Path) -> None:
         raise InputError(f"--out: cannot create {folder} ({exc.strerror or type(exc).__name__})") from None
 
 
-def _default_out(device) -> Path:
+def _default_out(device, kind: str = "bench") -> Path:
     from mlpfuse.bench.roofline import device_slug
 
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("mlpfuse-results") / f"bench-{device_slug(device)}" / stamp
+    return Path("mlpfuse-results") / f"{kind}-{device_slug(device)}" / stamp
 
 
 def _run_with_progress(sweep, cases, chosen, device, peaks, settings, console, command, on_case):
@@ -212,3 +239,91 @@ def _run_with_progress(sweep, cases, chosen, device, peaks, settings, console, c
             bar.update(task, advance=n, description=description)
 
         return sweep.run(cases, chosen, device, peaks, settings, progress=advance, command=command, on_case=on_case)
+
+
+def _lab_report(folder: Path, result) -> Path:
+    """report.html beside the lab's results: the same tables as results.md, and what was run."""
+    from mlpfuse.bench import lab_outputs
+    from mlpfuse.report import Bench, write
+
+    meta = result.meta
+    notes = [f"Command: {meta.get('command')}", *meta.get("notes", [])]
+    bench = Bench({}, result.rows, [], columns=lab_outputs.table_columns, caption=lab_outputs.case_caption)
+    return Path(write(folder / "report.html", f"mlpfuse model lab ({meta.get('device')})", bench=bench, notes=notes,
+                      what="--out"))
+
+
+def run_model_lab(args) -> int:
+    """`mlpfuse bench --model ...`: every flag checked before the model is built."""
+    from rich.console import Console
+
+    from mlpfuse.bench import lab_outputs, model_lab, models
+    from mlpfuse.ops import dispatch
+
+    for name in _SWEEP_ONLY:
+        if getattr(args, name, None) not in (None, False):
+            raise InputError(f"--{name.replace('_', '-')}: does not apply to the model lab (--model)")
+    device = _device(args.device)
+    on_cpu = device.type != "cuda"
+    spec = models.resolve(args.model)
+    models.transformers_or_error()
+    if args.layers is not None and args.layers < 1:
+        raise InputError(f"--layers: expected an integer >= 1, got {args.layers}")
+    if args.tiny and not isinstance(spec, models.ModelSpec):
+        raise InputError("--tiny: applies to the built-in models, not to a local folder")
+    if args.new_tokens is not None and args.new_tokens < 1:
+        raise InputError(f"--new-tokens: expected an integer >= 1, got {args.new_tokens}")
+    if args.rounds is not None and args.rounds < 1:
+        raise InputError(f"--rounds: expected an integer >= 1, got {args.rounds}")
+    if args.target_ms is not None and args.target_ms <= 0:
+        raise InputError(f"--target-ms: expected a positive number of milliseconds, got {args.target_ms}")
+    from mlpfuse.bench import presets
+
+    dtypes = presets.parse_dtypes(args.dtype)
+    if len(dtypes) > 1:
+        raise InputError("--dtype: the model lab runs one dtype per run")
+    dtype_name = dtypes[0] if dtypes else ("fp32" if on_cpu else "bf16")
+    backend = dispatch.check_backend_name(args.backend or "auto")
+    default_shapes = spec.tokens if isinstance(spec, models.ModelSpec) else ("1x128",)
+    if args.tiny and not args.tokens:
+        default_shapes = ("1x16",)
+    settings = model_lab.LabSettings(
+        rounds=args.rounds or (2 if on_cpu else 5),
+        target_ms=args.target_ms or (50.0 if on_cpu else 200.0),
+        new_tokens=args.new_tokens or (4 if args.tiny else 32),
+        backend=backend,
+        compile_backend=args.compile_backend or "inductor",
+    )
+    shapes = model_lab.parse_shapes(args.tokens, default_shapes)
+    modes = model_lab.parse_modes(args.mode)
+    variants = model_lab.parse_variants(args.variants)
+
+    err = Console(stderr=True)
+    out = Console() if not args.json else None
+    folder = Path(args.out) if args.out else _default_out(device, "model-lab")
+    _make_folder(folder)
+
+    def write(result) -> list[Path]:
+        return [lab_outputs.write_json(result, folder / "results.json"),
+                lab_outputs.write_csv(result, folder / "results.csv"),
+                lab_outputs.write_markdown(result, folder / "results.md")]
+
+    with err.status("model lab") as status:
+        result = model_lab.run(
+            args.model, layers=args.layers, tiny=args.tiny, shapes=shapes, modes=modes, variants=variants,
+            dtype=presets.DTYPES[dtype_name], dtype_name=dtype_name, device=device, settings=settings,
+            command=_command_line(args, _LAB_OPTIONS), on_case=write,
+            progress=lambda text: status.update(f"model lab: {text}"),
+        )
+    written = write(result)
+    written.append(_lab_report(folder, result))
+    if args.json:
+        print(lab_outputs.to_json(result))
+    else:
+        lab_outputs.print_tables(result, out)
+    err.print("wrote " + ", ".join(str(p) for p in written), markup=False, highlight=False)
+    wrong = [f"{r['variant']} on {r['case']}" for r in result.rows if r["status"] == "wrong"]
+    if wrong:
+        err.print("non-finite logits: " + "; ".join(wrong), markup=False)
+        return 1
+    return 0

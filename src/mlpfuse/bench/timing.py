@@ -25,12 +25,13 @@ class Stat:
     median_us: float
     spread_pct: float  # (max − min) / median of the per-round medians, in %
     samples: int  # repetitions in all rounds
+    rounds_us: tuple[float, ...] = ()  # the per-round values, in round order
 
     @staticmethod
     def of_rounds(rounds_us: list[float], samples: int) -> "Stat":
         med = statistics.median(rounds_us)
         spread = (max(rounds_us) - min(rounds_us)) / med * 100 if med > 0 else 0.0
-        return Stat(med, spread, samples)
+        return Stat(med, spread, samples, tuple(rounds_us))
 
 
 def sync(device: torch.device) -> None:
@@ -95,10 +96,12 @@ def interleaved(
     rounds: int,
     target_ms: float,
     on_round=None,
+    reps_bounds: tuple[int, int] | None = None,
 ) -> tuple[dict[str, Stat | None], dict[str, Stat], dict[str, str]]:
     """Time every step in rounds (A B C A B C …); returns GPU stats (None on CPU), wall stats, and errors.
 
-    A step that raises while being timed is dropped from later rounds and reported in `errors`.
+    A step that raises while being timed is dropped from later rounds and reported in `errors`. `reps_bounds`: the
+    fewest and most repetitions per round (default 5–200 on a GPU, 2–50 on a CPU).
     """
     cuda = device.type == "cuda"
     flush = L2Flusher(device) if cuda else None
@@ -110,7 +113,7 @@ def interleaved(
             estimate[name] = wall_us_per_call(step, 1, device)
         except Exception as exc:  # noqa: BLE001 - a failing variant must not stop the others
             errors[name] = one_line(exc)
-    lo, hi = (5, 200) if cuda else (2, 50)
+    lo, hi = reps_bounds or ((5, 200) if cuda else (2, 50))
     reps = {n: reps_for(e, target_ms, lo, hi) for n, e in estimate.items()}
     gpu_rounds: dict[str, list[float]] = {n: [] for n in estimate}
     wall_rounds: dict[str, list[float]] = {n: [] for n in estimate}

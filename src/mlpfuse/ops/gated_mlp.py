@@ -368,7 +368,9 @@ class DecodeShortcut:
         self.act_id = 0
 
     def __call__(self, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str) -> Optional[Tensor]:
-        if type(x) is not torch.Tensor or torch.is_grad_enabled() or not x.is_cuda or torch._C._is_tracing():
+        # is_compiling() before _is_tracing(): Dynamo cannot trace the latter (a torch.* call returning a bool).
+        if (type(x) is not torch.Tensor or torch.is_grad_enabled() or not x.is_cuda or torch.compiler.is_compiling()
+                or torch._C._is_tracing()):
             return None
         dim = wg.shape[1]
         if x.dim() < 1 or x.shape[-1] != dim or x.dtype != wg.dtype or x.get_device() != wg.get_device():

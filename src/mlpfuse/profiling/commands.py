@@ -47,9 +47,17 @@ def register(subparsers) -> None:
     p.add_argument("--html", metavar="FILE", help=_HTML_HELP)
     p.set_defaults(func=run_diff)
 
-    p = subparsers.add_parser("profile", help="profile a built-in workload (linear, geglu-mlp)",
-                              description="Capture a trace of a built-in workload and analyse it.")
-    p.add_argument("workload", metavar="WORKLOAD", help="linear | geglu-mlp")
+    p = subparsers.add_parser("profile", help="profile a built-in workload (linear, geglu-mlp), or one layer of a "
+                              "transformers model before and after mlpfuse.patch (--model)",
+                              description="Capture a trace of a built-in workload and analyse it; with --model, "
+                              "profile a one-layer model eager and patched, and show what changed.")
+    p.add_argument("workload", metavar="WORKLOAD", nargs="?", help="linear | geglu-mlp (or give --model)")
+    model = p.add_argument_group("a model's layer before and after mlpfuse.patch (needs transformers)")
+    model.add_argument("--model", help="llama3-8b, gemma2-2b, qwen3-4b, gpt2, bert-base, or a local model folder")
+    model.add_argument("--layers", type=int, default=1, help="decoder layers to build (default 1)")
+    model.add_argument("--tiny", action=argparse.BooleanOptionalAction, default=None,
+                       help="toy widths (default on CPU; the published widths on CUDA)")
+    model.add_argument("--tokens", help="BATCHxSEQ of the prompt (default 1x2048 on CUDA, 1x64 on CPU)")
     sizes = p.add_argument_group("sizes (defaults: walkthrough shapes on CUDA, small ones on CPU)")
     sizes.add_argument("--batch", type=int, help="rows of x (linear) or sequences (geglu-mlp)")
     sizes.add_argument("--in-dim", type=int, help="linear: input features")
@@ -134,6 +142,14 @@ def run_diff(args) -> int:
 
 
 def run_profile(args) -> int:
+    if args.model is not None:
+        return run_model_profile(args)
+    for flag, given in (("--tiny", args.tiny is not None), ("--tokens", args.tokens is not None),
+                        ("--layers", args.layers != 1)):
+        if given:
+            raise InputError(f"{flag}: applies with --model only")
+    if args.workload is None:
+        raise InputError(f"WORKLOAD: expected one of {', '.join(_SIZE_OPTIONS)} (or --model NAME)")
     from mlpfuse.profiling import expect as expect_mod
 
     from mlpfuse.profiling.capture import check_schedule
@@ -181,3 +197,47 @@ def run_profile(args) -> int:
         print(f"trace: {trace_path}  (open in https://ui.perfetto.dev)")
         print(f"report: {report}")
     return 1 if any(not r.ok for r in result.expectations) else 0
+
+
+def run_model_profile(args) -> int:
+    """`mlpfuse profile --model NAME`: one layer eager and patched, each analysis, then the diff."""
+    from mlpfuse.profiling.capture import check_schedule
+
+    if args.workload is not None:
+        raise InputError(f"WORKLOAD: give a workload or --model, not both (got {args.workload!r} and --model)")
+    wrong = [f"--{k.replace('_', '-')}" for k in ("batch", "in_dim", "out_dim", "seq", "dim", "hidden")
+             if getattr(args, k) is not None]
+    if wrong or args.bias is not None or args.compile or args.variant or args.expect:
+        flags = wrong + [f for f, on in (("--bias", args.bias is not None), ("--compile", args.compile),
+                                         ("--variant", args.variant), ("--expect", args.expect)) if on]
+        raise InputError(f"{flags[0]}: does not apply with --model")
+    if args.layers < 1:
+        raise InputError(f"--layers: expected an integer >= 1, got {args.layers}")
+    check_schedule(args.steps, args.wait, args.warmup, args.active)
+    from mlpfuse.bench import model_diff, model_lab, models
+    from mlpfuse.profiling import render
+
+    models.resolve(args.model)
+    models.transformers_or_error()
+    if args.tokens is not None and len(model_lab.parse_shapes(args.tokens, ())) != 1:
+        raise InputError(f"--tokens: expected one BATCHxSEQ shape for a profile, got {args.tokens!r}")
+    if not args.json:
+        print(f"profiling {args.model} ({args.layers} layer{'s' if args.layers > 1 else ''}) eager and patched",
+              file=sys.stderr)
+    result = model_diff.profile_model(args.model, layers=args.layers, tiny=args.tiny, tokens=args.tokens,
+                                      device=args.device, dtype=args.dtype, out=args.out, steps=args.steps,
+                                      wait=args.wait, warmup=args.warmup, active=args.active)
+    data = {"model": result.label, "patch": result.report.to_dict(), "eager": result.before.to_dict(),
+            "mlpfuse": result.after.to_dict(), "diff": result.diff.to_dict()}
+    _write_json(os.path.join(args.out, "model-diff.json"), data)
+    if args.json:
+        _dump(data)
+        return 0
+    print(result.report.summary())
+    for side in ("eager", "mlpfuse"):
+        print(f"\n{result.label} [{side}]")
+        render.print_analysis(data[side])
+    print(f"\ndiff {result.label}: eager -> mlpfuse")
+    render.print_diff(data["diff"])
+    print(f"traces: {args.out}/model-eager.pt.trace.json.gz, model-mlpfuse.pt.trace.json.gz")
+    return 0

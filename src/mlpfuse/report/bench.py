@@ -31,8 +31,12 @@ def plot_img(path: str | os.PathLike, alt: str) -> str:
     return f'<figure><img src="{uri}" alt="{esc(alt)}"><figcaption>{esc(name)}</figcaption></figure>'
 
 
-def bench_section(meta: dict, rows: list[dict], plots: list[str]) -> str:
+def bench_section(meta: dict, rows: list[dict], plots: list[str], columns=None, caption=None) -> str:
+    """`columns(rows)` and `caption(rows)` lay out one case's table (default: the bench sweep's, as results.md)."""
     from mlpfuse.bench import outputs
+
+    columns = columns or outputs.table_columns
+    caption = caption or outputs.case_caption
 
     parts = []
     if meta:
@@ -61,15 +65,15 @@ def bench_section(meta: dict, rows: list[dict], plots: list[str]) -> str:
     for _, group in groupby(rows, key=lambda r: r.get("case")):
         group = list(group)
         try:
-            columns = outputs.table_columns(group)
-            caption = outputs.case_caption(group)
-            body = "".join("<tr>" + "".join(f"<td>{esc(fn(r), 400)}</td>" for _, fn in columns) + "</tr>"
+            cols = columns(group)
+            title = caption(group)
+            body = "".join("<tr>" + "".join(f"<td>{esc(fn(r), 400)}</td>" for _, fn in cols) + "</tr>"
                            for r in group)
         except (KeyError, TypeError, ValueError) as exc:  # a row written by another version of the lab
             parts.append(f'<p class="missing">Case {esc(group[0].get("case"), 200)}: rows not readable as a '
                          f"bench table ({esc(type(exc).__name__)}: {esc(exc, 200)}).</p>")
             continue
-        heads = "".join(f"<th>{esc(h, 40)}</th>" for h, _ in columns)
-        parts.append(f"<h4>{esc(caption, 400)}</h4><table class=\"bench\"><thead><tr>{heads}</tr></thead>"
+        heads = "".join(f"<th>{esc(h, 40)}</th>" for h, _ in cols)
+        parts.append(f"<h4>{esc(title, 400)}</h4><table class=\"bench\"><thead><tr>{heads}</tr></thead>"
                      f"<tbody>{body}</tbody></table>")
     return "".join(parts)

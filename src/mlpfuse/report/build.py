@@ -57,6 +57,8 @@ class Bench:
     meta: dict = field(default_factory=dict)
     rows: list = field(default_factory=list)
     plots: list = field(default_factory=list)  # PNG paths
+    columns: object = None  # rows -> [(heading, row -> text)]; None: the bench sweep's (mlpfuse.bench.outputs)
+    caption: object = None  # rows -> the case's heading
 
 
 def _anchor(name: str, i: int) -> str:
@@ -200,7 +202,8 @@ def _build_page(title, variants, diffs, bench, notes, report_path) -> str:
         from mlpfuse.report.bench import bench_section
 
         body.append('<section id="bench"><h2>Bench</h2>' + budget.take(
-            page.section("the bench tables", lambda: bench_section(bench.meta, bench.rows, bench.plots)),
+            page.section("the bench tables", lambda: bench_section(bench.meta, bench.rows, bench.plots, bench.columns,
+                                                                     bench.caption)),
             "the bench plots and tables") + "</section>")
     if not variants and not diffs and bench is None:
         body.append('<p class="missing">Nothing to report: no variant, diff or bench result was given.</p>')

@@ -1,0 +1,121 @@
+"""Writing a model-lab result: results.json (everything), results.csv (one row per case × variant), results.md (a
+table per case) and the terminal tables. Files are replaced atomically, as the other bench outputs are.
+
+Row fields: model, model_type, weights, layers, mode, batch, seq, new_tokens, case, variant, dtype, status (ok |
+skipped | error | wrong), error, time_ms (GPU time per call for prefill and train on CUDA, else wall time; decode:
+wall ms per generated token), spread_pct, wall_ms, unit, peak_mem_mb (CUDA: the peak above what was allocated
+before the call, the weights' gradients freed first), first_call_ms (compilation included), rel_err (last-position
+logits against the fp32 run, relative Frobenius), err_vs_eager, vs_eager (time ratio, < 1 is faster), vs_compile,
+mem_vs_eager, patched (blocks mlpfuse swapped).
+"""
+
+from __future__ import annotations
+
+import csv
+from itertools import groupby
+from pathlib import Path
+
+from mlpfuse._io import atomic_open, atomic_write_text
+from mlpfuse.bench.outputs import to_json, write_json  # noqa: F401 - same JSON layout as the block benchmarks
+from mlpfuse.bench.sweep import BenchResult
+
+CSV_FIELDS = (
+    "model layers mode batch seq new_tokens variant dtype status error time_ms unit spread_pct wall_ms peak_mem_mb "
+    "first_call_ms rel_err err_vs_eager vs_eager vs_compile mem_vs_eager patched"
+).split()
+
+
+def write_csv(result: BenchResult, path: Path) -> Path:
+    with atomic_open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for row in result.rows:
+            writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in CSV_FIELDS})
+    return path
+
+
+def _num(value, fmt="{:.2f}") -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def _ratio(value) -> str:
+    return "–" if value is None else f"{value:.3f}×"
+
+
+def _status(row) -> str:
+    if row["status"] == "ok":
+        return "ok"
+    return row["error"] if row["status"] == "skipped" else f"{row['status']}: {row['error']}"
+
+
+COLUMNS = (
+    ("variant", lambda r: r["variant"] + (" *" if r["variant"].startswith("mlpfuse") else "")),
+    ("time", lambda r: "–" if r["time_ms"] is None else f"{r['time_ms']:.3f} {r['unit']} ±{r['spread_pct']:.1f}%"),
+    ("vs eager", lambda r: _ratio(r["vs_eager"])),
+    ("vs compile", lambda r: _ratio(r["vs_compile"])),
+    ("peak MiB", lambda r: _num(r["peak_mem_mb"], "{:.0f}")),
+    ("mem vs eager", lambda r: _ratio(r["mem_vs_eager"])),
+    ("logits rel. err vs fp32", lambda r: _num(r["rel_err"], "{:.2e}")),
+    ("err vs eager", lambda r: _ratio(r["err_vs_eager"])),
+    ("1st call s", lambda r: _num(None if r["first_call_ms"] is None else r["first_call_ms"] / 1e3, "{:.1f}")),
+    ("status", _status),
+)
+
+
+def table_columns(rows):
+    return [(h, fn) for h, fn in COLUMNS if h in ("variant", "status") or any(fn(r) != "–" for r in rows)]
+
+
+def case_caption(rows) -> str:
+    r = rows[0]
+    new = f", {r['new_tokens']} new tokens" if r["mode"] == "decode" else ""
+    return f"{r['model']} — {r['mode']} {r['batch']}x{r['seq']}{new}, {r['dtype']}"
+
+
+def markdown(result: BenchResult) -> str:
+    meta, lab = result.meta, result.meta["lab"]
+    lines = [
+        f"# mlpfuse model lab — {meta['device']}",
+        "",
+        f"Command: `{meta['command']}`  ",
+        f"{meta['timestamp']}; torch {meta['torch']}, CUDA {meta['cuda']}, Triton {meta['triton']}, transformers "
+        f"{meta.get('transformers')}, liger-kernel {meta['liger_kernel']}, mlpfuse {meta['mlpfuse']}  ",
+        f"Model: {lab['model']} ({lab['layers']} layers, weights: {lab['weights']}), {lab['dtype']}, dropout off; "
+        f"mlpfuse backend {lab['backend']}; compile backend {lab['compile_backend']}.  ",
+        f"{lab['rounds']} interleaved rounds, median with spread (max − min) / median. prefill: a no_grad forward "
+        "keeping the last position's logits; train: forward, loss and backward (all gradients); decode: greedy "
+        "generate, (T(N+1 tokens) − T(1)) / N per token — plain generate for eager, liger and mlpfuse, a static "
+        "cache with transformers' CompileConfig for compile and mlpfuse-compile. Times are GPU time (CUDA events) "
+        "on a GPU for prefill and train, else wall time. Ratios < 1 are faster or smaller. `*` = mlpfuse.",
+    ]
+    for note in meta.get("notes", []):
+        lines.append(f"\nNote: {note}")
+    for _, group in groupby(result.rows, key=lambda r: r["case"]):
+        rows = list(group)
+        cols = table_columns(rows)
+        lines += ["", f"### {case_caption(rows)}", "", "| " + " | ".join(h for h, _ in cols) + " |",
+                  "|" + "|".join("---" for _ in cols) + "|"]
+        for r in rows:
+            lines.append("| " + " | ".join(fn(r).replace("|", "\\|") for _, fn in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(result: BenchResult, path: Path) -> Path:
+    atomic_write_text(path, markdown(result))
+    return path
+
+
+def print_tables(result: BenchResult, console) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    for _, group in groupby(result.rows, key=lambda r: r["case"]):
+        rows = list(group)
+        cols = table_columns(rows)
+        table = Table(title=Text(case_caption(rows)), title_justify="left")
+        for head, _ in cols:
+            table.add_column(head, overflow="fold", max_width=60 if head == "status" else None)
+        for r in rows:
+            style = {"wrong": "red", "error": "red", "skipped": "dim"}.get(r["status"])
+            table.add_row(*(Text(fn(r)) for _, fn in cols), style=style)
+        console.print(table)

@@ -1,0 +1,468 @@
+"""`mlpfuse bench --model`: a whole transformers model, timed the way its users run it.
+
+Variants, each on its own copy of the model's module tree sharing one set of weights (nothing is duplicated):
+    eager             the model as transformers builds it
+    compile           torch.compile of the model; in decode mode generate with a static cache and transformers'
+                      CompileConfig, which compiles the decode step (the recipe transformers documents)
+    liger             Liger's MLP patch for the model's type (apply_liger_kernel_to_<type>(swiglu/geglu only))
+    mlpfuse           mlpfuse.patch(model)
+    mlpfuse-compile   mlpfuse.patch(model), then as `compile`
+Modes: prefill (a forward under no_grad keeping the last position's logits), decode (greedy generate: ms per token
+is (T(N+1 new tokens) − T(1)) / N, so the prompt's prefill cancels), train (forward, loss, backward; gradients of
+every parameter). Every case first runs the fp32 model on the same input: each variant's last-position logits are
+compared with those (relative Frobenius error), beside eager's own error. Timing reuses bench.timing: rounds
+interleave the variants (A B C A B C ...), medians over rounds with the spread; GPU time from CUDA events for
+prefill and train, wall time for decode (generate synchronises the host every step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import importlib.util
+import inspect
+import itertools
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mlpfuse.bench import models, timing
+from mlpfuse.bench.sweep import BenchResult, environment
+from mlpfuse.errors import InputError
+
+MODES = ("prefill", "decode", "train")
+VARIANTS = ("eager", "compile", "liger", "mlpfuse", "mlpfuse-compile")
+_MODE_ALIASES = {"fwd": "prefill", "forward": "prefill", "generate": "decode", "fwd+bwd": "train"}
+
+
+@dataclass(frozen=True)
+class LabCase:
+    mode: str
+    batch: int
+    seq: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode} {self.batch}x{self.seq}"
+
+
+@dataclass
+class LabSettings:
+    rounds: int = 5
+    target_ms: float = 200.0
+    warmup: int = 2
+    new_tokens: int = 32
+    backend: str = "auto"
+    compile_backend: str = "inductor"
+    compile_mode: str | None = None  # torch.compile's mode for prefill/train; decode uses CompileConfig's own
+    seed: int = 0
+
+
+def parse_modes(text: str | None) -> list[str]:
+    out = []
+    for word in (text or "prefill").split(","):
+        word = word.strip().lower()
+        if not word:
+            continue
+        word = _MODE_ALIASES.get(word, word)
+        if word not in MODES:
+            raise InputError(f"--mode: unknown mode {word!r} for --model; expected one of {', '.join(MODES)}")
+        if word not in out:
+            out.append(word)
+    return out
+
+
+def parse_variants(text: str | None) -> list[str]:
+    names = [n.strip().lower() for n in (text or "").split(",") if n.strip()] or list(VARIANTS)
+    if names == ["all"]:
+        names = list(VARIANTS)
+    for n in names:
+        if n not in VARIANTS:
+            raise InputError(f"--variants: unknown variant {n!r} for --model; expected one of {', '.join(VARIANTS)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_shapes(text: str | None, default: tuple[str, ...]) -> list[tuple[int, int]]:
+    """BxS shapes (a bare S means batch 1)."""
+    out = []
+    for word in (text.split(",") if text else default):
+        word = word.strip().lower()
+        if not word:
+            continue
+        parts = word.split("x")
+        try:
+            b, s = (1, int(parts[0])) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
+        except ValueError:
+            b = s = 0
+        if len(parts) > 2 or b < 1 or s < 1:
+            raise InputError(f"--tokens: expected BATCHxSEQ shapes like 1x128 or 8x2048, got {word!r}")
+        if (b, s) not in out:
+            out.append((b, s))
+    return out
+
+
+# --- building the variants -----------------------------------------------------------------------------------
+
+
+def twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the module tree holding the same Parameter and buffer objects: patching or compiling one copy leaves
+    the others alone, and no weight is duplicated."""
+    memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def liger_missing(device: torch.device) -> str | None:
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger_kernel not installed (pip install 'mlpfuse[liger]')"
+    if device.type != "cuda":
+        return "Liger's kernels need CUDA"
+    return None
+
+
+def _liger_fn(model_type: str):
+    """(Liger's apply function for this model type, its MLP options), or (None, why not)."""
+    from liger_kernel.transformers import monkey_patch
+
+    fn = monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if fn is None:
+        return None, f"Liger has no patch for model type {model_type!r}"
+    mlp = [p for p in ("swiglu", "geglu") if p in inspect.signature(fn).parameters]
+    if not mlp:
+        return None, f"Liger's patch for {model_type!r} has no MLP option"
+    return fn, mlp
+
+
+def apply_liger(model: torch.nn.Module, model_type: str) -> None:
+    """Liger's patch for this model type with only its MLP option on. Liger also rebinds names in the model's
+    transformers module (its MLP class) for models built later: those are put back, so other variants built from
+    the same classes stay what they are."""
+    fn, mlp = _liger_fn(model_type)
+    if fn is None:
+        raise InputError(f"liger: {mlp}")
+    params = inspect.signature(fn).parameters
+    flags = {p: p in mlp for p, v in params.items() if p != "model" and isinstance(v.default, bool)}
+    module = sys.modules[type(model).__module__]
+    saved = dict(vars(module))
+    try:
+        fn(model=model, **flags)
+    finally:
+        for key, value in saved.items():
+            if vars(module).get(key) is not value:
+                setattr(module, key, value)
+
+
+@dataclass
+class Prepared:
+    """One variant on one case: its own module tree, the steps to time, and how to get its last logits."""
+
+    name: str
+    module: torch.nn.Module
+    steps: dict  # timing key -> step()
+    logits: object  # () -> [B, 1, V] logits
+
+
+def _loss(logits, ids, kind):
+    if kind == models.CAUSAL:
+        logits, ids = logits[:, :-1], ids[:, 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids.reshape(-1))
+
+
+def _forward_last(module, ids, kind):
+    """Logits of the last position only (transformers' logits_to_keep=1 for causal LMs)."""
+    if kind == models.CAUSAL:
+        return module(input_ids=ids, logits_to_keep=1).logits
+    return module(input_ids=ids).logits[:, -1:]
+
+
+def prepare(variant: str, built: models.Built, case: LabCase, ids: torch.Tensor, settings: LabSettings,
+            device: torch.device) -> Prepared:
+    module = twin(built.model)
+    if variant == "liger":
+        apply_liger(module, built.model_type)
+    if variant.startswith("mlpfuse"):
+        import mlpfuse
+
+        report = mlpfuse.patch(module, backend=settings.backend)
+        if not report.changed:
+            raise InputError(f"mlpfuse.patch swapped nothing: {report.summary()}")
+    compiled = variant.endswith("compile")
+    kind = built.kind
+    module.train(case.mode == "train")
+
+    if case.mode == "decode":
+        return _prepare_decode(variant, module, built, case, ids, settings, device, compiled)
+
+    fn = module
+    if compiled:
+        fn = torch.compile(module, backend=settings.compile_backend, mode=settings.compile_mode, dynamic=False)
+
+    if case.mode == "prefill":
+        def step():
+            with torch.no_grad():
+                return _forward_last(fn, ids, kind)
+
+        return Prepared(variant, module, {variant: step}, step)
+
+    def train_step():
+        module.zero_grad(set_to_none=True)
+        logits = fn(input_ids=ids).logits
+        _loss(logits, ids, kind).backward()
+        return logits[:, -1:].detach()
+
+    return Prepared(variant, module, {variant: train_step}, train_step)
+
+
+def _prepare_decode(variant, module, built, case, ids, settings, device, compiled) -> Prepared:
+    import transformers
+
+    cfg = module.config
+    pad = cfg.pad_token_id if cfg.pad_token_id is not None else (cfg.eos_token_id or 0)
+    pad = pad[0] if isinstance(pad, (list, tuple)) else pad
+    mask = torch.ones_like(ids)
+    longest = settings.new_tokens + 1
+    extra = {}
+    cache = None
+    if compiled:
+        # The documented fast path: a static cache (reused, reset before each call, so no new cache shape ever
+        # reaches the compiled step) and CompileConfig, with which generate compiles the decode step only.
+        cache = transformers.StaticCache(config=cfg, max_cache_len=case.seq + longest)
+        config = transformers.CompileConfig(backend=settings.compile_backend)
+        if settings.compile_backend != "inductor":
+            config.mode = None
+        if device.type != "cuda":
+            config._compile_all_devices = True  # transformers' switch to compile off CUDA (CPU runs and tests)
+        extra = {"past_key_values": cache, "compile_config": config}
+
+    def generate(n):
+        def step():
+            if cache is not None:
+                cache.reset()
+            with torch.no_grad():
+                return module.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                       do_sample=False, pad_token_id=pad, **extra)
+        return step
+
+    def logits():
+        with torch.no_grad():
+            return _forward_last(module, ids, built.kind)
+
+    return Prepared(variant, module, {f"{variant}|1": generate(1), f"{variant}|{longest}": generate(longest)},
+                    logits)
+
+
+# --- running ---------------------------------------------------------------------------------------------------
+
+
+def _inputs(case: LabCase, vocab: int, device: torch.device, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(seed + 1000 * case.batch + case.seq)
+    return torch.randint(3, vocab, (case.batch, case.seq), generator=g).to(device)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.detach().to(torch.float64)
+    if out.shape != ref.shape or not torch.isfinite(out).all():
+        return float("inf")
+    return (torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30)).item()
+
+
+def _row(built, layers, case, variant, dtype_name, settings) -> dict:
+    return {
+        "model": built.label, "model_type": built.model_type, "weights": built.weights, "layers": layers,
+        "mode": case.mode, "batch": case.batch, "seq": case.seq,
+        "new_tokens": settings.new_tokens if case.mode == "decode" else None,
+        "case": case.label, "variant": variant, "dtype": dtype_name, "status": "ok", "error": None,
+        "time_ms": None, "spread_pct": None, "wall_ms": None, "unit": "ms/token" if case.mode == "decode" else "ms",
+        "peak_mem_mb": None, "first_call_ms": None, "rel_err": None, "err_vs_eager": None, "vs_eager": None,
+        "vs_compile": None, "mem_vs_eager": None, "patched": None,
+    }
+
+
+def _layers(model) -> int | None:
+    cfg = model.config
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if isinstance(getattr(cfg, key, None), int):
+            return getattr(cfg, key)
+    return None
+
+
+def run(name: str, *, layers: int | None, tiny: bool, shapes: list[tuple[int, int]], modes: list[str],
+        variants: list[str], dtype: torch.dtype, dtype_name: str, device: torch.device, settings: LabSettings,
+        command: str, progress=None, on_case=None) -> BenchResult:
+    progress = progress or (lambda text: None)
+    cases = [LabCase(m, b, s) for m in modes for b, s in shapes]
+    progress("building the fp32 model")
+    built = models.build(name, layers=layers, tiny=tiny, device=device, seed=settings.seed)
+    n_layers = _layers(built.model)
+    longest = max(s for _, s in shapes) + (settings.new_tokens + 1 if "decode" in modes else 0)
+    if built.max_positions is not None and longest > built.max_positions:
+        raise InputError(f"--tokens: {longest} positions (prompt + new tokens) but the model has "
+                         f"{built.max_positions} position embeddings")
+    refs = {}
+    for case in cases:  # fp32 references first, then the weights go to the measured dtype in place
+        if case.mode == "decode" and built.kind != models.CAUSAL:
+            continue
+        progress(f"fp32 reference: {case.label}")
+        ids = _inputs(case, built.vocab, device, settings.seed)
+        with torch.no_grad(), _no_tf32():
+            refs[case] = _forward_last(built.model, ids, built.kind).double()
+    if dtype != torch.float32:
+        built.model.to(dtype)
+    _free(device)
+
+    meta = environment(device, _NoPeaks(), _sweep_settings(settings), command)
+    meta["transformers"] = sys.modules["transformers"].__version__
+    meta.update(lab={**asdict(settings), "dtype": dtype_name, "model": built.label, "weights": built.weights,
+                     "layers": n_layers, "modes": modes, "shapes": [f"{b}x{s}" for b, s in shapes]})
+    result = BenchResult(meta)
+    for case in cases:
+        rows = {v: _row(built, n_layers, case, v, dtype_name, settings) for v in variants}
+        try:
+            _run_case(built, case, variants, rows, refs.get(case), settings, device, progress)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the inputs: every row says so
+            for row in rows.values():
+                if row["status"] == "ok" and row["time_ms"] is None:
+                    row.update(status="error", error=timing.one_line(exc))
+        finally:
+            _reset_compiler()
+            _free(device)
+        _derive(list(rows.values()))
+        result.rows.extend(rows.values())
+        if on_case:
+            on_case(result)
+    return result
+
+
+class _NoPeaks:
+    """environment() records the roofline peaks; a model has no single roofline."""
+
+    def to_dict(self):
+        return None
+
+
+def _sweep_settings(settings: LabSettings):
+    from mlpfuse.bench.sweep import Settings
+
+    return Settings(rounds=settings.rounds, target_ms=settings.target_ms, warmup=settings.warmup, profile=False,
+                    seed=settings.seed)
+
+
+@contextlib.contextmanager
+def _no_tf32():
+    """The fp32 reference in true fp32 on a GPU (TF32 would make it a 10-bit-mantissa reference)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _reset_compiler():
+    with contextlib.suppress(Exception):
+        torch._dynamo.reset()
+
+
+def _skip_reason(variant: str, built: models.Built, case: LabCase, device: torch.device) -> str | None:
+    if case.mode == "decode" and built.kind != models.CAUSAL:
+        return f"a {built.kind} LM does not generate"
+    if variant == "liger":
+        missing = liger_missing(device)
+        if missing:
+            return missing
+        fn, why = _liger_fn(built.model_type)
+        return why if fn is None else None
+    return None
+
+
+def _run_case(built, case, variants, rows, ref, settings, device, progress) -> None:
+    cuda = device.type == "cuda"
+    ids = _inputs(case, built.vocab, device, settings.seed)
+    prepared: dict[str, Prepared] = {}
+    for v in variants:
+        row = rows[v]
+        reason = _skip_reason(v, built, case, device)
+        if reason:
+            row.update(status="skipped", error=f"skipped: {reason}")
+            continue
+        progress(f"{case.label}: {v} (build, first call, logits check)")
+        try:
+            p = prepare(v, built, case, ids, settings, device)
+            if v.startswith("mlpfuse"):
+                from mlpfuse.patching import PatchedBlock
+
+                row["patched"] = sum(1 for m in p.module.modules() if isinstance(m, PatchedBlock))
+            longest = list(p.steps)[-1]
+            _, row["first_call_ms"] = timing.first_call_ms(p.steps[longest], device)
+            if case.mode == "decode" and v.endswith("compile") and not hasattr(p.module, "_compiled_call"):
+                raise RuntimeError("generate did not compile the decode step (transformers' criteria not met)")
+            row["rel_err"] = rel_error(p.logits(), ref)
+            if row["rel_err"] == float("inf"):
+                row.update(status="wrong", error="non-finite logits")
+                continue
+            for _ in range(settings.warmup):
+                for step in p.steps.values():
+                    step()
+            if cuda:
+                p.module.zero_grad(set_to_none=True)  # the peak above the weights: a train step's gradients count
+                timing.sync(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+                p.steps[longest]()
+                timing.sync(device)
+                row["peak_mem_mb"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+            prepared[v] = p
+        except Exception as exc:  # noqa: BLE001 - one failing variant must not stop the others
+            row.update(status="error", error=timing.one_line(exc))
+            _free(device)
+    if not prepared:
+        return
+    progress(f"{case.label}: timing {len(prepared)} variants in {settings.rounds} rounds")
+    steps = {key: step for p in prepared.values() for key, step in p.steps.items()}
+    gpu, wall, errors = timing.interleaved(steps, device, rounds=settings.rounds, target_ms=settings.target_ms,
+                                           reps_bounds=(1, 50))
+    for v, p in prepared.items():
+        row = rows[v]
+        failed = [errors[k] for k in p.steps if k in errors]
+        if failed:
+            row.update(status="error", error=failed[0])
+            continue
+        if case.mode == "decode":
+            # Per round: the two generate calls of that round, so a slow round cancels in the difference.
+            k1, kn = list(p.steps)
+            per_token = [(long - short) / settings.new_tokens / 1e3
+                         for short, long in zip(wall[k1].rounds_us, wall[kn].rounds_us)]
+            stat = timing.Stat.of_rounds(per_token, len(per_token))
+            row["time_ms"] = row["wall_ms"] = stat.median_us
+            row["spread_pct"] = abs(stat.spread_pct)
+        else:
+            key = next(iter(p.steps))
+            stat = gpu.get(key) or wall[key]
+            row["time_ms"], row["spread_pct"] = stat.median_us / 1e3, stat.spread_pct
+            row["wall_ms"] = wall[key].median_us / 1e3
+
+
+def _derive(rows: list[dict]) -> None:
+    by = {r["variant"]: r for r in rows}
+    eager, compiled = by.get("eager"), by.get("compile")
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        if eager and eager["status"] == "ok":
+            if eager["time_ms"] and r["time_ms"] is not None:
+                r["vs_eager"] = r["time_ms"] / eager["time_ms"]
+            if eager["rel_err"] and r["rel_err"] is not None:
+                r["err_vs_eager"] = r["rel_err"] / eager["rel_err"]
+            if eager["peak_mem_mb"] and r["peak_mem_mb"] is not None:
+                r["mem_vs_eager"] = r["peak_mem_mb"] / eager["peak_mem_mb"]
+        if compiled and compiled["status"] == "ok" and compiled["time_ms"] and r["time_ms"] is not None:
+            r["vs_compile"] = r["time_ms"] / compiled["time_ms"]
+

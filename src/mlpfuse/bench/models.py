@@ -1,0 +1,206 @@
+"""The model lab's models: built-in transformers configs at the published sizes (random init, nothing downloaded), a
+`tiny` form of each for CPU runs and tests, or a local model folder (its config.json, and its weights when present).
+
+Dropout is switched off in every config the lab builds: each variant then computes one deterministic function of the
+weights, which the logits check against an fp32 run of the same model needs, and dropout costs every variant the same.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+import torch
+
+from mlpfuse.errors import InputError
+
+CAUSAL, MASKED = "causal", "masked"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    about: str
+    config: str  # transformers config class
+    model: str  # transformers model class
+    kind: str  # CAUSAL | MASKED
+    full: dict  # the published sizes
+    tiny: dict  # overrides for CPU runs and tests
+    tokens: tuple[str, ...] = ("1x128",)  # default batch x sequence shapes
+    layers_key: str = "num_hidden_layers"
+    extra: dict = field(default_factory=dict)
+
+
+_TINY_DECODER = {"hidden_size": 64, "intermediate_size": 160, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "head_dim": 16, "vocab_size": 512, "max_position_embeddings": 512, "num_hidden_layers": 2}
+
+MODELS: dict[str, ModelSpec] = {
+    s.name: s
+    for s in (
+        ModelSpec(
+            "llama3-8b", "Llama-3-8B shape: 4096 x 14336 SwiGLU, 32 layers, GQA 32/8, vocab 128256",
+            "LlamaConfig", "LlamaForCausalLM", CAUSAL,
+            {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 8192,
+             "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+             "bos_token_id": 128000, "eos_token_id": 128001},
+            _TINY_DECODER | {"bos_token_id": 1, "eos_token_id": 2},
+            tokens=("1x8192",),
+        ),
+        ModelSpec(
+            "gemma2-2b", "Gemma-2-2B shape: 2304 x 9216 GeGLU (tanh), 26 layers, head_dim 256, vocab 256000",
+            "Gemma2Config", "Gemma2ForCausalLM", CAUSAL,
+            {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+             "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+             "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192, "sliding_window": 4096,
+             "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0},
+            _TINY_DECODER | {"sliding_window": 64, "query_pre_attn_scalar": 16},
+            tokens=("1x128", "8x128"),
+        ),
+        ModelSpec(
+            "qwen3-4b", "Qwen3-4B shape: 2560 x 9728 SwiGLU, 36 layers, GQA 32/8, head_dim 128, vocab 151936",
+            "Qwen3Config", "Qwen3ForCausalLM", CAUSAL,
+            {"vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960,
+             "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}},
+            _TINY_DECODER,
+            tokens=("1x2048",),
+        ),
+        ModelSpec(
+            "gpt2", "GPT-2 small: 768 x 3072 gelu_new MLP in Conv1D layers, 12 layers, vocab 50257",
+            "GPT2Config", "GPT2LMHeadModel", CAUSAL,
+            {"n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024, "vocab_size": 50257},
+            {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512, "vocab_size": 512, "bos_token_id": 1,
+             "eos_token_id": 2},
+            tokens=("1x128", "8x128"), layers_key="n_layer",
+        ),
+        ModelSpec(
+            "bert-base", "BERT-base (masked LM): 768 x 3072 GELU intermediate, 12 layers, vocab 30522",
+            "BertConfig", "BertForMaskedLM", MASKED,
+            {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+             "vocab_size": 30522, "max_position_embeddings": 512},
+            {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "vocab_size": 512, "max_position_embeddings": 512},
+            tokens=("1x128", "8x128"),
+        ),
+    )
+}
+
+
+@dataclass
+class Built:
+    """A model the lab measures: the module (eval mode, on its device), its kind and a label for the tables."""
+
+    model: torch.nn.Module
+    kind: str
+    label: str
+    model_type: str
+    weights: str  # "random init" or the folder the weights came from
+
+    @property
+    def vocab(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @property
+    def max_positions(self) -> int | None:
+        cfg = self.model.config
+        for key in ("max_position_embeddings", "n_positions"):
+            value = getattr(cfg, key, None)
+            if isinstance(value, int):
+                return value
+        return None
+
+
+def transformers_or_error():
+    try:
+        import transformers
+    except ImportError:
+        raise InputError("--model: the model lab needs transformers (pip install 'mlpfuse[models]')") from None
+    return transformers
+
+
+def resolve(name: str) -> ModelSpec | str:
+    """A built-in spec, or the path of a local model folder (one with a config.json)."""
+    if name in MODELS:
+        return MODELS[name]
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise InputError(f"--model: {name} is a folder without a config.json")
+        return name
+    raise InputError(f"--model: expected one of {', '.join(MODELS)} or a local model folder, got {name!r}")
+
+
+def _no_dropout(config) -> None:
+    for key, value in list(vars(config).items()):
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(config, key, 0.0)
+
+
+def _has_weights(folder: str) -> bool:
+    names = os.listdir(folder)
+    return any(n.endswith(".safetensors") or n == "pytorch_model.bin" or n.endswith(".bin.index.json")
+               for n in names)
+
+
+def _kind_of(config) -> tuple[str, str]:
+    """(model class name, kind) from a local config's architectures."""
+    transformers = transformers_or_error()
+    for arch in getattr(config, "architectures", None) or []:
+        if not hasattr(transformers, arch):
+            continue
+        if arch.endswith("ForMaskedLM"):
+            return arch, MASKED
+        if arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel"):
+            return arch, CAUSAL
+    raise InputError(f"--model: architectures {getattr(config, 'architectures', None)} hold no causal or masked "
+                     f"LM class transformers {transformers.__version__} knows")
+
+
+def build(name: str, *, layers: int | None, tiny: bool, device: torch.device, seed: int = 0,
+          dtype: torch.dtype = torch.float32) -> Built:
+    """The model in `dtype` on `device`, eval mode, dropout off. Random init is seeded: the same call gives the same
+    weights."""
+    transformers = transformers_or_error()
+    spec = resolve(name)
+    if layers is not None and layers < 1:
+        raise InputError(f"--layers: expected an integer >= 1, got {layers}")
+    torch.manual_seed(seed)
+    if isinstance(spec, ModelSpec):
+        values = dict(spec.full) | (spec.tiny if tiny else {}) | spec.extra
+        if layers is not None:
+            values[spec.layers_key] = layers
+        config = getattr(transformers, spec.config)(**values)
+        _no_dropout(config)
+        with torch.device(device):
+            model = getattr(transformers, spec.model)(config).to(dtype)
+        label = spec.name + (" (tiny)" if tiny else "")
+        kind, weights = spec.kind, "random init"
+    else:
+        if tiny:
+            raise InputError("--tiny: applies to the built-in models, not to a local folder")
+        config = transformers.AutoConfig.from_pretrained(spec, local_files_only=True)
+        if layers is not None:
+            key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(config, k)), None)
+            if key is None:
+                raise InputError(f"--layers: the config in {spec} names no layer count")
+            setattr(config, key, layers)
+        _no_dropout(config)
+        cls_name, kind = _kind_of(config)
+        cls = getattr(transformers, cls_name)
+        if _has_weights(spec):
+            model = cls.from_pretrained(spec, config=config, dtype=dtype, local_files_only=True).to(device)
+            weights = spec
+        else:
+            with torch.device(device):
+                model = cls(config).to(dtype)
+            weights = "random init"
+        label = os.path.basename(os.path.normpath(spec))
+    if layers is not None:
+        label += f", {layers} layer{'s' if layers > 1 else ''}"
+    return Built(model.eval(), kind, label, getattr(model.config, "model_type", ""), weights)
+
+
+def describe() -> list[tuple[str, str]]:
+    return [(s.name, s.about) for s in MODELS.values()]
+

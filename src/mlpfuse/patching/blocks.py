@@ -1,0 +1,141 @@
+"""The modules `mlpfuse.patch` puts in place of a model's MLP blocks.
+
+A block keeps every child of the module it replaces, as the same objects under the same names: the Parameters are
+the model's own (nothing is copied), state_dict keys do not change, `model.train()` / `.eval()` still reach the
+dropout modules, and `.to()` / `.half()` move what the model's own module holds. The block's own attributes are
+named `fused_*`, so that none can shadow a child of the module it replaces. The replaced module is kept outside the
+module tree (`block.fused_source`): `mlpfuse.unpatch` puts it back, and a call the fused path cannot compute exactly
+(a dropout between the activation and the last projection while it is active, projections in different dtypes)
+runs the module's own forward over the same children instead of a different function.
+
+Layouts (mlpfuse.patching.table names the families that use them):
+    GatedBlock      down(act(gate(x)) · up(x)), separate or packed gate/up weights, optional gate and down
+                    multipliers (Falcon-H1): one `mlpfuse::gated_mlp` call, with the decode shortcut of GatedMLP.
+    TwoLayerBlock   proj(act(fc(x))): fc + bias + activation as one `mlpfuse::linear_act` call, then the model's own
+                    second projection (a GEMM with its bias already is one kernel). fc may be a Conv1D ([in, out]
+                    weight): the op reads it through a transposed view.
+    LinearActBlock  act(dense(x)) (BERT's intermediate): one `mlpfuse::linear_act` call.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch import Tensor
+
+from mlpfuse.modules import _weight_bias
+from mlpfuse.ops import dispatch
+from mlpfuse.ops.gated_mlp import DecodeShortcut, gated_mlp_call
+from mlpfuse.ops.linear_act import linear_act_call
+
+
+class PatchedBlock(nn.Module):
+    """Base of the blocks: the source module's children, adopted, and the source kept for unpatching."""
+
+    fused_layout = ""
+
+    def __init__(self, source: nn.Module, family: str, activation: str, backend: str, dropout: str = ""):
+        super().__init__()
+        for name, child in source.named_children():
+            self.add_module(name, child)
+        # Outside the module tree (a plain attribute): its children are ours, so nothing is registered twice.
+        self.__dict__["fused_source"] = source
+        self.training = source.training
+        self.fused_family = family
+        self.fused_activation = activation
+        self.fused_backend = backend
+        self.fused_dropout = dropout  # a dropout child that sits inside the fused computation ('' when none)
+
+    def _dropout_active(self) -> bool:
+        if not self.fused_dropout:
+            return False
+        drop = self._modules[self.fused_dropout]
+        return drop.training and drop.p > 0
+
+    def _source_forward(self, *args, **kwargs) -> Tensor:
+        """The replaced module's own forward, over the same children."""
+        source = self.__dict__["fused_source"]
+        source.training = self.training
+        return source(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        backend = self.fused_backend or "env"
+        return f"{type(self.fused_source).__name__} fused: activation={self.fused_activation}, backend={backend}"
+
+
+class GatedBlock(PatchedBlock):
+    fused_layout = "gated"
+
+    def __init__(self, source: nn.Module, family: str, linears: tuple[str, ...], activation: str, backend: str,
+                 dropout: str = "", gate_multiplier: float = 1.0, down_multiplier: float = 1.0):
+        super().__init__(source, family, activation, backend, dropout)
+        self.fused_packed = len(linears) == 2
+        self.fused_linears = linears
+        first = self._modules[linears[0]].weight
+        self.fused_hidden = first.shape[0] // 2 if self.fused_packed else first.shape[0]
+        # act(m_g·g)·u = act(gate(m_g·x))·up(m_g·x) / m_g when neither projection has a bias (the table checks it):
+        # scaling x by m_g and the output by m_d / m_g keeps the fused op exact in real arithmetic.
+        self.fused_in_scale = float(gate_multiplier)
+        self.fused_out_scale = float(down_multiplier) / float(gate_multiplier)
+        self._fused_decode = DecodeShortcut()
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        mods = self._modules
+        names = self.fused_linears
+        if self.fused_packed:
+            w, b = _weight_bias(mods[names[0]])
+            n = self.fused_hidden
+            wg, wu = w[:n], w[n:]
+            bg, bu = (b[:n], b[n:]) if b is not None else (None, None)
+        else:
+            wg, bg = _weight_bias(mods[names[0]])
+            wu, bu = _weight_bias(mods[names[1]])
+        wd, bd = _weight_bias(mods[names[-1]])
+        if wd.dtype is not wg.dtype or self._dropout_active():
+            # T5 keeps `wo` in fp32 and casts to it; a live dropout sits between the GLU and `wo`.
+            return self._source_forward(hidden_states)
+        x = hidden_states if self.fused_in_scale == 1.0 else hidden_states * self.fused_in_scale
+        y = self._fused_decode(x, wg, wu, wd, bg, bu, bd, self.fused_activation, self.fused_backend)
+        if y is None:
+            y = gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.fused_activation, self.fused_backend)
+        return y if self.fused_out_scale == 1.0 else y * self.fused_out_scale
+
+
+class TwoLayerBlock(PatchedBlock):
+    fused_layout = "two-layer"
+
+    def __init__(self, source: nn.Module, family: str, linears: tuple[str, str], activation: str, backend: str,
+                 dropout: str = "", transposed: bool = False, dropout_after: str = ""):
+        super().__init__(source, family, activation, backend, dropout)
+        self.fused_linears = linears
+        self.fused_transposed = transposed
+        self.fused_dropout_after = dropout_after  # GPT-2's dropout after c_proj: outside the fusion, applied as is
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        mods = self._modules
+        fc, proj = mods[self.fused_linears[0]], mods[self.fused_linears[1]]
+        w, b = _weight_bias(fc)
+        if proj.weight.dtype is not w.dtype or self._dropout_active():
+            return self._source_forward(hidden_states)
+        backend = self.fused_backend
+        if self.fused_transposed:
+            w = w.t()  # Conv1D keeps [in, out]: the [out, in] view the op takes, no copy
+            # The GEMM+activation kernel's fast (TMA) mainloop needs unit-stride weight rows; `auto`'s thresholds
+            # were measured with them. Over this view `auto` keeps cuBLAS (the activation still runs as one op);
+            # backend="triton" forces the kernel's pointer-load path.
+            if dispatch.resolve_backend(backend) == "auto":
+                backend = "torch"
+        h = linear_act_call(hidden_states, w, b, self.fused_activation, backend)
+        y = proj(h)
+        return mods[self.fused_dropout_after](y) if self.fused_dropout_after else y
+
+
+class LinearActBlock(PatchedBlock):
+    fused_layout = "linear-act"
+
+    def __init__(self, source: nn.Module, family: str, linears: tuple[str], activation: str, backend: str):
+        super().__init__(source, family, activation, backend)
+        self.fused_linears = linears
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        w, b = _weight_bias(self._modules[self.fused_linears[0]])
+        return linear_act_call(hidden_states, w, b, self.fused_activation, self.fused_backend)

@@ -1,0 +1,90 @@
+"""What `mlpfuse.patch` did: the blocks it swapped and the candidates it left, each with the reason."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Swapped:
+    path: str  # dotted module path in the model ("model.layers.0.mlp")
+    source: str  # class name of the replaced module
+    layout: str  # "gated" | "two-layer" | "linear-act"
+    family: str
+    activation: str
+
+
+@dataclass(frozen=True)
+class Left:
+    path: str
+    source: str
+    reason: str
+
+
+@dataclass
+class PatchReport:
+    model: str
+    backend: str
+    swapped: list[Swapped] = field(default_factory=list)
+    left: list[Left] = field(default_factory=list)
+    already_patched: list[str] = field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.swapped)
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "backend": self.backend,
+            "swapped": [asdict(s) for s in self.swapped],
+            "left": [asdict(item) for item in self.left],
+            "already_patched": list(self.already_patched),
+        }
+
+    def summary(self) -> str:
+        """A few lines: one per kind of swap and per reason, with the layer indices folded ({0..31})."""
+        head = f"mlpfuse.patch({self.model}, backend={self.backend!r}): "
+        if not self.swapped and not self.left and not self.already_patched:
+            return head + "no MLP block mlpfuse recognises; nothing changed"
+        parts = [f"swapped {len(self.swapped)}"]
+        if self.already_patched:
+            parts.append(f"{len(self.already_patched)} already patched")
+        parts.append(f"left {len(self.left)}")
+        lines = [head + ", ".join(parts)]
+        groups: dict[tuple, list[str]] = {}
+        for s in self.swapped:
+            groups.setdefault(("swapped", f"{s.source} -> {s.layout} ({s.activation})"), []).append(s.path)
+        for item in self.left:
+            groups.setdefault(("left", f"{item.source}: {item.reason}"), []).append(item.path)
+        for p in self.already_patched:
+            groups.setdefault(("already", "patched before"), []).append(p)
+        for (kind, what), paths in groups.items():
+            lines.append(f"  {kind:8s} {fold_paths(paths)}  {what}" + (f"  [{len(paths)}x]" if len(paths) > 1 else ""))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def fold_paths(paths: list[str]) -> str:
+    """model.layers.0.mlp ... model.layers.31.mlp -> model.layers.{0..31}.mlp: each number that varies becomes a
+    range (or a list); paths of different shapes are listed (the first three)."""
+    if len(paths) == 1:
+        return paths[0]
+    split = [re.split(r"(\d+)", p) for p in paths]  # text, number, text, ...
+    if len({tuple(parts[0::2]) for parts in split}) != 1:
+        return ", ".join(paths[:3]) + (f", ... ({len(paths)})" if len(paths) > 3 else "")
+    texts = split[0][0::2]
+    out = texts[0]
+    for i, text in enumerate(texts[1:]):
+        values = sorted({int(parts[2 * i + 1]) for parts in split})
+        if len(values) == 1:
+            out += str(values[0])
+        elif values == list(range(values[0], values[-1] + 1)):
+            out += f"{{{values[0]}..{values[-1]}}}"
+        else:
+            out += "{" + ",".join(map(str, values)) + "}"
+        out += text
+    return out

@@ -1,0 +1,81 @@
+"""The family table: which MLP classes mlpfuse.patch recognises, where their parts are, and which block replaces them.
+
+One row per MLP layout, as data. A module is a candidate when its class name is in a row's `classes`; nothing is
+matched on structure alone (Gemma-3n's MLP has gate/up/down projections but sparsifies its activations, for one),
+except `nn.Sequential(Linear, activation, Linear)` with an activation mlpfuse knows, whose meaning is its
+structure. transformers is never imported: rows name classes, and mlpfuse.patch checks each candidate's children
+before swapping it, and its output against the module's own on a few random rows of input.
+
+Fields:
+    classes      MLP class names (transformers' modeling files; `Sequential` for torch.nn's)
+    layout       the block that replaces it: "gated" (GatedBlock), "two-layer" (TwoLayerBlock), "linear-act"
+    linears      child names of the projections, in order: gate, up, down | gate_up (packed), down | fc, proj | fc
+    activation   the attribute holding the activation module (or function)
+    dropout      a dropout child between the activation and the last projection: while it is active (training with
+                 p > 0) the fusion would skip it, so the block runs the module's own forward instead; a module
+                 patched while it is active is left alone
+    dropout_after  a dropout child after the last projection: applied as is
+    transposed   the projections are transformers' Conv1D, weight stored [in, out]
+    multipliers  attributes holding (gate multiplier, down multiplier): act(gate(x)·m_g)·up(x), down(·)·m_d
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch.nn as nn
+
+from mlpfuse.modules import activation_name
+
+GATED, TWO_LAYER, LINEAR_ACT = "gated", "two-layer", "linear-act"
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    classes: tuple[str, ...]
+    layout: str
+    linears: tuple[str, ...]
+    activation: str
+    dropout: str = ""
+    dropout_after: str = ""
+    transposed: bool = False
+    multipliers: tuple[str, str] = ()
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("swiglu/geglu", ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "GemmaMLP", "Gemma2MLP", "Gemma3MLP"),
+           GATED, ("gate_proj", "up_proj", "down_proj"), "act_fn"),
+    Family("gated, gate/down multipliers", ("FalconH1MLP",), GATED, ("gate_proj", "up_proj", "down_proj"), "act_fn",
+           multipliers=("gate_multiplier", "down_multiplier")),
+    Family("packed gate_up", ("Phi3MLP",), GATED, ("gate_up_proj", "down_proj"), "activation_fn"),
+    Family("t5 gated", ("T5DenseGatedActDense",), GATED, ("wi_0", "wi_1", "wo"), "act", dropout="dropout"),
+    Family("t5", ("T5DenseActDense",), TWO_LAYER, ("wi", "wo"), "act", dropout="dropout"),
+    Family("gpt-2", ("GPT2MLP",), TWO_LAYER, ("c_fc", "c_proj"), "act", dropout_after="dropout", transposed=True),
+    Family("bert intermediate", ("BertIntermediate", "RobertaIntermediate"), LINEAR_ACT, ("dense",),
+           "intermediate_act_fn"),
+    Family("sequential", ("Sequential",), TWO_LAYER, ("0", "2"), "1"),
+)
+
+_BY_CLASS = {name: family for family in FAMILIES for name in family.classes}
+
+# Class names that look like an MLP block but are not in the table: reported, never patched.
+MLP_SUFFIXES = ("MLP", "Mlp", "FeedForward", "FFN", "Ffn", "DenseActDense", "Intermediate")
+
+
+def family_of(module: nn.Module) -> Optional[Family]:
+    """The row for this module, or None. A Sequential is one only when it is exactly (Linear, activation, Linear);
+    any other Sequential is a container to look inside."""
+    family = _BY_CLASS.get(type(module).__name__)
+    if family is None or family.classes != ("Sequential",):
+        return family
+    if not isinstance(module, nn.Sequential) or len(module) != 3:
+        return None
+    first, act, last = module
+    linears = isinstance(first, nn.Linear) and isinstance(last, nn.Linear)
+    return family if linears and activation_name(act) is not None else None
+
+
+def looks_like_mlp(module: nn.Module) -> bool:
+    return type(module).__name__.endswith(MLP_SUFFIXES)
