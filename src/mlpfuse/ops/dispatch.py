@@ -1,7 +1,8 @@
 """Which implementation runs a call: backend names, the `auto` policy, and the switches measured on a GPU.
 
 Backends: "torch" (mlpfuse.reference: cuBLAS GEMMs + PyTorch pointwise, runs anywhere), "triton" (mlpfuse.kernels:
-CUDA, or CPU through Triton's interpreter when TRITON_INTERPRET=1), "auto" (the policy below). An empty backend
+CUDA, or CPU through Triton's interpreter when TRITON_INTERPRET=1), "cuda" (mlpfuse.csrc: a C++/CUDA extension built
+on first use; opt-in only, `auto` never picks it), "auto" (the policy below). An empty backend
 string means "not given": the environment variable MLPFUSE_BACKEND, else "auto".
 
 `auto` picks a Triton kernel only on CUDA, only where that kernel was measured to beat eager PyTorch; everywhere
@@ -19,7 +20,7 @@ import torch
 
 from mlpfuse.errors import InputError
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "torch", "cuda")
 ENV_VAR = "MLPFUSE_BACKEND"
 
 # Under autograd: keep the pre-activations g and u (and h = act(g)·u, the down projection's input, which the forward
@@ -65,8 +66,8 @@ FAST_DTYPES = (torch.bfloat16, torch.float16)
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Paths a gated MLP call can take.
-TORCH, GATED, DECODE = "torch", "gated", "decode"
+# Paths a gated MLP call can take. CUDA: the C++ extension's op, which picks its own decode kernel.
+TORCH, GATED, DECODE, CUDA = "torch", "gated", "decode", "cuda"
 
 
 def resolve_backend(backend: str) -> str:
@@ -162,6 +163,29 @@ def _require_triton(x: torch.Tensor, module: str) -> None:
         raise InputError(f"backend: 'triton' cannot run this call: {reason}")
 
 
+def cuda_extension(x: torch.Tensor):
+    """The CUDA backend's built module for a call on x, or InputError: no CUDA, no nvcc, a failed build (with its
+    log's path), or a tensor it cannot take."""
+    from mlpfuse import csrc
+
+    ext = csrc.extension()
+    if x.device.type != "cuda":
+        raise InputError(f"backend: 'cuda' cannot run this call: x is on {x.device.type}; it needs CUDA tensors")
+    if x.dtype not in KERNEL_DTYPES:
+        raise InputError(f"backend: 'cuda' cannot run this call: dtype {x.dtype} is not supported "
+                         "(bfloat16, float16, float32)")
+    return ext
+
+
+def cuda_call(fn, *args):
+    """fn(*args) on the extension, its argument errors (c10 ValueErrors) as one InputError line."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise InputError(str(e).strip().splitlines()[0] if str(e).strip() else "backend: 'cuda' rejected the call") \
+            from None
+
+
 def _graph_capture(x: torch.Tensor) -> bool:
     """Whether this call is being recorded into a CUDA graph (then host time is paid once, not per step)."""
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -174,6 +198,9 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
     m = x.shape[0]
     if name == "torch":
         return TORCH
+    if name == "cuda":
+        cuda_extension(x)
+        return CUDA
     use_decode = not training and 0 < m <= decode_max_m()
     if use_decode and name == "auto" and m > DECODE_LARGE_MAX_M and x.shape[1] * hidden >= DECODE_LARGE_LAYER:
         use_decode = False
@@ -197,10 +224,13 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
 
 
 def linear_act_path(backend: str, x: torch.Tensor, out_features: int, activation_id: int) -> str:
-    """"torch" or "triton" for a linear+activation call on 2-D x."""
+    """"torch", "triton" or "cuda" for a linear+activation call on 2-D x."""
     name = resolve_backend(backend)
     if name == "torch":
         return "torch"
+    if name == "cuda":
+        cuda_extension(x)
+        return "cuda"
     if name == "triton":
         _require_triton(x, "gemm_act")
         return "triton"
