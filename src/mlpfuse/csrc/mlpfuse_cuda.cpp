@@ -121,8 +121,8 @@ Tensor try_decode(const Tensor& x, const Tensor& wg, const Tensor& wu, const Ten
 
 }  // namespace
 
-// y = down(act(x·Wgᵀ + bg)·(x·Wuᵀ + bu)) + bd. Returns [y, h, g, u]; h, g, u only with save_preact (else undefined,
-// None in Python). allow_decode: the decode kernel may run (inference only: it keeps no h, g or u).
+// y = down(act(x·Wgᵀ + bg)·(x·Wuᵀ + bu)) + bd. Returns [y, h, g, u]; h, g, u only with save_preact (else
+// undefined, None in Python). allow_decode: the decode kernel may run (inference only: it keeps no h, g or u).
 std::vector<Tensor> gated_mlp_forward(const Tensor& x, const Tensor& wg, const Tensor& wu, const Tensor& wd,
                                       const OptTensor& bg, const OptTensor& bu, const OptTensor& bd, int64_t act,
                                       bool save_preact, bool allow_decode) {
