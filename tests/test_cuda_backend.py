@@ -286,3 +286,19 @@ def test_benchmark_script_runs_small():
     run = subprocess.run(["python3", str(script), "--quick"], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "numerics: PASS" in run.stdout
+
+
+def test_extension_argument_errors_become_one_input_error_line():
+    # What the C++ checks raise (c10 ValueError: argument name first, maybe a C++ trace after) becomes one line;
+    # a CUDA error is not an input error and propagates as it is.
+    def bad_shape():
+        raise ValueError("down_weight: expected shape [64, 128], got [128, 64]\nException raised from check_like")
+
+    def cuda_error():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(InputError) as err:
+        dispatch.cuda_call(bad_shape)
+    assert str(err.value) == "down_weight: expected shape [64, 128], got [128, 64]"
+    with pytest.raises(RuntimeError, match="CUDA error"):
+        dispatch.cuda_call(cuda_error)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from typing import Optional
 
 import torch
@@ -178,12 +179,19 @@ def cuda_extension(x: torch.Tensor):
 
 
 def cuda_call(fn, *args):
-    """fn(*args) on the extension, its argument errors (c10 ValueErrors) as one InputError line."""
+    """fn(*args) on the extension, its argument errors as one InputError line. The C++ side raises them as c10
+    ValueErrors whose text starts with the argument's name ("down_weight: expected shape ..."); torch maps those to
+    ValueError (RuntimeError where its translator is not in reach). Anything else, a CUDA error included, propagates."""
     try:
         return fn(*args)
-    except ValueError as e:
-        raise InputError(str(e).strip().splitlines()[0] if str(e).strip() else "backend: 'cuda' rejected the call") \
-            from None
+    except (ValueError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if not _ARG_ERROR.match(first):
+            raise
+        raise InputError(first) from None
+
+
+_ARG_ERROR = re.compile(r"^[a-z_]+: ")
 
 
 def _graph_capture(x: torch.Tensor) -> bool:
