@@ -5,7 +5,7 @@
 # Steps: numerics, tests, walkthrough, bench-blog, bench-linear, bench-large, bench-large-train, bench-train-mid,
 #        bench-decode, bench-small,
 #        bench-sweep, bench-sweep-large, kernels, tune-linear, tune-blog, tune-llama, decode, decode-sweep, host,
-#        host-paths, host-breakdown, memory, one-launch, profile-train.
+#        host-paths, host-breakdown, memory, one-launch, profile-train, cuda-backend.
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
 cd "$(dirname "$0")/.."
@@ -55,6 +55,7 @@ for spec in "$@"; do
         bench-sweep-large) run_step bench-sweep-large "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 4096 --hidden 14336 --workload geglu,swiglu --mode fwd,fwd+bwd --variants eager,compile,liger,mlpfuse --out "$W/bench-sweep-large" ;;
         one-launch) run_step one-launch "$secs" python3 benchmarks/decode_one_launch.py ;;
         profile-train) run_step profile-train "$secs" python3 benchmarks/profile_training.py --out "$W/profile-train" ;;
+        cuda-backend) MLPFUSE_CACHE_DIR=$W/cache run_step cuda-backend "$secs" python3 benchmarks/cuda_backend_gpu.py --out "$W/cuda-backend.md" ;;
         *) echo "unknown step $step" >> "$SUMMARY" ;;
     esac
 done

@@ -304,7 +304,7 @@ def _mutations(x, wg, wu, wd, bg, bu, bd):
         ("activation", dict(activation="gelu_fast")),
         ("activation", dict(activation=3)),
         ("activation", dict(activation=["silu"])),
-        ("backend", dict(backend="cuda")),
+        ("backend", dict(backend="cudnn")),
         ("backend", dict(backend=1)),
     ]
     out += [("x", dict(x=v)) for v in _not_a_tensor(x)]

@@ -239,7 +239,7 @@ def test_bad_constructor_arguments():
     with pytest.raises(InputError, match="^activation: "):
         GatedMLP(4, 8, activation="gelu_fast")
     with pytest.raises(InputError, match="^backend: "):
-        FusedLinear(4, 8, backend="cuda")
+        FusedLinear(4, 8, backend="cudnn")
     with pytest.raises(InputError, match="^x: expected last dimension 4"):
         GatedMLP(4, 8)(torch.randn(2, 5))
 

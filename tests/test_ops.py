@@ -424,7 +424,7 @@ def _bad_gated_calls():
         ("down_bias", lambda: ops.gated_mlp(x, wg, wu, wd, down_bias=bd.double())),
         ("down_weight", lambda: ops.gated_mlp(x, wg, wu, wd.to("meta"))),
         ("activation", lambda: ops.gated_mlp(x, wg, wu, wd, "gelu_fast")),
-        ("backend", lambda: ops.gated_mlp(x, wg, wu, wd, backend="cuda")),
+        ("backend", lambda: ops.gated_mlp(x, wg, wu, wd, backend="cudnn")),
         ("weight", lambda: ops.linear_act(x, wg[0])),
         ("x", lambda: ops.linear_act(x, wd)),
         ("bias", lambda: ops.linear_act(x, wg, bd)),

@@ -194,7 +194,7 @@ def _repr_backend(backend: str) -> str:
 class GatedMLP(nn.Module):
     """down_proj(act(gate_proj(x)) * up_proj(x)): the Llama / Gemma / Mistral / Qwen MLP, gate and up in one kernel.
 
-    backend: "auto" | "triton" | "torch", or None to read MLPFUSE_BACKEND at each call (else "auto").
+    backend: "auto" | "triton" | "torch" | "cuda", or None to read MLPFUSE_BACKEND at each call (else "auto").
     """
 
     def __init__(

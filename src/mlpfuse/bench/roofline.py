@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from mlpfuse._cache import CACHE_ENV, cache_dir  # noqa: F401 (CACHE_ENV: part of this module's interface)
+
 from mlpfuse._io import atomic_write_text
 from mlpfuse.bench.presets import DTYPES, Case
 
@@ -95,19 +97,10 @@ def device_slug(device: torch.device) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", device_name(device)).strip("-").lower()
 
 
-CACHE_ENV = "MLPFUSE_CACHE_DIR"
 # Far above any device of today (an H200: ~1,000 dense bf16 TFLOP/s, 4,800 GB/s): a larger cached value is corrupt.
 MAX_TFLOPS = 1e5
 MAX_GBPS = 1e6
 _MAX_CACHE_BYTES = 1 << 16  # our file is ~1 KB; a bigger one is not ours
-
-
-def cache_dir() -> Path:
-    """$MLPFUSE_CACHE_DIR, else $XDG_CACHE_HOME/mlpfuse, else ~/.cache/mlpfuse."""
-    own = os.environ.get(CACHE_ENV)
-    if own:
-        return Path(own)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlpfuse"
 
 
 def cache_path(device: torch.device) -> Path:

@@ -1,7 +1,8 @@
 """Which implementation runs a call: backend names, the `auto` policy, and the switches measured on a GPU.
 
 Backends: "torch" (mlpfuse.reference: cuBLAS GEMMs + PyTorch pointwise, runs anywhere), "triton" (mlpfuse.kernels:
-CUDA, or CPU through Triton's interpreter when TRITON_INTERPRET=1), "auto" (the policy below). An empty backend
+CUDA, or CPU through Triton's interpreter when TRITON_INTERPRET=1), "cuda" (mlpfuse.csrc: a C++/CUDA extension built
+on first use; opt-in only, `auto` never picks it), "auto" (the policy below). An empty backend
 string means "not given": the environment variable MLPFUSE_BACKEND, else "auto".
 
 `auto` picks a Triton kernel only on CUDA, only where that kernel was measured to beat eager PyTorch; everywhere
@@ -13,13 +14,14 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from typing import Optional
 
 import torch
 
 from mlpfuse.errors import InputError
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "torch", "cuda")
 ENV_VAR = "MLPFUSE_BACKEND"
 
 # Under autograd: keep the pre-activations g and u (and h = act(g)·u, the down projection's input, which the forward
@@ -65,8 +67,8 @@ FAST_DTYPES = (torch.bfloat16, torch.float16)
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Paths a gated MLP call can take.
-TORCH, GATED, DECODE = "torch", "gated", "decode"
+# Paths a gated MLP call can take. CUDA: the C++ extension's op, which picks its own decode kernel.
+TORCH, GATED, DECODE, CUDA = "torch", "gated", "decode", "cuda"
 
 
 def resolve_backend(backend: str) -> str:
@@ -162,6 +164,36 @@ def _require_triton(x: torch.Tensor, module: str) -> None:
         raise InputError(f"backend: 'triton' cannot run this call: {reason}")
 
 
+def cuda_extension(x: torch.Tensor):
+    """The CUDA backend's built module for a call on x, or InputError: no CUDA, no nvcc, a failed build (with its
+    log's path), or a tensor it cannot take."""
+    from mlpfuse import csrc
+
+    ext = csrc.extension()
+    if x.device.type != "cuda":
+        raise InputError(f"backend: 'cuda' cannot run this call: x is on {x.device.type}; it needs CUDA tensors")
+    if x.dtype not in KERNEL_DTYPES:
+        raise InputError(f"backend: 'cuda' cannot run this call: dtype {x.dtype} is not supported "
+                         "(bfloat16, float16, float32)")
+    return ext
+
+
+def cuda_call(fn, *args):
+    """fn(*args) on the extension, its argument errors as one InputError line. The C++ side raises them as c10
+    ValueErrors whose text starts with the argument's name ("down_weight: expected shape ..."); torch maps those to
+    ValueError (RuntimeError where its translator is not in reach). Anything else, a CUDA error included, propagates."""
+    try:
+        return fn(*args)
+    except (ValueError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if not _ARG_ERROR.match(first):
+            raise
+        raise InputError(first) from None
+
+
+_ARG_ERROR = re.compile(r"^[a-z_]+: ")
+
+
 def _graph_capture(x: torch.Tensor) -> bool:
     """Whether this call is being recorded into a CUDA graph (then host time is paid once, not per step)."""
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -174,6 +206,9 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
     m = x.shape[0]
     if name == "torch":
         return TORCH
+    if name == "cuda":
+        cuda_extension(x)
+        return CUDA
     use_decode = not training and 0 < m <= decode_max_m()
     if use_decode and name == "auto" and m > DECODE_LARGE_MAX_M and x.shape[1] * hidden >= DECODE_LARGE_LAYER:
         use_decode = False
@@ -197,10 +232,13 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
 
 
 def linear_act_path(backend: str, x: torch.Tensor, out_features: int, activation_id: int) -> str:
-    """"torch" or "triton" for a linear+activation call on 2-D x."""
+    """"torch", "triton" or "cuda" for a linear+activation call on 2-D x."""
     name = resolve_backend(backend)
     if name == "torch":
         return "torch"
+    if name == "cuda":
+        cuda_extension(x)
+        return "cuda"
     if name == "triton":
         _require_triton(x, "gemm_act")
         return "triton"

@@ -56,6 +56,10 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training:
         y, h, g, u = out if save else (out, None, None, None)
     elif path == dispatch.DECODE:
         y = _decode(x2, wg, wu, wd, bg, bu, bd, act.id)
+    elif path == dispatch.CUDA:
+        # The extension's decode kernel keeps no g and u, so only inference may take it.
+        ext = dispatch.cuda_extension(x2)
+        y, h, g, u = dispatch.cuda_call(ext.gated_mlp_forward, x2, wg, wu, wd, bg, bu, bd, act.id, save, not training)
     else:
         out = dispatch.kernel("gated_gemm").gated_gemm(
             x2, wg, wu, bg, bu, activation=act.id, save_preact=save, allow_tf32=dispatch.allow_tf32()
@@ -172,11 +176,15 @@ def _gradients(
     act = activations.get(activation)
     x2, dy2 = rows(x), rows(dy.to(x.dtype))
     path = dispatch.gated_mlp_path(backend, x2, gate_weight.shape[0], True)
-    triton = path != dispatch.TORCH and x2.shape[0] > 0
+    fused = path != dispatch.TORCH and x2.shape[0] > 0
+    triton = fused and path != dispatch.CUDA
     consume = held is not None and not recompute
     if consume:
         g, u = held
         held.clear()  # the caller's list: no reference to g and u may outlive their last use below
+    if fused and not triton:
+        return _cuda_backward(dy2, x, x2, gate_weight, up_weight, down_weight, gate_bias, up_bias, g, u, h, act.id,
+                              recompute, consume, need_dx, need_dw, need_dgate_bias, need_dup_bias, need_ddown_bias)
     if recompute:
         if triton:
             tf32 = dispatch.allow_tf32()
@@ -200,6 +208,20 @@ def _gradients(
         )
     dx = dx.reshape(x.shape) if dx is not None else None
     return tuple(t if t is not None else nothing(x) for t in (dx, dwg, dwu, dwd, dbg, dbu, dbd))
+
+
+def _cuda_backward(dy2, x, x2, wg, wu, wd, bg, bu, g, u, h, act_id: int, recompute: bool, consume: bool, need_dx,
+                   need_dw, need_dbg, need_dbu, need_dbd):
+    """The CUDA backend's gradients: one C++ call (cuBLAS dh, one GLU-backward pass with fp32 bias sums, cuBLAS dx
+    and weight gradients). With `consume` it writes dg and du over the g and u handed over."""
+    ext = dispatch.cuda_extension(x2)
+    if recompute:
+        _, h, g, u = dispatch.cuda_call(ext.gated_mlp_forward, x2, wg, wu, wd, bg, bu, None, act_id, True, False)
+        consume = True  # recomputed here: nobody else holds them
+    grads = dispatch.cuda_call(ext.gated_mlp_backward, dy2, x2, wg, wu, wd, g, u, h, act_id, consume, need_dx, need_dw,
+                               need_dbg, need_dbu, need_dbd)
+    dx = grads[0].reshape(x.shape) if grads[0] is not None else None
+    return tuple(t if t is not None else nothing(x) for t in (dx, *grads[1:]))
 
 
 def _triton_backward(dy2, x2, wg, wu, wd, held: list, h, act_id: int, need_dx: bool, need_dw: bool, bias_grads,
@@ -480,7 +502,7 @@ def gated_mlp(
 
     gate_weight, up_weight: [hidden, dim] (separate tensors; views of one packed [2·hidden, dim] tensor are fine);
     down_weight: [dim, hidden]; biases optional. activation: a name or alias from mlpfuse.activations (None:
-    identity). backend: "auto" | "triton" | "torch"; None reads MLPFUSE_BACKEND, else "auto".
+    identity). backend: "auto" | "triton" | "torch" | "cuda"; None reads MLPFUSE_BACKEND, else "auto".
     Differentiable in x, every weight and every bias.
     """
     name = activations.get(activation).name

@@ -31,6 +31,10 @@ def _forward(x, weight, bias, activation: str, backend: str, save: bool, checked
     path = dispatch.linear_act_path(backend, x2, weight.shape[0], act.id)
     if path == "torch" or x2.shape[0] == 0:
         out = reference.linear_act_forward(x2, weight, bias, act, save_preact=save)
+    elif path == "cuda":
+        ext = dispatch.cuda_extension(x2)
+        y, z = dispatch.cuda_call(ext.linear_act_forward, x2, weight, bias, act.id, save)
+        out = (y, z) if save else y
     else:
         gemm_act = dispatch.kernel("gemm_act").gemm_act
         out = gemm_act(x2, weight, bias, activation=act.id, save_preact=save, allow_tf32=dispatch.allow_tf32())
@@ -191,7 +195,7 @@ def linear_act(
 ) -> Tensor:
     """act(x·weightᵀ + bias) with an nn.Linear-layout weight [out_features, in_features], any leading dimensions.
 
-    activation: a name or alias from mlpfuse.activations, None for none. backend: "auto" | "triton" | "torch";
+    activation: a name or alias from mlpfuse.activations, None for none. backend: "auto" | "triton" | "torch" | "cuda";
     None reads MLPFUSE_BACKEND, else "auto". Differentiable in x, weight and bias.
     """
     name = activations.get(activation).name
