@@ -109,7 +109,7 @@ def test_a_local_model_folder(tmp_path):
     (["--model", "gpt2", "--layers", "0"], "--layers: expected an integer >= 1, got 0"),
     (["--model", "gpt2", "--dtype", "bf16,fp32"], "--dtype: the model lab runs one dtype per run"),
     (["--model", "gpt2", "--preset", "blog"], "--preset: does not apply to the model lab (--model)"),
-    (["--model", "gpt2", "--backend", "cuda"], "backend: unknown backend 'cuda'"),
+    (["--model", "gpt2", "--backend", "cudnn"], "backend: unknown backend 'cudnn'"),
     (["--tokens", "8", "--dim", "8", "--hidden", "8", "--layers", "2"], "--layers: applies to the model lab only"),
 ])
 def test_bad_input_is_one_line(flags, expected, tmp_path, capsys):

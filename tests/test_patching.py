@@ -283,8 +283,8 @@ def test_bad_model_argument_is_one_input_error(bad, expected):
 
 
 def test_bad_backend_is_one_input_error():
-    with pytest.raises(mlpfuse.InputError, match="backend: unknown backend 'cuda'"):
-        mlpfuse.patch(Layers(n=1), backend="cuda")
+    with pytest.raises(mlpfuse.InputError, match="backend: unknown backend 'cudnn'"):
+        mlpfuse.patch(Layers(n=1), backend="cudnn")
 
 
 def test_env_backend_is_read_at_call_time(monkeypatch):
