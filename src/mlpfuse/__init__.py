@@ -23,11 +23,13 @@ _EXPORTS = {
     "InputError": "mlpfuse.errors",
 }
 
-__all__ = sorted([*_EXPORTS, "ops", "activations", "__version__"])
+_SUBMODULES = ("ops", "activations", "parallel")
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
 
 def __getattr__(name: str):
-    if name in ("ops", "activations"):
+    if name in _SUBMODULES:
         return importlib.import_module(f"mlpfuse.{name}")
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)

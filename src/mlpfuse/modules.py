@@ -6,7 +6,9 @@ Parameter names match the modules they replace, so state_dicts load as is: `gate
 (same storage, no copies), so a model can be converted in place of its MLPs without growing its memory.
 
 Forwards are TorchScript-compatible: they call the `torch.ops.mlpfuse.*` custom ops through functions with typed
-signatures, and keep the activation and backend as plain strings.
+signatures, and keep the activation and backend as plain strings. Under tensor parallelism (parameters made DTensors
+by `parallelize_module` or `mlpfuse.parallel.tensor_parallel`) they run the same ops on each rank's local shards
+(`mlpfuse.parallel.sharded`).
 """
 
 import operator
@@ -40,6 +42,8 @@ _ACTIVATION_CLASSES = {
     "LinearActivation": "identity",
 }
 _ACTIVATION_ATTRS = ("act_fn", "activation_fn", "act", "activation")
+# Parameter types of the plain (single-process) path; anything else (a DTensor) is looked at more closely.
+_PLAIN = (nn.Parameter, torch.Tensor)
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
@@ -166,6 +170,22 @@ def _linear_using(weight: nn.Parameter, bias: Optional[nn.Parameter]) -> nn.Line
 
 
 @torch.jit.unused
+def _sharded(a: Tensor, b: Optional[Tensor] = None, c: Optional[Tensor] = None) -> bool:
+    """True when tensor parallelism made the weights DTensors. Runs on every call: plain parameters are told apart
+    by their type alone (a generator over the weights would cost more than a decode-sized call can spare)."""
+    plain = _PLAIN
+    if type(a) in plain and (b is None or type(b) in plain) and (c is None or type(c) in plain):
+        return False
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return False
+    from mlpfuse.parallel import sharded
+
+    return sharded.is_distributed(a, b, c)
+
+
+@torch.jit.unused
 def _weight_bias(linear: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
     """(weight, bias) of a Linear-like child: straight from its parameter dict when they live there, else (e.g.
     parametrized weights) through attribute access."""
@@ -225,6 +245,8 @@ class GatedMLP(nn.Module):
             wg, bg = _weight_bias(mods["gate_proj"])
             wu, bu = _weight_bias(mods["up_proj"])
             wd, bd = _weight_bias(mods["down_proj"])
+            if _sharded(wg, wu, wd):
+                return self._sharded_forward(x)
             shortcut = self.__dict__.get("_decode")
             if shortcut is None:  # a module unpickled from before the shortcut existed
                 shortcut = self.__dict__["_decode"] = DecodeShortcut()
@@ -243,6 +265,17 @@ class GatedMLP(nn.Module):
             self.activation,
             self.backend,
         )
+
+    @torch.jit.unused
+    def _sharded_forward(self, x: Tensor) -> Tensor:
+        from mlpfuse.parallel import sharded
+
+        names = ("gate_proj", "up_proj", "down_proj")
+        mods = [(n, getattr(self, n)) for n in names]
+        params = [(f"{n}.weight", m.weight, p) for (n, m), p in zip(mods, (sharded.COLUMN, sharded.COLUMN, sharded.ROW))]
+        params += [(f"{n}.bias", m.bias, p) for (n, m), p in zip(mods, (sharded.COLUMN, sharded.COLUMN,
+                                                                       sharded.REPLICATE))]
+        return sharded.gated(self, x, mods[:2], mods[2], params, self.activation, self.backend)
 
     def extra_repr(self) -> str:
         bias = self.gate_proj.bias is not None
@@ -333,6 +366,9 @@ class PackedGatedMLP(GatedMLP):
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.gate_up_proj.weight
+        if not torch.jit.is_scripting():
+            if _sharded(w, self.down_proj.weight):
+                return self._sharded_forward(x)
         b = self.gate_up_proj.bias
         gate_bias: Optional[Tensor] = None
         up_bias: Optional[Tensor] = None
@@ -349,6 +385,17 @@ class PackedGatedMLP(GatedMLP):
             self.activation,
             self.backend,
         )
+
+    @torch.jit.unused
+    def _sharded_forward(self, x: Tensor) -> Tensor:
+        from mlpfuse.parallel import sharded
+
+        first, last = ("gate_up_proj", self.gate_up_proj), ("down_proj", self.down_proj)
+        params = [("gate_up_proj.weight", first[1].weight, sharded.PACKED),
+                  ("down_proj.weight", last[1].weight, sharded.ROW),
+                  ("gate_up_proj.bias", first[1].bias, sharded.PACKED),
+                  ("down_proj.bias", last[1].bias, sharded.REPLICATE)]
+        return sharded.gated(self, x, [first], last, params, self.activation, self.backend)
 
     def extra_repr(self) -> str:
         bias = self.gate_up_proj.bias is not None
@@ -377,8 +424,12 @@ class PackedGatedMLP(GatedMLP):
         return m
 
 
-class FusedLinear(nn.Module):
-    """act(x·weightᵀ + bias) with the bias and activation in the GEMM's epilogue; nn.Linear's parameters and init."""
+class FusedLinear(nn.Linear):
+    """act(x·weightᵀ + bias) with the bias and activation in the GEMM's epilogue; nn.Linear's parameters and init.
+
+    An nn.Linear subclass, so that tools which shard or wrap linear layers by type (ColwiseParallel,
+    RowwiseParallel) take it as one.
+    """
 
     def __init__(
         self,
@@ -390,7 +441,7 @@ class FusedLinear(nn.Module):
         dtype=None,
         backend: Optional[str] = None,
     ):
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: the sizes are checked first, and it would allocate before that
         in_features, out_features = _check_init(
             (("in_features", in_features), ("out_features", out_features)), bias, device, dtype
         )
@@ -409,7 +460,16 @@ class FusedLinear(nn.Module):
         nn.Linear.reset_parameters(self)  # type: ignore[arg-type]
 
     def forward(self, x: Tensor) -> Tensor:
+        if not torch.jit.is_scripting():
+            if _sharded(self.weight):
+                return self._sharded_forward(x)
         return linear_act_call(x, self.weight, self.bias, self.activation, self.backend)
+
+    @torch.jit.unused
+    def _sharded_forward(self, x: Tensor) -> Tensor:
+        from mlpfuse.parallel import sharded
+
+        return sharded.linear(self, x, self.activation, self.backend)
 
     def extra_repr(self) -> str:
         return (

@@ -1,0 +1,11 @@
+"""Several GPUs: mlpfuse's MLP blocks under PyTorch's tensor parallelism (DTensor) and FSDP2.
+
+`tensor_parallel(model, mesh)` shards every GatedMLP / PackedGatedMLP / MLP of a model column- then row-parallel;
+`parallelize_module` with ColwiseParallel / RowwiseParallel on the blocks' children works as well
+(`PackedColwiseParallel` for a packed gate_up_proj). FSDP2's `fully_shard` needs nothing from here: the blocks see
+plain unsharded parameters while it runs them.
+"""
+
+from mlpfuse.parallel.plan import PackedColwiseParallel, block_plan, tensor_parallel
+
+__all__ = ["tensor_parallel", "PackedColwiseParallel", "block_plan"]

@@ -1,0 +1,179 @@
+"""The modules' forwards when tensor parallelism made their parameters DTensors: each rank runs the fused op on its
+local shards, and DTensor communicates only at the block's edges.
+
+`parallelize_module` with ColwiseParallel / RowwiseParallel turns the projections' parameters into DTensors
+(gate and up rows Shard(0), down columns Shard(1), down's bias Replicate) and hooks the projections' calls. A
+GatedMLP never calls its projections (gate, up and down run as one fused op), so the forward here runs their hooks
+itself where the block's data passes them: gate_proj's (or gate_up_proj's) input hooks on x (ColwiseParallel's
+gathers a sequence-sharded x, or marks a plain one replicated; up_proj's would do the same again), and down_proj's
+output hooks on the block's output (RowwiseParallel's sums the ranks' partial outputs: one all-reduce, or a
+reduce-scatter under sequence parallelism). What flows between the projections is each rank's own hidden slice,
+so the hooks there would not communicate and are not run.
+
+The math: with hidden split across ranks, h_r = act(x·Wg_rᵀ + bg_r)·(x·Wu_rᵀ + bu_r) is rank r's slice of h, and
+y = Σ_r h_r·Wd_rᵀ + bd. Each rank computes its term with the fused kernels; DTensor adds the terms (Partial → the
+output layout) and the bias once. In the backward, dx = Σ_r (rank r's dx term): x's local gradient is declared
+Partial, and the input hook's backward sums it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch.nn as nn
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from mlpfuse.errors import InputError
+from mlpfuse.ops.gated_mlp import gated_mlp_call
+from mlpfuse.ops.linear_act import linear_act_call
+
+COLUMN = (Shard(0),)  # ColwiseParallel: output features (weight rows, bias) split across ranks
+ROW = (Shard(1),)  # RowwiseParallel: input features (weight columns) split; the bias stays whole
+REPLICATE = (Replicate(),)
+# A packed [gate; up] weight split so that each rank holds its gate rows and the matching up rows: the rows are
+# first cut into 2 halves (gate, up), then each half is sharded, and a rank's local tensor is [gate_r; up_r].
+PACKED = (_StridedShard(0, split_factor=2),)
+
+_STYLE = {COLUMN: "Shard(0) (ColwiseParallel)", ROW: "Shard(1) (RowwiseParallel)", REPLICATE: "Replicate()",
+          PACKED: "_StridedShard(0, split_factor=2) (mlpfuse.parallel.PackedColwiseParallel)"}
+
+
+def is_distributed(*tensors: Optional[Tensor]) -> bool:
+    return any(isinstance(t, DTensor) for t in tensors)
+
+
+def _check(named: Sequence[tuple[str, Optional[Tensor], tuple]]):
+    """Every parameter a DTensor with the placement the plan gives it, all on one 1-D mesh; returns the mesh."""
+    mesh = None
+    for name, t, placements in named:
+        if t is None:
+            continue
+        if not isinstance(t, DTensor):
+            raise InputError(f"{name}: a plain tensor among DTensor parameters; shard every projection of the block "
+                             f"(mlpfuse.parallel.tensor_parallel does)")
+        got = tuple(t.placements)
+        if got != placements:
+            if placements == PACKED and got == COLUMN:
+                raise InputError(f"{name}: Shard(0) splits the packed [gate; up] rows so that rank 0 holds gate rows "
+                                 f"only; shard it with mlpfuse.parallel.PackedColwiseParallel() (tensor_parallel does)")
+            raise InputError(f"{name}: expected placements {_STYLE[placements]}, got {list(got)}")
+        if mesh is None:
+            mesh = t.device_mesh
+            if mesh.ndim != 1:
+                raise InputError(f"{name}: expected a DTensor on a 1-D device mesh (tensor parallelism), got a "
+                                 f"{mesh.ndim}-D mesh")
+        elif t.device_mesh != mesh:
+            raise InputError(f"{name}: on another device mesh than the block's other parameters")
+    return mesh
+
+
+def _refuse_fsdp_children(children: Sequence[nn.Module]) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, child in children:
+        if isinstance(child, FSDPModule):
+            raise InputError(f"{name}: fully_shard was applied to the projection, whose forward the fused block never "
+                             f"calls; apply fully_shard to the block or a module around it")
+
+
+def _run_input_hooks(module: nn.Module, x):
+    """module's forward pre-hooks on x, as nn.Module.__call__ runs them."""
+    with_kwargs = module._forward_pre_hooks_with_kwargs
+    for key, hook in list(module._forward_pre_hooks.items()):
+        if key in with_kwargs:
+            out = hook(module, (x,), {})
+            if out is not None:
+                x = out[0][0]
+        else:
+            out = hook(module, (x,))
+            if out is not None:
+                x = out[0] if isinstance(out, tuple) else out
+    return x
+
+
+def _run_output_hooks(module: nn.Module, x, y):
+    """module's forward hooks on the block's output y (their `input` is the block's input)."""
+    with_kwargs = module._forward_hooks_with_kwargs
+    for key, hook in list(module._forward_hooks.items()):
+        out = hook(module, (x,), {}, y) if key in with_kwargs else hook(module, (x,), y)
+        if out is not None:
+            y = out
+    return y
+
+
+def _as_dtensor(x, mesh, placements: tuple) -> DTensor:
+    """x (a plain tensor is taken to be laid out so already) as a DTensor with `placements` on mesh."""
+    if isinstance(x, DTensor):
+        if x.device_mesh != mesh:
+            raise InputError("x: a DTensor on another device mesh than the block's parameters")
+        return x if tuple(x.placements) == placements else x.redistribute(mesh, placements)
+    if not isinstance(x, Tensor):
+        raise InputError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    return DTensor.from_local(x, mesh, placements, run_check=False)
+
+
+def _local(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.to_local()
+
+
+def gated(block: nn.Module, x, first: Sequence[tuple[str, nn.Module]], last: tuple[str, nn.Module],
+          weights: Sequence[tuple[str, Optional[Tensor], tuple]], activation: str, backend: str):
+    """GatedMLP / PackedGatedMLP under tensor parallelism.
+
+    first: the input projections as (name, module) (gate_proj, up_proj, or gate_up_proj); last: down_proj.
+    weights: (name, DTensor, expected placements) for gate/up (or the packed one) and down, then the biases, in
+    the order gate weight, up weight (absent when packed), down weight, gate bias, up bias, down bias.
+    """
+    _refuse_fsdp_children([*first, last])
+    mesh = _check(weights)
+    params = {name: t for name, t, _ in weights}
+    packed = len(first) == 1
+    if packed:
+        w = params["gate_up_proj.weight"].to_local()
+        b = _local(params.get("gate_up_proj.bias"))
+        half = w.shape[0] // 2
+        wg, wu = w[:half], w[half:]
+        bg, bu = (None, None) if b is None else (b[:half], b[half:])
+    else:
+        wg, wu = params["gate_proj.weight"].to_local(), params["up_proj.weight"].to_local()
+        bg, bu = _local(params.get("gate_proj.bias")), _local(params.get("up_proj.bias"))
+    wd = params["down_proj.weight"].to_local()
+    if wd.shape[1] != wg.shape[0] or wu.shape != wg.shape:
+        raise InputError(f"down_proj.weight: this rank holds {wd.shape[1]} hidden columns of down_proj but "
+                         f"{wg.shape[0]} hidden rows of gate and {wu.shape[0]} of up; shard them alike")
+
+    # The first projection's input hooks prepare x for all of them: running up_proj's on their result too would
+    # add a redistribution whose backward all-reduces dx a second time.
+    xr = _as_dtensor(_run_input_hooks(first[0][1], x), mesh, REPLICATE)
+    # Each rank's dx covers its hidden slice only: the local gradient is a partial sum, which the input's
+    # redistribution (or the input hook) adds up in the backward.
+    x_local = xr.to_local(grad_placements=[Partial()])
+    y_local = gated_mlp_call(x_local, wg, wu, wd, bg, bu, None, activation, backend)
+    y = DTensor.from_local(y_local, mesh, [Partial()], run_check=False)
+    bd = params.get("down_proj.bias")
+    if bd is not None:
+        y = y + bd  # DTensor adds the whole bias once to the sum over ranks
+    return _run_output_hooks(last[1], x, y)
+
+
+def linear(module: nn.Module, x, activation: str, backend: str):
+    """FusedLinear under ColwiseParallel (its hooks already ran: nn.Module.__call__ runs them) or, without an
+    activation, RowwiseParallel."""
+    weight, bias = module.weight, module.bias
+    placements = tuple(weight.placements) if isinstance(weight, DTensor) else ()
+    if placements == ROW:
+        if activation != "identity":
+            raise InputError(f"weight: a row-parallel FusedLinear would apply {activation} to each rank's partial "
+                             f"sum; shard a FusedLinear with an activation column-wise (ColwiseParallel)")
+        mesh = _check([("weight", weight, ROW), ("bias", bias, REPLICATE)])
+        xs = _as_dtensor(x, mesh, (Shard(x.dim() - 1),) if isinstance(x, Tensor) else ROW)
+        y_local = linear_act_call(xs.to_local(), weight.to_local(), None, activation, backend)
+        y = DTensor.from_local(y_local, mesh, [Partial()], run_check=False)
+        return y if bias is None else y + bias
+    mesh = _check([("weight", weight, COLUMN), ("bias", bias, COLUMN)])
+    xr = _as_dtensor(x, mesh, REPLICATE)
+    y_local = linear_act_call(xr.to_local(grad_placements=[Partial()]), weight.to_local(), _local(bias), activation,
+                              backend)
+    return DTensor.from_local(y_local, mesh, [Shard(y_local.dim() - 1)], run_check=False)

@@ -1,0 +1,126 @@
+"""mlpfuse's MLP blocks under tensor parallelism (DTensor) and FSDP2, on 2 CPU processes joined by gloo.
+
+Every rank's output, input gradient and (gathered) parameter gradients must equal the single-process block's,
+with and without biases, with the torch backend in float64 and the Triton kernels (through Triton's interpreter on
+a CPU) in float32. The cases themselves are in tests/dist_cases.py; they run in a group started once per module.
+"""
+
+import pytest
+
+import _dist
+
+pytestmark = pytest.mark.skipif(not _dist.AVAILABLE, reason=_dist.WHY_NOT)
+
+WORLD = 2
+CASES = "dist_cases"
+KINDS = ("gated", "packed", "mlp")
+
+
+@pytest.fixture(scope="module")
+def group():
+    g = _dist.Group(WORLD)
+    yield g
+    g.close()
+
+
+def _triton():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+BACKENDS = [("torch", "float64"),
+            pytest.param("triton", "float32", marks=pytest.mark.skipif(not _triton(), reason="triton not installed"))]
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_tensor_parallel_equals_single_process(group, kind, bias, backend, dtype):
+    counts = group.run(CASES, "tp_matches_single", kind=kind, bias=bias, backend=backend, dtype=dtype)
+    # One all-reduce per block forward (the ranks' partial outputs), one backward (the partial input gradients).
+    assert counts == [{"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}] * WORLD
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_pytorch_styles_directly(group, kind, bias):
+    """parallelize_module with ColwiseParallel / RowwiseParallel (PackedColwiseParallel for the packed weight)."""
+    group.run(CASES, "tp_matches_single", kind=kind, bias=bias, backend="torch", dtype="float64", via="styles")
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_sequence_parallel(group, kind, backend, dtype):
+    counts = group.run(CASES, "tp_matches_single", kind=kind, bias=True, backend=backend, dtype=dtype,
+                       sequence_dim=1)
+    # The sequence shards gathered once at the block's start, the partial outputs reduce-scattered at its end.
+    expected = {"forward": {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1},
+                "backward": {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}}
+    assert counts == [expected] * WORLD
+
+
+@pytest.mark.parametrize("sequence_dim", [None, 1], ids=["replicated", "sequence"])
+def test_fewer_collectives_than_eager(group, sequence_dim):
+    """Eager nn.Linear projections under the same plan prepare x once per column-parallel projection: gate and
+    up each gather a sequence-sharded x, and each sums its share of dx. The fused block does both once."""
+    ours = group.run(CASES, "tp_matches_single", kind="gated", bias=True, backend="torch", dtype="float64",
+                     sequence_dim=sequence_dim)
+    eager = group.run(CASES, "eager_tp_comms", bias=True, sequence_dim=sequence_dim)
+    if sequence_dim is None:
+        assert eager == [{"forward": {"all_reduce": 1}, "backward": {"all_reduce": 2}}] * WORLD
+        assert ours == [{"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}] * WORLD
+    else:
+        assert eager == [{"forward": {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 1},
+                          "backward": {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 2}}] * WORLD
+        assert ours == [{"forward": {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1},
+                         "backward": {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}}] * WORLD
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fsdp2_equals_single_process(group, kind, bias, backend, dtype):
+    counts = group.run(CASES, "fsdp_matches_single", kind=kind, bias=bias, backend=backend, dtype=dtype)
+    # One all-gather of the parameters before the forward, one reduce-scatter of the gradients after the backward
+    # (the backward's re-gather is skipped: the root keeps its parameters gathered after its forward).
+    for c in counts:
+        assert {k.rstrip("_").lstrip("_") for k in c} == {"allgather_base", "reduce_scatter_base"}, c
+        assert all(n == 1 for n in c.values()), c
+
+
+def test_whole_model(group):
+    counts = group.run(CASES, "model_matches_single")
+    assert counts == [{"all_reduce": 6}] * WORLD  # 3 blocks, forward and backward
+
+
+def test_refusals(group):
+    messages = group.run(CASES, "refusals")[0]
+    expected = {
+        "hidden": "2 ranks do not divide the hidden size 7",
+        "packed_hidden": "2 ranks do not divide the 5 gate (and up) rows",
+        "packed_plain_shard": "PackedColwiseParallel",
+        "partial_plan": "gate_proj.weight: a plain tensor among DTensor parameters",
+        "twice": "already has DTensor parameters",
+        "mesh_2d": "expected a 1-D mesh",
+        "no_blocks": "no mlpfuse GatedMLP, PackedGatedMLP or MLP",
+        "row_activation": "row-parallel FusedLinear would apply gelu_tanh",
+        "fsdp_child": "gate_proj: fully_shard was applied to the projection",
+    }
+    for key, text in expected.items():
+        assert messages[key] is not None and text in messages[key], (key, messages[key])
+        assert "\n" not in messages[key]
+
+
+def test_refusals_without_a_group():
+    from torch import nn
+
+    from mlpfuse import InputError
+    from mlpfuse.parallel import tensor_parallel
+
+    with pytest.raises(InputError, match="device_mesh: expected a torch.distributed DeviceMesh, got str"):
+        tensor_parallel(nn.Linear(2, 2), "cuda")
+    with pytest.raises(InputError, match="module: expected an nn.Module, got int"):
+        tensor_parallel(3, None)
