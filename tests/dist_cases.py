@@ -258,3 +258,21 @@ def refusals(rank, world, mesh):
     fully_shard(child.gate_proj, mesh=mesh)
     out["fsdp_child"] = message(lambda: child(x))
     return out
+
+
+def profile_steps(rank, world, mesh, folder):
+    """Three profiled training steps of a tensor-parallel block, one trace per rank, named without the rank: the
+    trace's own distributedInfo must tell which rank wrote it."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    block = tensor_parallel(make("gated", True, torch.float32, "torch"), mesh)
+    x = torch.randn(4, DIM, requires_grad=True)
+    path = os.path.join(folder, f"trace-{os.getpid()}.json")
+    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=1, warmup=1, active=3),
+                 on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
+        for _ in range(5):
+            block(x).sum().backward()
+            prof.step()
+    return path

@@ -124,3 +124,15 @@ def test_refusals_without_a_group():
         tensor_parallel(nn.Linear(2, 2), "cuda")
     with pytest.raises(InputError, match="module: expected an nn.Module, got int"):
         tensor_parallel(3, None)
+
+
+def test_per_rank_traces_of_a_real_run(group, tmp_path):
+    from mlpfuse.profiling.ranks import analyze_ranks
+
+    paths = group.run(CASES, "profile_steps", folder=str(tmp_path))
+    data = analyze_ranks(tmp_path).to_dict()
+    assert data["world_size"] == WORLD and data["ranks_found"] == list(range(WORLD))
+    assert [row["trace"] for row in data["per_rank"]] == paths
+    for row in data["per_rank"]:
+        assert row["steps"] == 3 and row["comm_kernels"] == 0  # gloo on CPUs: no GPU kernels to count
+    assert data["skew"]["matched_by"] == "step name" and len(data["skew"]["steps"]) == 3

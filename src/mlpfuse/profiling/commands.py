@@ -27,8 +27,12 @@ _HTML_HELP = "also write a self-contained HTML report (timeline, flamegraph, tab
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("analyze", help="analyse a Chrome/Kineto trace (.json or .json.gz)",
-                              description="Per-step kernels, launches, CPU ops, GPU idle time and a verdict.")
-    p.add_argument("trace", metavar="TRACE", help="trace file (.json or .json.gz), or a saved `analyze --json` file")
+                              description="Per-step kernels, launches, CPU ops, GPU idle time and a verdict. "
+                                          "A folder of per-rank traces: each rank, merged, communication, skew.")
+    p.add_argument("trace", metavar="TRACE", help="trace file (.json or .json.gz), a saved `analyze --json` file, "
+                                                  "or a folder holding one trace per rank of a run")
+    p.add_argument("--allow-missing-ranks", action="store_true",
+                   help="folder: analyse the ranks present when some of the run's ranks have no trace")
     p.add_argument("--label", metavar="NAME",
                    help="use the spans of this record_function label as steps (any name, '## ...' ones included)")
     p.add_argument("--steps-from", choices=SOURCES, default=AUTO,
@@ -40,8 +44,12 @@ def register(subparsers) -> None:
     p.set_defaults(func=run_analyze)
 
     p = subparsers.add_parser("diff", help="what changed between two traces (or saved analysis JSON)")
-    p.add_argument("a", metavar="A", help="the trace (or saved analysis) before the change")
-    p.add_argument("b", metavar="B", help="the trace (or saved analysis) after the change")
+    p.add_argument("a", metavar="A", help="the trace (or saved analysis) before the change, or a folder of per-rank "
+                                          "traces (then B is left out)")
+    p.add_argument("b", metavar="B", nargs="?", help="the trace (or saved analysis) after the change")
+    p.add_argument("--ranks", metavar="R,S", help="folder: the two ranks to compare (default: fastest, slowest)")
+    p.add_argument("--allow-missing-ranks", action="store_true",
+                   help="folder: use the ranks present when some of the run's ranks have no trace")
     p.add_argument("--json", action="store_true", help="print the diff as JSON (schema in the README)")
     p.add_argument("--max-bytes", metavar="SIZE", help=_MAX_BYTES_HELP)
     p.add_argument("--html", metavar="FILE", help=_HTML_HELP)
@@ -105,6 +113,10 @@ def _write_json(path: str, obj) -> None:
 
 
 def run_analyze(args) -> int:
+    if os.path.isdir(args.trace):
+        from mlpfuse.profiling.ranks import run_analyze_dir
+
+        return run_analyze_dir(args, _dump)
     from mlpfuse.profiling import render
     from mlpfuse.profiling.analysis import analyze
 
@@ -124,6 +136,14 @@ def run_analyze(args) -> int:
 
 
 def run_diff(args) -> int:
+    if os.path.isdir(args.a) and args.b is None:
+        from mlpfuse.profiling.ranks import run_diff_dir
+
+        return run_diff_dir(args, _dump)
+    if args.b is None:
+        raise InputError("B: expected a second trace (B may be left out only when A is a folder of per-rank traces)")
+    if args.ranks is not None:
+        raise InputError("--ranks: applies when A is a folder of per-rank traces")
     from mlpfuse.profiling import render
     from mlpfuse.profiling.diff import diff
 
