@@ -5,13 +5,16 @@
 # Steps: numerics, tests, walkthrough, bench-blog, bench-linear, bench-large, bench-large-train, bench-train-mid,
 #        bench-decode, bench-small,
 #        bench-sweep, bench-sweep-large, kernels, tune-linear, tune-blog, tune-llama, decode, decode-sweep, host,
-#        host-paths, host-breakdown, memory, one-launch, profile-train, cuda-backend.
+#        host-paths, host-breakdown, memory, one-launch, profile-train, cuda-backend,
+#        multi-gpu, multi-gpu-sp (every visible GPU, tensor parallel; NCCL with NVLink multicast off).
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: gpu_run.sh OUTDIR STEP...}; shift
 W=$OUT/work; mkdir -p "$W"
 export PYTHONUNBUFFERED=1 COLUMNS=160 PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
+# NVLink multicast stays off for every process of every step (benchmarks/multi_gpu.py also sets it itself).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mlpfuse-site .whl/*.whl \
         && export PYTHONPATH=$PYTHONPATH:/tmp/mlpfuse-site
@@ -54,6 +57,8 @@ for spec in "$@"; do
         memory) run_step memory "$secs" python3 benchmarks/train_anatomy.py --parts memory --out "$W/memory" ;;
         bench-sweep-large) run_step bench-sweep-large "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 4096 --hidden 14336 --workload geglu,swiglu --mode fwd,fwd+bwd --variants eager,compile,liger,mlpfuse --out "$W/bench-sweep-large" ;;
         one-launch) run_step one-launch "$secs" python3 benchmarks/decode_one_launch.py ;;
+        multi-gpu) run_step multi-gpu "$secs" python3 benchmarks/multi_gpu.py --out "$W/multi-gpu" ;;
+        multi-gpu-sp) run_step multi-gpu-sp "$secs" python3 benchmarks/multi_gpu.py --sequence-parallel --out "$W/multi-gpu-sp" ;;
         profile-train) run_step profile-train "$secs" python3 benchmarks/profile_training.py --out "$W/profile-train" ;;
         cuda-backend) MLPFUSE_CACHE_DIR=$W/cache run_step cuda-backend "$secs" python3 benchmarks/cuda_backend_gpu.py --out "$W/cuda-backend.md" ;;
         *) echo "unknown step $step" >> "$SUMMARY" ;;
@@ -64,5 +69,5 @@ tar -C "$OUT" -czf "$OUT/results.tar.gz" work
 cp "$SUMMARY" "$OUT/summary.txt"
 echo "=== tails ==="
 for f in "$W"/*.log; do echo "--- $(basename "$f")"; tail -n 6 "$f"; done
-for f in "$W"/bench-*/results.md; do [ -f "$f" ] && { echo "=== $f"; head -c 2500 "$f"; echo; }; done
+for f in "$W"/bench-*/results.md "$W"/multi-gpu*/results.md; do [ -f "$f" ] && { echo "=== $f"; head -c 2500 "$f"; echo; }; done
 echo "=== summary ==="; cat "$SUMMARY"
