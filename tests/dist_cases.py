@@ -276,3 +276,32 @@ def profile_steps(rank, world, mesh, folder):
             block(x).sum().backward()
             prof.step()
     return path
+
+
+def fsdp_tp_matches_single(rank, world, mesh, kind, bias):
+    """FSDP2 over tensor parallelism (a 2-D mesh, here 1 × world: with 2 processes the data-parallel dimension has
+    one rank): FSDP gathers each rank's tensor-parallel shards, the block runs on them, and the gradients equal
+    the single-process block's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    block = make(kind, bias, torch.float64, "torch")
+    single = copy.deepcopy(block)
+    tensor_parallel(block, mesh2["tp"])
+    fully_shard(block, mesh=mesh2["dp"])
+    torch.manual_seed(1)
+    x = torch.randn(2, 5, DIM, dtype=torch.float64)
+    xs, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ys = single(xs)
+    ys.square().sum().backward()
+    y = block(xt)
+    y.square().sum().backward()
+    tol = _tol(torch.float64)
+    torch.testing.assert_close(y, ys.detach(), **tol)
+    torch.testing.assert_close(xt.grad, xs.grad, **tol)
+    got, want = _grads(block), _grads(single)
+    for name in want:
+        param = dict(block.named_parameters())[name]
+        assert isinstance(param, DTensor) and param.device_mesh.ndim == 2, name
+        torch.testing.assert_close(got[name], want[name], **tol, msg=lambda m: f"{name}: {m}")

@@ -91,6 +91,12 @@ def test_fsdp2_equals_single_process(group, kind, bias, backend, dtype):
         assert all(n == 1 for n in c.values()), c
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fsdp2_over_tensor_parallel(group, kind, bias):
+    group.run(CASES, "fsdp_tp_matches_single", kind=kind, bias=bias)
+
+
 def test_whole_model(group):
     counts = group.run(CASES, "model_matches_single")
     assert counts == [{"all_reduce": 6}] * WORLD  # 3 blocks, forward and backward

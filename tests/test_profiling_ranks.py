@@ -100,7 +100,7 @@ def test_synthetic_run_matches_the_microsecond_count(tmp_path, capsys):
         assert row["comm_us"] == pytest.approx(comm) and row["compute_us"] == pytest.approx(compute)
         assert row["overlapped_us"] == pytest.approx(both)
         assert row["overlap_share"] == pytest.approx(both / comm)
-        assert row["comm_kernels"] == 2
+        assert row["comm_kernels"] == 2 and row["rank_from"] == "distributedInfo"
         single = analyze(row["trace"]).to_dict()
         assert row["step_us"] == single["per_step"]["step_us"]
         assert row["comm_share"] == pytest.approx(comm / single["per_step"]["step_us"])
@@ -134,6 +134,7 @@ def test_ranks_from_file_names_without_distributed_info(tmp_path):
         write(folder, f"rank_{r}.json", rank_trace(r, 2, steps, info=False))
     result = analyze_ranks(folder).to_dict()
     assert result["world_size"] == 2 and result["ranks_found"] == [0, 1]
+    assert [row["rank_from"] for row in result["per_rank"]] == ["file name"] * 2
 
 
 def test_diff_between_ranks(tmp_path, capsys):

@@ -335,10 +335,10 @@ def analyze_ranks(directory: str | os.PathLike, label: str | None = None, max_by
         # One trace in memory at a time: each is reduced to its analysis and communication figures at once.
         with no_gc():
             trace = load(path, max_bytes)
-            rank, world, _ = rank_of(trace)
+            rank, world, source = rank_of(trace)
             found.append({"rank": rank, "world": world, "path": path, "span": _span_us(trace)})
             an = analyze(trace, label)
-            rows.append(_rank_row(rank, an, communication(trace, label)))
+            rows.append({**_rank_row(rank, an, communication(trace, label)), "rank_from": source})
         analyses[rank] = an
         del trace
     world = check_run(directory, found, allow_missing)
