@@ -11,8 +11,9 @@ from typing import Any, Callable, Iterable
 from mlpfuse.profiling.analysis import Analysis, analyze
 from mlpfuse.profiling.diff import Diff, diff
 from mlpfuse.profiling.expect import Result as ExpectationResult
+from mlpfuse.profiling.ranks import RankAnalysis, analyze_ranks
 
-__all__ = ["profile", "analyze", "diff", "Analysis", "Diff", "ExpectationResult"]
+__all__ = ["profile", "analyze", "analyze_ranks", "diff", "Analysis", "Diff", "RankAnalysis", "ExpectationResult"]
 
 
 def profile(
