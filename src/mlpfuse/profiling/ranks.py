@@ -26,7 +26,8 @@ from typing import Any
 
 from mlpfuse.errors import InputError
 from mlpfuse.profiling import kernel_names
-from mlpfuse.profiling.analysis import Analysis, analyze, find_steps, link, step_indices
+from mlpfuse.profiling.analysis import Analysis, analyze, link, step_indices
+from mlpfuse.profiling.steps import AUTO, find_steps
 from mlpfuse.profiling.trace import KERNEL, Trace, load, no_gc
 
 SCHEMA = "mlpfuse.ranks/1"
@@ -186,10 +187,13 @@ def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) ->
     return total
 
 
-def communication(trace: Trace, label: str | None = None) -> dict:
+def communication(trace: Trace, included: list[bool], label: str | None = None, steps_from: str = AUTO) -> dict:
     """Per step: communication kernels' time (union), compute kernels' time (union of every other kernel), and
-    their overlap. GPU work belongs to the step whose CPU span launched it, as in the single-trace analysis."""
-    steps, _ = find_steps(trace, label)
+    their overlap; averaged over the steps the single-trace analysis averages (`included`, one flag per step found).
+    GPU work belongs to the step whose CPU span launched it, as in that analysis."""
+    steps, _ = find_steps(trace, label, steps_from)
+    if len(steps) != len(included):
+        raise ValueError("included: one flag per step found")
     links = link(trace)
     rt_step = step_indices(steps, [e.ts for e in trace.runtime])
     own_step = step_indices(steps, [e.ts for e in trace.gpu])
@@ -202,7 +206,7 @@ def communication(trace: Trace, label: str | None = None) -> dict:
             continue
         r = links.gpu_runtime[g]
         k = rt_step[r] if r >= 0 else own_step[g]
-        if k < 0:
+        if k < 0 or not included[k]:
             continue
         if kernel_names.family_of(e.name, e.cat) == COMMUNICATION:
             comm[k].append((e.ts, e.end))
@@ -215,8 +219,9 @@ def communication(trace: Trace, label: str | None = None) -> dict:
         comm_us += _length(c)
         compute_us += _length(w)
         overlapped_us += _intersection(c, w)
-    return {"comm_kernels": comm_kernels / n, "comm_us": comm_us / n, "compute_us": compute_us / n,
-            "overlapped_us": overlapped_us / n}
+    m = max(sum(included), 1)
+    return {"comm_kernels": comm_kernels / m, "comm_us": comm_us / m, "compute_us": compute_us / m,
+            "overlapped_us": overlapped_us / m}
 
 
 # ---------------------------------------------------------------- the analysis
@@ -240,7 +245,7 @@ def _rank_row(rank: int, an: Analysis, comm: dict) -> dict:
         **comm,
         "comm_share": _share(comm["comm_us"], per["step_us"]),
         "overlap_share": _share(comm["overlapped_us"], comm["comm_us"]),
-        "step_table": {row["name"]: row["step_us"] for row in an.data["step_table"]},
+        "step_table": {row["name"]: row["step_us"] for row in an.data["step_table"] if row.get("in_averages", True)},
         "communication_kernels": nccl,
     }
 
@@ -327,8 +332,9 @@ class RankAnalysis:
 
 
 def analyze_ranks(directory: str | os.PathLike, label: str | None = None, max_bytes: int | str | None = None,
-                  allow_missing: bool = False) -> RankAnalysis:
-    """Analyse the per-rank traces of one run in `directory` (see the module's docstring)."""
+                  allow_missing: bool = False, steps_from: str = AUTO) -> RankAnalysis:
+    """Analyse the per-rank traces of one run in `directory` (see the module's docstring); `label`, `max_bytes`
+    and `steps_from` mean what they mean for `analyze`, for every rank."""
     directory = os.fspath(directory)
     found, rows, analyses = [], [], {}
     for path in trace_files(directory):
@@ -337,8 +343,10 @@ def analyze_ranks(directory: str | os.PathLike, label: str | None = None, max_by
             trace = load(path, max_bytes)
             rank, world, source = rank_of(trace)
             found.append({"rank": rank, "world": world, "path": path, "span": _span_us(trace)})
-            an = analyze(trace, label)
-            rows.append({**_rank_row(rank, an, communication(trace, label)), "rank_from": source})
+            an = analyze(trace, label, steps_from=steps_from)
+            included = [row.get("in_averages", True) for row in an.data["step_table"]]
+            comm = communication(trace, included, label, steps_from)
+            rows.append({**_rank_row(rank, an, comm), "rank_from": source})
         analyses[rank] = an
         del trace
     world = check_run(directory, found, allow_missing)
@@ -388,8 +396,10 @@ def _rank_pair(text: str | None) -> tuple[int | None, int | None]:
 def run_analyze_dir(args, dump) -> int:
     from mlpfuse.profiling.render_ranks import print_ranks
 
+    if args.html:
+        raise InputError("--html: a page is made from one trace; pass one rank's trace file")
     result = analyze_ranks(args.trace, label=args.label, max_bytes=args.max_bytes,
-                           allow_missing=args.allow_missing_ranks)
+                           allow_missing=args.allow_missing_ranks, steps_from=args.steps_from)
     if args.json:
         dump(result.to_dict())
     else:
@@ -400,6 +410,8 @@ def run_analyze_dir(args, dump) -> int:
 def run_diff_dir(args, dump) -> int:
     from mlpfuse.profiling import render
 
+    if args.html:
+        raise InputError("--html: pass the two ranks' trace files to diff them as a page")
     a, b = _rank_pair(args.ranks)
     result = diff_ranks(args.a, a, b, max_bytes=args.max_bytes, allow_missing=args.allow_missing_ranks)
     if args.json:
