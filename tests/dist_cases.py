@@ -310,3 +310,228 @@ def fsdp_tp_matches_single(rank, world, mesh, kind, bias):
         param = dict(block.named_parameters())[name]
         assert isinstance(param, DTensor) and param.device_mesh.ndim == 2, name
         torch.testing.assert_close(got[name], want[name], **tol, msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------- models patched with mlpfuse.patch
+
+
+class LlamaMLP(nn.Module):  # named like transformers' classes: mlpfuse.patch's table matches class names
+    def __init__(self, bias):
+        super().__init__()
+        self.gate_proj = nn.Linear(DIM, HIDDEN, bias=bias)
+        self.up_proj = nn.Linear(DIM, HIDDEN, bias=bias)
+        self.down_proj = nn.Linear(HIDDEN, DIM, bias=bias)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Phi3MLP(nn.Module):
+    def __init__(self, bias):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(DIM, 2 * HIDDEN, bias=bias)
+        self.down_proj = nn.Linear(HIDDEN, DIM, bias=bias)
+        self.activation_fn = nn.SiLU()
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * self.activation_fn(gate))
+
+
+class FalconH1MLP(nn.Module):
+    def __init__(self, bias):
+        super().__init__()
+        self.gate_proj = nn.Linear(DIM, HIDDEN, bias=False)
+        self.up_proj = nn.Linear(DIM, HIDDEN, bias=False)
+        self.down_proj = nn.Linear(HIDDEN, DIM, bias=False)
+        self.act_fn = nn.SiLU()
+        self.gate_multiplier, self.down_multiplier = 0.75, 1.5
+
+    def forward(self, x):
+        return self.down_proj(self.up_proj(x) * self.act_fn(self.gate_proj(x) * self.gate_multiplier)) \
+            * self.down_multiplier
+
+
+class T5DenseActDense(nn.Module):
+    def __init__(self, bias):
+        super().__init__()
+        self.wi = nn.Linear(DIM, HIDDEN, bias=False)
+        self.wo = nn.Linear(HIDDEN, DIM, bias=False)
+        self.dropout = nn.Dropout(0.1)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.wo(self.dropout(self.act(self.wi(x))))
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, bias):
+        super().__init__()
+        self.dense = nn.Linear(DIM, HIDDEN)
+        self.intermediate_act_fn = nn.GELU()
+
+    def forward(self, x):
+        return self.intermediate_act_fn(self.dense(x))
+
+
+class Conv1D(nn.Module):  # transformers' GPT-2 projection: weight [in, out]
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.randn(nx, nf) / nx ** 0.5)
+        self.bias = nn.Parameter(torch.randn(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).reshape(*x.shape[:-1], self.nf)
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, bias):
+        super().__init__()
+        self.c_fc, self.c_proj = Conv1D(HIDDEN, DIM), Conv1D(DIM, HIDDEN)
+        self.act = nn.GELU(approximate="tanh")
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+
+
+def _sequential(bias):
+    return nn.Sequential(nn.Linear(DIM, HIDDEN, bias=bias), nn.GELU(approximate="tanh"), nn.Linear(HIDDEN, DIM, bias=bias))
+
+
+FAMILIES = {"llama": LlamaMLP, "phi3": Phi3MLP, "falcon-h1": FalconH1MLP, "t5": T5DenseActDense,
+            "sequential": _sequential, "bert": BertIntermediate, "gpt2": GPT2MLP}
+
+
+class Layer(nn.Module):
+    def __init__(self, mlp):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.mlp = mlp
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+def patched_model(family: str, bias: bool, dtype, backend: str):
+    """(patched model, the same model unpatched): two layers of one family's MLP, patched by mlpfuse.patch."""
+    import mlpfuse
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Layer(FAMILIES[family](bias)), Layer(FAMILIES[family](bias))).to(dtype).eval()
+    single = copy.deepcopy(model)
+    report = mlpfuse.patch(model, backend=backend)
+    assert len(report.swapped) == 2, report
+    return model, single
+
+
+class _SpyOps:
+    """Records the weight shapes the sharded forwards hand to the fused ops (the real ops run)."""
+
+    def __init__(self):
+        import mlpfuse.parallel.sharded as sharded
+
+        self.sharded, self.calls = sharded, []
+
+    def __enter__(self):
+        self.real = (self.sharded.gated_mlp_call, self.sharded.linear_act_call)
+        real_gated, real_linear = self.real
+
+        def gated(x, wg, *args):
+            self.calls.append(("gated", tuple(wg.shape)))
+            return real_gated(x, wg, *args)
+
+        def linear(x, w, *args):
+            self.calls.append(("linear", tuple(w.shape)))
+            return real_linear(x, w, *args)
+
+        self.sharded.gated_mlp_call, self.sharded.linear_act_call = gated, linear
+        return self
+
+    def __exit__(self, *exc):
+        self.sharded.gated_mlp_call, self.sharded.linear_act_call = self.real
+
+
+def patched_matches_single(rank, world, mesh, family, bias, backend, dtype, sequence_dim=None):
+    """A model patched by mlpfuse.patch, then tensor_parallel: output, dx and gradients equal the unpatched model's
+    on one process, and each block ran the fused op on its local shards."""
+    dtype = DTYPES[dtype]
+    model, single = patched_model(family, bias, dtype, backend)
+    tensor_parallel(model, mesh, sequence_dim=sequence_dim)
+    torch.manual_seed(1)
+    x = torch.randn(2, 6, DIM, dtype=dtype)
+    xs = x.clone().requires_grad_()
+    ys = single(xs)
+    ys.square().sum().backward()
+    pick = (lambda t: t) if sequence_dim is None else (lambda t: t.chunk(world, dim=sequence_dim)[rank])
+    xt = pick(x).clone().requires_grad_()
+    with _SpyOps() as spy, CommDebugMode() as comms:
+        y = model(xt)
+        y.square().sum().backward()
+    tol = _tol(dtype)
+    torch.testing.assert_close(y, pick(ys).detach(), **tol)
+    torch.testing.assert_close(xt.grad, pick(xs.grad), **tol)
+    got, want = _grads(model), _grads(single)
+    assert got.keys() == want.keys()
+    for name, param in model.named_parameters():
+        if sequence_dim is not None and not isinstance(param, DTensor):
+            # The norms saw this rank's tokens only: their gradients add up over ranks (PyTorch's SequenceParallel
+            # style would do this sum for them).
+            torch.distributed.all_reduce(got[name])
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **tol, msg=lambda m: f"{name}: {m}")
+    kind = "gated" if family in ("llama", "phi3", "falcon-h1") else "linear"
+    local = (HIDDEN // world, DIM)
+    assert spy.calls == [(kind, local)] * 2, spy.calls  # both layers, fused, on this rank's rows
+    return _counts(comms)
+
+
+def patched_refusals(rank, world, mesh):
+    out = {}
+    for family in ("bert", "gpt2"):
+        model, _ = patched_model(family, True, torch.float64, "torch")
+        try:
+            tensor_parallel(model, mesh)
+            out[family] = None
+        except InputError as exc:
+            out[family] = str(exc)
+    return out
+
+
+class BertLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.intermediate = BertIntermediate(True)
+        self.output_dense = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return x + self.output_dense(self.intermediate(x))
+
+
+def bert_pair_matches_single(rank, world, mesh):
+    """BERT's intermediate block (one projection) patched, then paired by hand with the projection after it:
+    ColwiseParallel on its dense, RowwiseParallel on the next one."""
+    import mlpfuse
+
+    torch.manual_seed(0)
+    model = nn.Sequential(BertLayer(), BertLayer()).double()
+    single = copy.deepcopy(model)
+    assert len(mlpfuse.patch(model, backend="torch").swapped) == 2
+    plan = {}
+    for i in range(2):
+        plan[f"{i}.intermediate.dense"] = ColwiseParallel()
+        plan[f"{i}.output_dense"] = RowwiseParallel()
+    parallelize_module(model, mesh, plan)
+    x = torch.randn(3, DIM, dtype=torch.float64)
+    xs, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    single(xs).square().sum().backward()
+    with _SpyOps() as spy:
+        model(xt).square().sum().backward()
+    tol = _tol(torch.float64)
+    torch.testing.assert_close(xt.grad, xs.grad, **tol)
+    got, want = _grads(model), _grads(single)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **tol, msg=lambda m: f"{name}: {m}")
+    assert spy.calls == [("linear", (HIDDEN // world, DIM))] * 2, spy.calls

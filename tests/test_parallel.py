@@ -104,6 +104,34 @@ def test_fsdp2_over_tensor_parallel(group, kind, bias):
     group.run(CASES, "fsdp_tp_matches_single", kind=kind, bias=bias)
 
 
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+@pytest.mark.parametrize("family,bias", [("llama", False), ("llama", True), ("phi3", True), ("falcon-h1", False),
+                                         ("t5", False), ("sequential", True)])
+def test_patched_models(group, family, bias, backend, dtype):
+    """Models patched by mlpfuse.patch (blocks named like transformers' MLPs), then tensor_parallel."""
+    counts = group.run(CASES, "patched_matches_single", family=family, bias=bias, backend=backend, dtype=dtype)
+    # Two blocks: each one all-reduce forward and one backward. (Eager projections would all-reduce dx once per
+    # column-parallel projection: 2 per gated block.)
+    assert counts == [{"all_reduce": 4}] * WORLD
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3", "sequential"])
+def test_patched_models_sequence_parallel(group, family):
+    counts = group.run(CASES, "patched_matches_single", family=family, bias=True, backend="torch", dtype="float64",
+                       sequence_dim=1)
+    assert counts == [{"all_gather_into_tensor": 4, "reduce_scatter_tensor": 4}] * WORLD
+
+
+def test_patched_blocks_without_a_plan(group):
+    messages = group.run(CASES, "patched_refusals")[0]
+    assert "bert" in messages and "one projection whose row-parallel partner lies outside it" in messages["bert"]
+    assert "Conv1D projections" in messages["gpt2"]
+
+
+def test_patched_one_projection_block_paired_by_hand(group):
+    group.run(CASES, "bert_pair_matches_single")
+
+
 def test_whole_model(group):
     counts = group.run(CASES, "model_matches_single")
     assert counts == [{"all_reduce": 6}] * WORLD  # 3 blocks, forward and backward
@@ -118,8 +146,8 @@ def test_refusals(group):
         "partial_plan": "gate_proj.weight: a plain tensor among DTensor parameters",
         "twice": "already has DTensor parameters",
         "mesh_2d": "expected a 1-D mesh",
-        "no_blocks": "no mlpfuse GatedMLP, PackedGatedMLP or MLP",
-        "row_activation": "row-parallel FusedLinear would apply gelu_tanh",
+        "no_blocks": "no mlpfuse GatedMLP, PackedGatedMLP, MLP or patched MLP block",
+        "row_activation": "weight: a row-parallel projection would apply gelu_tanh",
         "fsdp_child": "gate_proj: fully_shard was applied to the projection",
     }
     for key, text in expected.items():

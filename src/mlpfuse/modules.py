@@ -270,12 +270,8 @@ class GatedMLP(nn.Module):
     def _sharded_forward(self, x: Tensor) -> Tensor:
         from mlpfuse.parallel import sharded
 
-        names = ("gate_proj", "up_proj", "down_proj")
-        mods = [(n, getattr(self, n)) for n in names]
-        params = [(f"{n}.weight", m.weight, p) for (n, m), p in zip(mods, (sharded.COLUMN, sharded.COLUMN, sharded.ROW))]
-        params += [(f"{n}.bias", m.bias, p) for (n, m), p in zip(mods, (sharded.COLUMN, sharded.COLUMN,
-                                                                       sharded.REPLICATE))]
-        return sharded.gated(self, x, mods[:2], mods[2], params, self.activation, self.backend)
+        children = [(n, getattr(self, n)) for n in ("gate_proj", "up_proj", "down_proj")]
+        return sharded.gated(x, children, False, self.activation, self.backend)
 
     def extra_repr(self) -> str:
         bias = self.gate_proj.bias is not None
@@ -390,12 +386,8 @@ class PackedGatedMLP(GatedMLP):
     def _sharded_forward(self, x: Tensor) -> Tensor:
         from mlpfuse.parallel import sharded
 
-        first, last = ("gate_up_proj", self.gate_up_proj), ("down_proj", self.down_proj)
-        params = [("gate_up_proj.weight", first[1].weight, sharded.PACKED),
-                  ("down_proj.weight", last[1].weight, sharded.ROW),
-                  ("gate_up_proj.bias", first[1].bias, sharded.PACKED),
-                  ("down_proj.bias", last[1].bias, sharded.REPLICATE)]
-        return sharded.gated(self, x, [first], last, params, self.activation, self.backend)
+        children = [("gate_up_proj", self.gate_up_proj), ("down_proj", self.down_proj)]
+        return sharded.gated(x, children, True, self.activation, self.backend)
 
     def extra_repr(self) -> str:
         bias = self.gate_up_proj.bias is not None

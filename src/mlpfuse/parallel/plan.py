@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from mlpfuse.errors import InputError
@@ -38,34 +38,61 @@ class PackedColwiseParallel(ColwiseParallel):
             module.register_parameter(key, nn.Parameter(shard, requires_grad=param.requires_grad))
 
 
-def _block_kind(module: nn.Module) -> Optional[str]:
-    from mlpfuse.modules import MLP, GatedMLP, PackedGatedMLP
+def _hidden(block: nn.Module) -> Optional[int]:
+    """The hidden size of an mlpfuse MLP block (a module or a block mlpfuse.patch put in), else None."""
+    from mlpfuse.modules import MLP, GatedMLP
+    from mlpfuse.patching.blocks import GatedBlock, PatchedBlock
 
-    if isinstance(module, PackedGatedMLP):
-        return "packed"
-    if isinstance(module, GatedMLP):
-        return "gated"
-    if isinstance(module, MLP):
-        return "mlp"
+    if isinstance(block, (GatedMLP, MLP)):
+        return block.hidden
+    if isinstance(block, GatedBlock):
+        return block.fused_hidden
+    if isinstance(block, PatchedBlock):
+        return block._modules[block.fused_linears[0]].weight.shape[0]
     return None
 
 
-def block_plan(kind: str, activations: Placement) -> dict[str, object]:
-    """The ParallelStyles of one block, keyed by child name; `activations` is the layout of the block's input and
-    output on each rank (Replicate(), or Shard(d) for sequence parallelism)."""
+def block_plan(block: nn.Module, sequence_dim: Optional[int] = None, name: str = "") -> dict[str, object]:
+    """The ParallelStyles of one mlpfuse MLP block, keyed by its children's names: the first projections
+    column-parallel, the last row-parallel. sequence_dim: the block's input and output are sharded along it on each
+    rank (sequence parallelism), else replicated. name: the block's path, for messages."""
+    from mlpfuse.modules import MLP, GatedMLP, PackedGatedMLP
+    from mlpfuse.patching.blocks import GatedBlock, LinearActBlock, TwoLayerBlock
+
+    where = f"{name or type(block).__name__} ({type(block).__name__})"
+    if sequence_dim is not None and (isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int)):
+        raise InputError(f"sequence_dim: expected None or an int, got {sequence_dim!r}")
+    activations = Replicate() if sequence_dim is None else Shard(sequence_dim)
     first = {"input_layouts": activations}
     last = {"output_layouts": activations}
-    if kind == "gated":
-        return {"gate_proj": ColwiseParallel(**first), "up_proj": ColwiseParallel(**first),
-                "down_proj": RowwiseParallel(**last)}
-    if kind == "packed":
-        return {"gate_up_proj": PackedColwiseParallel(**first), "down_proj": RowwiseParallel(**last)}
-    return {"fc1": ColwiseParallel(**first), "fc2": RowwiseParallel(**last)}
+    if isinstance(block, PackedGatedMLP):
+        names, packed = ("gate_up_proj", "down_proj"), True
+    elif isinstance(block, GatedMLP):
+        names, packed = ("gate_proj", "up_proj", "down_proj"), False
+    elif isinstance(block, MLP):
+        names, packed = ("fc1", "fc2"), False
+    elif isinstance(block, GatedBlock):
+        names, packed = block.fused_linears, block.fused_packed
+    elif isinstance(block, TwoLayerBlock):
+        if block.fused_transposed:
+            raise InputError(f"module: {where} has Conv1D projections ([in, out] weights); PyTorch's "
+                             f"ColwiseParallel / RowwiseParallel shard nn.Linear only")
+        names, packed = block.fused_linears, False
+    elif isinstance(block, LinearActBlock):
+        raise InputError(f"module: {where} is one projection whose row-parallel partner lies outside it; shard the "
+                         f"pair with parallelize_module (ColwiseParallel on {name + '.' if name else ''}"
+                         f"{block.fused_linears[0]}, RowwiseParallel on the projection after it)")
+    else:
+        raise InputError(f"module: {where} is not an mlpfuse MLP block")
+    plan: dict[str, object] = {n: (PackedColwiseParallel if packed else ColwiseParallel)(**first) for n in names[:-1]}
+    plan[names[-1]] = RowwiseParallel(**last)
+    return plan
 
 
 def tensor_parallel(module: nn.Module, device_mesh, *, sequence_dim: Optional[int] = None) -> nn.Module:
-    """Shard every mlpfuse MLP block in `module` (GatedMLP, PackedGatedMLP, MLP; the module itself included) over
-    the ranks of a 1-D `device_mesh`, in place, and return `module`.
+    """Shard every mlpfuse MLP block in `module` (GatedMLP, PackedGatedMLP, MLP, and the blocks `mlpfuse.patch`
+    puts in a model; the module itself included) over the ranks of a 1-D `device_mesh`, in place; returns `module`.
+    Patch first: mlpfuse.patch leaves modules with hooks or DTensor weights alone.
 
     gate and up (or fc1) become column-parallel, down (or fc2) row-parallel (`parallelize_module` with
     ColwiseParallel / RowwiseParallel; PackedColwiseParallel for a packed gate_up_proj). Each rank then runs the
@@ -80,27 +107,25 @@ def tensor_parallel(module: nn.Module, device_mesh, *, sequence_dim: Optional[in
     if device_mesh.ndim != 1:
         raise InputError(f"device_mesh: expected a 1-D mesh of the tensor-parallel ranks, got a {device_mesh.ndim}-D "
                          f"one; pass its tensor-parallel dimension (e.g. mesh['tp'])")
-    if sequence_dim is not None and (isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int)):
-        raise InputError(f"sequence_dim: expected None or an int, got {sequence_dim!r}")
     n = device_mesh.size()
-    activations = Replicate() if sequence_dim is None else Shard(sequence_dim)
     plan: dict[str, object] = {}
     for name, block in module.named_modules():
-        kind = _block_kind(block)
-        if kind is None:
+        hidden = _hidden(block)
+        if hidden is None:
             continue
         where = f"{name or type(block).__name__} ({type(block).__name__})"
         if any(isinstance(p, DTensor) for p in block.parameters()):
             raise InputError(f"module: {where} already has DTensor parameters; apply tensor_parallel once, to "
                              f"plain modules")
-        if block.hidden % n:
-            raise InputError(f"device_mesh: {n} ranks do not divide the hidden size {block.hidden} of {where}; each "
+        styles = block_plan(block, sequence_dim, name)
+        if hidden % n:
+            raise InputError(f"device_mesh: {n} ranks do not divide the hidden size {hidden} of {where}; each "
                              f"rank must hold an equal slice of it")
-        for child, style in block_plan(kind, activations).items():
+        for child, style in styles.items():
             plan[f"{name}.{child}" if name else child] = style
     if not plan:
-        raise InputError(f"module: no mlpfuse GatedMLP, PackedGatedMLP or MLP in {type(module).__name__}; convert "
-                         f"its MLPs first (GatedMLP.from_module, MLP.from_module)")
+        raise InputError(f"module: no mlpfuse GatedMLP, PackedGatedMLP, MLP or patched MLP block in "
+                         f"{type(module).__name__}; patch the model first (mlpfuse.patch)")
     parallelize_module(module, device_mesh, plan)
     return module
 

@@ -118,61 +118,62 @@ def _local(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.to_local()
 
 
-def gated(block: nn.Module, x, first: Sequence[tuple[str, nn.Module]], last: tuple[str, nn.Module],
-          weights: Sequence[tuple[str, Optional[Tensor], tuple]], activation: str, backend: str):
-    """GatedMLP / PackedGatedMLP under tensor parallelism.
-
-    first: the input projections as (name, module) (gate_proj, up_proj, or gate_up_proj); last: down_proj.
-    weights: (name, DTensor, expected placements) for gate/up (or the packed one) and down, then the biases, in
-    the order gate weight, up weight (absent when packed), down weight, gate bias, up bias, down bias.
-    """
-    _refuse_fsdp_children([*first, last])
-    mesh = _check(weights)
-    params = {name: t for name, t, _ in weights}
-    packed = len(first) == 1
+def gated(x, children: Sequence[tuple[str, nn.Module]], packed: bool, activation: str, backend: str):
+    """A gated block under tensor parallelism. children: (name, module) of its projections in order, gate, up,
+    down, or gate_up, down when `packed`."""
+    _refuse_fsdp_children(children)
+    firsts, (down_name, down) = children[:-1], children[-1]
+    first = PACKED if packed else COLUMN
+    mesh = _check([(f"{n}.weight", m.weight, first) for n, m in firsts] + [(f"{down_name}.weight", down.weight, ROW)]
+                  + [(f"{n}.bias", m.bias, first) for n, m in firsts]
+                  + [(f"{down_name}.bias", down.bias, REPLICATE)])
     if packed:
-        w = params["gate_up_proj.weight"].to_local()
-        b = _local(params.get("gate_up_proj.bias"))
+        w, b = firsts[0][1].weight.to_local(), _local(firsts[0][1].bias)
         half = w.shape[0] // 2
         wg, wu = w[:half], w[half:]
         bg, bu = (None, None) if b is None else (b[:half], b[half:])
     else:
-        wg, wu = params["gate_proj.weight"].to_local(), params["up_proj.weight"].to_local()
-        bg, bu = _local(params.get("gate_proj.bias")), _local(params.get("up_proj.bias"))
-    wd = params["down_proj.weight"].to_local()
+        (_, gate), (_, up) = firsts
+        wg, wu, bg, bu = gate.weight.to_local(), up.weight.to_local(), _local(gate.bias), _local(up.bias)
+    wd = down.weight.to_local()
     if wd.shape[1] != wg.shape[0] or wu.shape != wg.shape:
-        raise InputError(f"down_proj.weight: this rank holds {wd.shape[1]} hidden columns of down_proj but "
+        raise InputError(f"{down_name}.weight: this rank holds {wd.shape[1]} hidden columns of {down_name} but "
                          f"{wg.shape[0]} hidden rows of gate and {wu.shape[0]} of up; shard them alike")
 
-    # The first projection's input hooks prepare x for all of them: running up_proj's on their result too would
-    # add a redistribution whose backward all-reduces dx a second time.
-    xr = _as_dtensor(_run_input_hooks(first[0][1], x), mesh, REPLICATE)
+    # The first projection's input hooks prepare x for all of them: running up's on their result too would add a
+    # redistribution whose backward all-reduces dx a second time.
+    xr = _as_dtensor(_run_input_hooks(firsts[0][1], x), mesh, REPLICATE)
     # Each rank's dx covers its hidden slice only: the local gradient is a partial sum, which the input's
     # redistribution (or the input hook) adds up in the backward.
     x_local = xr.to_local(grad_placements=[Partial()])
     y_local = gated_mlp_call(x_local, wg, wu, wd, bg, bu, None, activation, backend)
     y = DTensor.from_local(y_local, mesh, [Partial()], run_check=False)
-    bd = params.get("down_proj.bias")
-    if bd is not None:
-        y = y + bd  # DTensor adds the whole bias once to the sum over ranks
-    return _run_output_hooks(last[1], x, y)
+    if down.bias is not None:
+        y = y + down.bias  # DTensor adds the whole bias once to the sum over ranks
+    return _run_output_hooks(down, x, y)
 
 
-def linear(module: nn.Module, x, activation: str, backend: str):
-    """FusedLinear under ColwiseParallel (its hooks already ran: nn.Module.__call__ runs them) or, without an
-    activation, RowwiseParallel."""
+def linear(module: nn.Module, x, activation: str, backend: str, name: str = "", hooks: bool = False):
+    """act(x·Wᵀ + b) of a Linear-like module under ColwiseParallel or, without an activation, RowwiseParallel.
+    name: the module's name in its block, for messages. hooks: run the module's input and output hooks here (for
+    a block that reads the weights instead of calling the module; a FusedLinear is called, and nn.Module.__call__
+    runs them)."""
+    label = f"{name}." if name else ""
+    if hooks:
+        _refuse_fsdp_children([(name or type(module).__name__, module)])
+        return _run_output_hooks(module, x, linear(module, _run_input_hooks(module, x), activation, backend, name))
     weight, bias = module.weight, module.bias
     placements = tuple(weight.placements) if isinstance(weight, DTensor) else ()
     if placements == ROW:
         if activation != "identity":
-            raise InputError(f"weight: a row-parallel FusedLinear would apply {activation} to each rank's partial "
-                             f"sum; shard a FusedLinear with an activation column-wise (ColwiseParallel)")
-        mesh = _check([("weight", weight, ROW), ("bias", bias, REPLICATE)])
+            raise InputError(f"{label}weight: a row-parallel projection would apply {activation} to each rank's "
+                             f"partial sum; shard a projection with an activation column-wise (ColwiseParallel)")
+        mesh = _check([(f"{label}weight", weight, ROW), (f"{label}bias", bias, REPLICATE)])
         xs = _as_dtensor(x, mesh, (Shard(x.dim() - 1),) if isinstance(x, Tensor) else ROW)
         y_local = linear_act_call(xs.to_local(), weight.to_local(), None, activation, backend)
         y = DTensor.from_local(y_local, mesh, [Partial()], run_check=False)
         return y if bias is None else y + bias
-    mesh = _check([("weight", weight, COLUMN), ("bias", bias, COLUMN)])
+    mesh = _check([(f"{label}weight", weight, COLUMN), (f"{label}bias", bias, COLUMN)])
     xr = _as_dtensor(x, mesh, REPLICATE)
     y_local = linear_act_call(xr.to_local(grad_placements=[Partial()]), weight.to_local(), _local(bias), activation,
                               backend)

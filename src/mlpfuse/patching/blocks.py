@@ -8,6 +8,10 @@ module tree (`block.fused_source`): `mlpfuse.unpatch` puts it back, and a call t
 (a dropout between the activation and the last projection while it is active, projections in different dtypes)
 runs the module's own forward over the same children instead of a different function.
 
+Under tensor parallelism (`mlpfuse.parallel.tensor_parallel` after `mlpfuse.patch`, or parallelize_module on the
+projections) each block runs the same ops on each rank's shards (`mlpfuse.parallel.sharded`), and the replaced
+module's forward, where a block falls back to it, runs eager tensor parallelism over the same children.
+
 Layouts (mlpfuse.patching.table names the families that use them):
     GatedBlock      down(act(gate(x)) · up(x)), separate or packed gate/up weights, optional gate and down
                     multipliers (Falcon-H1): one `mlpfuse::gated_mlp` call, with the decode shortcut of GatedMLP.
@@ -22,7 +26,7 @@ from __future__ import annotations
 import torch.nn as nn
 from torch import Tensor
 
-from mlpfuse.modules import _weight_bias
+from mlpfuse.modules import _sharded, _weight_bias
 from mlpfuse.ops import dispatch
 from mlpfuse.ops.gated_mlp import DecodeShortcut, gated_mlp_call
 from mlpfuse.ops.linear_act import linear_act_call
@@ -81,15 +85,17 @@ class GatedBlock(PatchedBlock):
     def forward(self, hidden_states: Tensor) -> Tensor:
         mods = self._modules
         names = self.fused_linears
+        w, b = _weight_bias(mods[names[0]])
+        wd, bd = _weight_bias(mods[names[-1]])
+        if _sharded(w, wd):
+            return self._sharded_forward(hidden_states, w, wd)
         if self.fused_packed:
-            w, b = _weight_bias(mods[names[0]])
             n = self.fused_hidden
             wg, wu = w[:n], w[n:]
             bg, bu = (b[:n], b[n:]) if b is not None else (None, None)
         else:
-            wg, bg = _weight_bias(mods[names[0]])
+            wg, bg = w, b
             wu, bu = _weight_bias(mods[names[1]])
-        wd, bd = _weight_bias(mods[names[-1]])
         if wd.dtype is not wg.dtype or self._dropout_active():
             # T5 keeps `wo` in fp32 and casts to it; a live dropout sits between the GLU and `wo`.
             return self._source_forward(hidden_states)
@@ -97,6 +103,16 @@ class GatedBlock(PatchedBlock):
         y = self._fused_decode(x, wg, wu, wd, bg, bu, bd, self.fused_activation, self.fused_backend)
         if y is None:
             y = gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.fused_activation, self.fused_backend)
+        return y if self.fused_out_scale == 1.0 else y * self.fused_out_scale
+
+    def _sharded_forward(self, hidden_states: Tensor, w: Tensor, wd: Tensor) -> Tensor:
+        from mlpfuse.parallel import sharded
+
+        if wd.dtype is not w.dtype or self._dropout_active():
+            return self._source_forward(hidden_states)
+        x = hidden_states if self.fused_in_scale == 1.0 else hidden_states * self.fused_in_scale
+        children = [(n, self._modules[n]) for n in self.fused_linears]
+        y = sharded.gated(x, children, self.fused_packed, self.fused_activation, self.fused_backend)
         return y if self.fused_out_scale == 1.0 else y * self.fused_out_scale
 
 
@@ -117,14 +133,22 @@ class TwoLayerBlock(PatchedBlock):
         if proj.weight.dtype is not w.dtype or self._dropout_active():
             return self._source_forward(hidden_states)
         backend = self.fused_backend
-        if self.fused_transposed:
-            w = w.t()  # Conv1D keeps [in, out]: the [out, in] view the op takes, no copy
-            # The GEMM+activation kernel's fast (TMA) mainloop needs unit-stride weight rows; `auto`'s thresholds
-            # were measured with them. Over this view `auto` keeps cuBLAS (the activation still runs as one op);
-            # backend="triton" forces the kernel's pointer-load path.
-            if dispatch.resolve_backend(backend) == "auto":
-                backend = "torch"
-        h = linear_act_call(hidden_states, w, b, self.fused_activation, backend)
+        if _sharded(w):
+            from mlpfuse.parallel import sharded
+
+            if self.fused_transposed:  # a DTensor [in, out] Conv1D weight: no ParallelStyle of PyTorch makes one
+                return self._source_forward(hidden_states)
+            # fc column-parallel (its hooks run here, as it is not called); proj is called, and runs its own.
+            h = sharded.linear(fc, hidden_states, self.fused_activation, backend, self.fused_linears[0], hooks=True)
+        else:
+            if self.fused_transposed:
+                w = w.t()  # Conv1D keeps [in, out]: the [out, in] view the op takes, no copy
+                # The GEMM+activation kernel's fast (TMA) mainloop needs unit-stride weight rows; `auto`'s
+                # thresholds were measured with them. Over this view `auto` keeps cuBLAS (the activation still runs
+                # as one op); backend="triton" forces the kernel's pointer-load path.
+                if dispatch.resolve_backend(backend) == "auto":
+                    backend = "torch"
+            h = linear_act_call(hidden_states, w, b, self.fused_activation, backend)
         y = proj(h)
         return mods[self.fused_dropout_after](y) if self.fused_dropout_after else y
 
@@ -137,5 +161,11 @@ class LinearActBlock(PatchedBlock):
         self.fused_linears = linears
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        w, b = _weight_bias(self._modules[self.fused_linears[0]])
+        dense = self._modules[self.fused_linears[0]]
+        w, b = _weight_bias(dense)
+        if _sharded(w):  # column-parallel under a plan that pairs it with the row-parallel projection after it
+            from mlpfuse.parallel import sharded
+
+            return sharded.linear(dense, hidden_states, self.fused_activation, self.fused_backend,
+                                  self.fused_linears[0], hooks=True)
         return linear_act_call(hidden_states, w, b, self.fused_activation, self.fused_backend)
