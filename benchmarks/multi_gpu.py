@@ -87,7 +87,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--mode", default="fwd,fwd+bwd", help="fwd, fwd+bwd (comma-separated)")
     p.add_argument("--variants", default="eager,mlpfuse", help="eager, mlpfuse (comma-separated)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 (--cpu-gloo: fp32)")
-    p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"), help="mlpfuse's backend")
+    p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch", "cuda"), help="mlpfuse's backend")
     p.add_argument("--sequence-parallel", action="store_true", help="tokens sharded at the blocks' edges")
     p.add_argument("--rounds", type=int, help="interleaved timing rounds (default 10)")
     p.add_argument("--reps", type=int, help="steps per variant per round (default 5)")

@@ -69,7 +69,7 @@ def _check(named: Sequence[tuple[str, Optional[Tensor], tuple]]):
     return mesh
 
 
-def _refuse_fsdp_children(children: Sequence[nn.Module]) -> None:
+def _refuse_fsdp_children(children: Sequence[tuple[str, nn.Module]]) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     for name, child in children:
