@@ -11,11 +11,11 @@ mem_vs_eager, patched (blocks mlpfuse swapped).
 
 from __future__ import annotations
 
-import csv
 from itertools import groupby
 from pathlib import Path
 
-from mlpfuse._io import atomic_open, atomic_write_text
+from mlpfuse._io import atomic_write_text
+from mlpfuse.bench import outputs
 from mlpfuse.bench.outputs import to_json, write_json  # noqa: F401 - same JSON layout as the block benchmarks
 from mlpfuse.bench.sweep import BenchResult
 
@@ -26,12 +26,7 @@ CSV_FIELDS = (
 
 
 def write_csv(result: BenchResult, path: Path) -> Path:
-    with atomic_open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        for row in result.rows:
-            writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in CSV_FIELDS})
-    return path
+    return outputs.write_csv(result, path, CSV_FIELDS)
 
 
 def _num(value, fmt="{:.2f}") -> str:

@@ -51,12 +51,13 @@ def write_json(result: BenchResult, path: Path) -> Path:
     return path
 
 
-def write_csv(result: BenchResult, path: Path) -> Path:
+def write_csv(result: BenchResult, path: Path, fields: list[str] = CSV_FIELDS) -> Path:
+    """One CSV row per result row, the `fields` columns (absent values empty)."""
     with atomic_open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         for row in result.rows:
-            writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in CSV_FIELDS})
+            writer.writerow({k: ("" if row.get(k) is None else row[k]) for k in fields})
     return path
 
 

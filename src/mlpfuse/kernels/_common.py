@@ -231,6 +231,21 @@ class Launcher:
         self._raw.clear()
 
 
+MAX_PLANS = 4096  # distinct layouts a kernel keeps plans for; past that its table starts over (shape-polymorphic)
+
+
+def keep_plan(plans: dict, key, plan) -> None:
+    """Store a kernel wrapper's per-layout plan under its key, the table bounded by MAX_PLANS."""
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA device index a launch on `device` uses (-1 off CUDA, e.g. under the interpreter)."""
+    return torch._C._cuda_getDevice() if device.type == "cuda" else -1
+
+
 class Raw:
     """A compiled kernel's own C launch function, called with its arguments already in flat form.
 

@@ -199,7 +199,6 @@ class _Plan:
 
 
 _plans: dict = {}
-_MAX_PLANS = 4096  # distinct layouts kept; past that the table starts over (a shape-polymorphic workload)
 
 
 def _gated_gemm(x, w_gate, w_up, b_gate, b_up, activation, save_preact, allow_tf32, out, config, plan_key):
@@ -249,11 +248,9 @@ def _gated_gemm(x, w_gate, w_up, b_gate, b_up, activation, save_preact, allow_tf
                         C.desc(h, [BM, BN]) if tma_store else None, *rest),
             consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if plan_key is not None:
-        device_index = torch._C._cuda_getDevice() if dev.type == "cuda" else -1
+        device_index = C.device_index(dev)
         launch = _launch.compiled(key, device_index)
         if launch is not None:
-            if len(_plans) >= _MAX_PLANS:
-                _plans.clear()
             plan = _Plan()
             plan.launch, plan.grid, plan.consts, plan.save, plan.rest = launch, grid, consts, save_preact, rest
             plan.warps, plan.stages, plan.device = cfg.num_warps, cfg.num_stages, device_index
@@ -268,7 +265,7 @@ def _gated_gemm(x, w_gate, w_up, b_gate, b_up, activation, save_preact, allow_tf
             plan.make = functools.partial(torch.empty, device=dev, dtype=x.dtype)
             plan.x_maps = plan.h_maps = None
             plan.bind_raw(_launch.raw(key, device_index), x, w_gate, w_up, b_gate, b_up, h)
-            _plans[plan_key] = plan
+            C.keep_plan(_plans, plan_key, plan)
     if save_preact:
         return h, g, u
     return h

@@ -149,7 +149,6 @@ class _Plan:
 
 
 _plans: dict = {}
-_MAX_PLANS = 4096  # distinct layouts kept; past that the table starts over (a shape-polymorphic workload)
 
 
 def _gemm_act(x, w, bias, activation, save_preact, allow_tf32, out, config, plan_key):
@@ -186,11 +185,9 @@ def _gemm_act(x, w, bias, activation, save_preact, allow_tf32, out, config, plan
     _launch(key, grid, (xa, wa, b_arg, y, z, C.desc(y, [BM, BN]) if tma_store else None, *rest), consts,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if plan_key is not None:
-        device_index = torch._C._cuda_getDevice() if dev.type == "cuda" else -1
+        device_index = C.device_index(dev)
         launch = _launch.compiled(key, device_index)
         if launch is not None:
-            if len(_plans) >= _MAX_PLANS:
-                _plans.clear()
             plan = _Plan()
             plan.launch, plan.grid, plan.consts, plan.rest, plan.save = launch, grid, consts, rest, save_preact
             plan.warps, plan.stages, plan.device, plan.shape = cfg.num_warps, cfg.num_stages, device_index, (M, N)
@@ -199,7 +196,7 @@ def _gemm_act(x, w, bias, activation, save_preact, allow_tf32, out, config, plan
             plan.y_block = [BM, BN] if tma_store else None
             plan.make = functools.partial(torch.empty, device=dev, dtype=x.dtype)
             plan.bind_raw(_launch.raw(key, device_index), x, w, bias, y)
-            _plans[plan_key] = plan
+            C.keep_plan(_plans, plan_key, plan)
     if save_preact:
         return y, z
     return y

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import chain
 
+from mlpfuse.profiling.steps import Step as Span  # a step's name and [ts, end) span
 from mlpfuse.profiling.trace import Event, Trace
 
 # What one timeline draws at most, per kind; past these the first ones by start time are drawn, and the page
@@ -19,17 +20,6 @@ MAX_GPU = 2000
 MAX_RUNTIME = 2000
 MAX_OPS = 4000
 MAX_DEPTH = 12  # nesting rows of CPU ops per thread
-
-
-@dataclass(frozen=True)
-class Span:
-    name: str
-    ts: float
-    end: float
-
-    @property
-    def dur(self) -> float:
-        return self.end - self.ts
 
 
 def step_spans(trace: Trace, data: dict) -> list[Span]:
