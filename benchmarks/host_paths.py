@@ -23,7 +23,8 @@ import time
 import torch
 
 import mlpfuse
-from host_overhead import Eager  # the same eager GeGLU module (this folder is on sys.path when run)
+from bench_decode import wall_us  # this folder is on sys.path when run: the same loops as the other scripts
+from host_overhead import Eager
 
 
 def spin_up(seconds=0.5):
@@ -44,15 +45,6 @@ def host_round(fn, burst):
     return dt
 
 
-def wall_round(fn, n):
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
-
-
 def summary(xs):
     xs = sorted(xs)
     return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1]}
@@ -68,7 +60,7 @@ def measure(fns: dict, rounds: int, burst: int, n_wall: int):
     for _ in range(rounds):
         for k, fn in fns.items():
             host[k].append(host_round(fn, burst))
-            wall[k].append(wall_round(fn, n_wall))
+            wall[k].append(wall_us(fn, n_wall))
     return {k: {"host": summary(host[k]), "wall": summary(wall[k])} for k in fns}
 
 
