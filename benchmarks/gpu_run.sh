@@ -2,7 +2,7 @@
 # One GPU run: the steps named on the command line, in order, each under its own time limit, then one archive
 # of everything they wrote and a short summary printed last.
 #   bash benchmarks/gpu_run.sh OUTDIR STEP[:SECONDS] ...
-# Steps: numerics, tests, walkthrough, bench-blog, bench-linear, bench-large, bench-large-train, bench-train-mid,
+# Steps: numerics, tests, gpu-tests (the files whose path changes on CUDA), walkthrough, bench-blog, bench-linear, bench-large, bench-large-train, bench-train-mid,
 #        bench-decode, bench-small,
 #        bench-sweep, bench-sweep-large, kernels, tune-linear, tune-blog, tune-llama, decode, decode-sweep, host,
 #        host-paths, host-breakdown, memory, one-launch, profile-train, cuda-backend,
@@ -36,6 +36,9 @@ for spec in "$@"; do
     case $step in
         numerics) run_step numerics "$secs" python3 benchmarks/numerics_gpu.py --workers 12 --budget-s $((secs - 30)) --out "$W/numerics-h200.txt" ;;
         tests) run_step tests "$secs" python3 -m pytest -q -p no:cacheprovider tests ;;
+        gpu-tests) run_step gpu-tests "$secs" python3 -m pytest -q -p no:cacheprovider --durations=10 \
+            tests/test_kernels_plans.py tests/test_kernels_decode.py tests/test_kernels_gemm.py \
+            tests/test_kernels_int64.py tests/test_ops.py tests/test_modules.py tests/test_compile.py ;;
         walkthrough) run_step walkthrough "$secs" python3 -m mlpfuse walkthrough --out "$W/walkthrough" ;;
         bench-blog) run_step bench-blog "$secs" python3 -m mlpfuse bench --preset blog --workload geglu --mode fwd,fwd+bwd --out "$W/bench-blog" ;;
         bench-linear) run_step bench-linear "$secs" python3 -m mlpfuse bench --workload linear --tokens 8192 --dim 768 --hidden 3072 --activation gelu_tanh --out "$W/bench-linear" ;;
