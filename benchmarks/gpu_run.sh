@@ -56,6 +56,7 @@ for spec in "$@"; do
         decode-sweep) run_step decode-sweep "$secs" python3 benchmarks/bench_decode.py --sweep --out "$W/decode" ;;
         host) run_step host "$secs" python3 benchmarks/host_overhead.py --out "$W/host" ;;
         host-paths) run_step host-paths "$secs" python3 benchmarks/host_paths.py --out "$W/host-paths" ;;
+        host-profile) run_step host-profile "$secs" python3 benchmarks/host_profile.py --out "$W/host-profile" ;;
         host-breakdown) run_step host-breakdown "$secs" python3 benchmarks/host_breakdown.py --out "$W/host_breakdown.json" ;;
         memory) run_step memory "$secs" python3 benchmarks/train_anatomy.py --parts memory --out "$W/memory" ;;
         bench-sweep-large) run_step bench-sweep-large "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 4096 --hidden 14336 --workload geglu,swiglu --mode fwd,fwd+bwd --variants eager,compile,liger,mlpfuse --out "$W/bench-sweep-large" ;;

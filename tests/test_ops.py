@@ -574,6 +574,42 @@ def test_eager_training_overwrites_saved_preact_and_a_second_backward_recomputes
         assert rel(first, t64.grad) < 1e-5 and rel(second, t64.grad) < 1e-5
 
 
+@needs_triton
+def test_eager_training_backward_releases_h_and_du_after_their_last_reader(monkeypatch):
+    # The backward's peak is set by what is still alive during its last GEMMs: h (rebuilt over dh) must be gone once
+    # dWd = dyᵀ·h ran, du once dWu ran. The real kernels run; spies record which buffers are alive at each GEMM.
+    ts = gated_inputs((16,), 12, 20, torch.float32, False, seed=21)
+    leaves = [t.clone().requires_grad_() if t is not None else None for t in ts]
+    split = dispatch.kernel("glu_backward").glu_backward_split
+    alive = {}
+
+    def split_spy(*args, **kwargs):
+        out = split(*args, **kwargs)
+        alive["h"], alive["du"] = weakref.ref(out[2]), weakref.ref(kwargs["out"][1])
+        return out
+
+    events = []
+    mm = torch.Tensor.mm
+
+    def mm_spy(a, b):
+        events.append({k: r() is not None for k, r in alive.items()})
+        return mm(a, b)
+
+    y = ops.gated_mlp(leaves[0], *leaves[1:4], "silu", *leaves[4:], backend="triton")
+    dy = seeded_like(y, 3)
+    monkeypatch.setattr(dispatch.kernel("glu_backward"), "glu_backward_split", split_spy)
+    monkeypatch.setattr(torch.Tensor, "mm", mm_spy)
+    y.backward(dy)
+    monkeypatch.undo()
+    # dh = dy·Wd (before the pass), dWd = dyᵀ·h, dx = dg·Wg (+ du·Wu in place), dWu = duᵀ·x, dWg = dgᵀ·x.
+    assert events == [{}, {"h": True, "du": True}, {"h": False, "du": True}, {"h": False, "du": True},
+                      {"h": False, "du": False}]
+    x64, wg64, wu64, wd64 = [t.detach().double().requires_grad_() for t in leaves[:4]]
+    F.linear(F.silu(F.linear(x64, wg64)) * F.linear(x64, wu64), wd64).backward(dy.double())
+    for t, t64 in zip(leaves[:4], (x64, wg64, wu64, wd64)):
+        assert rel(t.grad, t64.grad) < 1e-5
+
+
 def test_eager_training_on_the_torch_path_is_plain_autograd():
     # The torch path under autograd is eager PyTorch: autograd's own nodes, and the same gradients as the
     # registered op's hand-written backward.

@@ -250,10 +250,12 @@ def _triton_backward(dy2, x2, wg, wu, wd, held: list, h, act_id: int, need_dx: b
         # Without a saved h (eager training keeps only g and u), the pass writes h over dh, each element after
         # reading it.
         rebuild_h = h.numel() == 0 and need_dw
-        _, _, _, dbg, dbu = kernels.glu_backward_split(
+        # Only the bias sums are taken from the result: binding its other entries (even to `_`) would keep h
+        # alive until the function returns, past its last reader.
+        dbg, dbu = kernels.glu_backward_split(
             dh, g, u, activation=act_id, bias_sums=bias_grads[0] or bias_grads[1], out=(dg, du), want_h=rebuild_h,
             out_h=dh if rebuild_h else None,
-        )
+        )[3:]
         if rebuild_h:
             h = dh
         del dh

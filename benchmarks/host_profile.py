@@ -1,0 +1,156 @@
+"""Where a module call's host time goes, layer by layer (CUDA GPU, bf16, GeGLU).
+
+    PYTHONPATH=src python3 benchmarks/host_profile.py [--out DIR]
+
+For the forward (no_grad) at 1024×768×3072 and the training step at 8192×768×3072: host µs per call of each
+layer, from the outside in — the GatedMLP module, the op layer (`ops.gated_mlp`'s implementation), the kernel
+API, the cuBLAS GEMM — measured over short bursts started on an idle GPU (as benchmarks/host_paths.py), so the
+differences are what each layer adds. Then each path under cProfile, the functions with the most own time first.
+The training step's backward runs on autograd's device thread, which cProfile does not follow: it is profiled by
+calling the backward's implementation (`_gradients`) directly, on the same tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+
+import torch
+import torch.nn.functional as F
+
+import mlpfuse
+from host_overhead import Eager  # this folder is on sys.path when run
+from host_paths import host_round, spin_up, summary
+from mlpfuse.kernels import gated_gemm
+from mlpfuse.ops import dispatch
+from mlpfuse.ops import gated_mlp as G
+
+GELU = 2  # activations.get("gelu_tanh").id, checked below
+
+
+def timed(fns: dict, rounds=9, burst=8):
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    res = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            res[k].append(host_round(fn, burst))
+    return {k: summary(v) for k, v in res.items()}
+
+
+def profile(fn, n):
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+    return s.getvalue()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev, dt = "cuda", torch.bfloat16
+    assert mlpfuse.activations.get("gelu_tanh").id == GELU
+    torch.manual_seed(0)
+    spin_up()
+    report = []
+
+    def show(title, res):
+        report.append(f"\n## {title}\n| layer | host µs median | min | max |\n|---|---|---|---|")
+        for k, r in res.items():
+            report.append(f"| {k} | {r['median']:.1f} | {r['min']:.1f} | {r['max']:.1f} |")
+        print("\n".join(report[-len(res) - 1:]), flush=True)
+
+    eager = Eager(768, 3072).to(dev, dt)
+    tri = mlpfuse.GatedMLP.from_module(eager, activation="gelu_tanh", backend="triton")
+    auto = mlpfuse.GatedMLP.from_module(eager, activation="gelu_tanh")
+    wg, wu, wd = tri.gate_proj.weight, tri.up_proj.weight, tri.down_proj.weight
+
+    # Forward, no_grad, 1024 tokens.
+    x = torch.randn(1024, 768, device=dev, dtype=dt)
+
+    def nograd(fn):
+        def run():
+            with torch.no_grad():
+                fn()
+        return run
+
+    fwd = {
+        "eager module": nograd(lambda: eager(x)),
+        "GatedMLP triton": nograd(lambda: tri(x)),
+        "GatedMLP auto": nograd(lambda: auto(x)),
+        "gated_mlp_call": nograd(lambda: G.gated_mlp_call(x, wg, wu, wd, None, None, None, "gelu_tanh", "triton")),
+        "_forward": nograd(lambda: G._forward(x, wg, wu, wd, None, None, None, "gelu_tanh", "triton", False, False)),
+        "_forward, path given": nograd(lambda: G._forward(x, wg, wu, wd, None, None, None, "gelu_tanh", "triton",
+                                                          False, False, dispatch.GATED)),
+        "gated_gemm + F.linear": nograd(lambda: F.linear(gated_gemm.gated_gemm(x, wg, wu, None, None,
+                                                                                 activation=GELU), wd)),
+        "gated_gemm": nograd(lambda: gated_gemm.gated_gemm(x, wg, wu, None, None, activation=GELU)),
+        "F.linear x3": nograd(lambda: (F.linear(x, wg), F.linear(x, wu), F.linear(x, wg))),
+        "_checks.gated_mlp_args": lambda: G._checks.gated_mlp_args(x, wg, wu, wd, None, None, None),
+        "dispatch.gated_mlp_path": lambda: dispatch.gated_mlp_path("triton", x, 3072, False),
+    }
+    show("forward, no_grad, 1024x768x3072", timed(fwd))
+    prof_fwd = profile(fwd["GatedMLP triton"], 3000)
+
+    # Training step, 8192 tokens.
+    x = torch.randn(8192, 768, device=dev, dtype=dt, requires_grad=True)
+    dy = torch.randn(8192, 768, device=dev, dtype=dt)
+    params = list(eager.parameters())
+
+    def step(mod):
+        def run():
+            for p in params:
+                p.grad = None
+            x.grad = None
+            mod(x).backward(dy)
+        return run
+
+    def fwd_only(mod):
+        return lambda: mod(x)
+
+    xd = x.detach()
+
+    def direct_forward():
+        return G._forward(xd, wg, wu, wd, None, None, None, "gelu_tanh", "triton", True, True, dispatch.GATED)
+
+    def direct_step():
+        y, _, g, u = direct_forward()
+        return G._gradients(dy, xd, wg, wu, wd, None, None, g, u, G.nothing(xd), "gelu_tanh", "triton", False,
+                            True, True, False, False, False, held=[g, u])
+
+    train = {
+        "eager module step": step(eager),
+        "GatedMLP triton step": step(tri),
+        "GatedMLP auto step": step(auto),
+        "eager module forward (grad)": fwd_only(eager),
+        "GatedMLP triton forward (grad)": fwd_only(tri),
+        "_forward + _gradients, no autograd": direct_step,
+        "_forward save, no autograd": direct_forward,
+    }
+    show("training, 8192x768x3072", timed(train, burst=3))
+    prof_step = profile(train["GatedMLP triton step"], 300)
+    prof_direct = profile(direct_step, 300)
+
+    text = "\n".join(report) + "\n\n## cProfile: GatedMLP triton forward, 3000 calls\n" + prof_fwd
+    text += "\n## cProfile: GatedMLP triton training step (main thread only), 300 steps\n" + prof_step
+    text += "\n## cProfile: _forward + _gradients directly, 300 steps\n" + prof_direct
+    print(text[-14000:])
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "host_profile.md"), "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
