@@ -143,10 +143,19 @@ def main():
     prof_step = profile(train["GatedMLP triton step"], 300)
     prof_direct = profile(direct_step, 300)
 
+    ops_tables = ""
+    for name in ("eager module step", "GatedMLP triton step"):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+            for _ in range(20):
+                train[name]()
+            torch.cuda.synchronize()
+        ops_tables += (f"\n## torch.profiler CPU ops: {name}, 20 steps\n"
+                       + p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+
     text = "\n".join(report) + "\n\n## cProfile: GatedMLP triton forward, 3000 calls\n" + prof_fwd
     text += "\n## cProfile: GatedMLP triton training step (main thread only), 300 steps\n" + prof_step
-    text += "\n## cProfile: _forward + _gradients directly, 300 steps\n" + prof_direct
-    print(text[-14000:])
+    text += "\n## cProfile: _forward + _gradients directly, 300 steps\n" + prof_direct + ops_tables
+    print(text[-16000:])
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "host_profile.md"), "w") as f:

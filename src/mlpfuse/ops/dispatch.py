@@ -124,6 +124,8 @@ def decode_max_m() -> int:
 
 def triton_unavailable(x: torch.Tensor, module: str) -> Optional[str]:
     """Why the Triton kernels cannot run this call (None when they can)."""
+    if x.is_cuda:  # the interpreter's switch matters for CPU tensors only (reading os.environ costs ~2 µs a call)
+        return _unavailable("cuda", x.dtype, module, "")
     return _unavailable(x.device.type, x.dtype, module, os.environ.get("TRITON_INTERPRET", "0"))
 
 

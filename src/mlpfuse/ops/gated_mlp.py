@@ -373,6 +373,10 @@ class _EagerTraining(torch.autograd.Function):
         return _backward(ctx, dy, empty, empty, empty, impl=functools.partial(_gradients, held=held))
 
 
+# The most rows any backend's decode path takes (dispatch.decode_max_m), read on first use.
+_DECODE_ROWS = [1 << 62]
+
+
 class DecodeShortcut:
     """What a module's eager inference call at decode size needs per call, the rest decided once.
 
@@ -397,12 +401,16 @@ class DecodeShortcut:
                 or torch._C._is_tracing()):
             return None
         dim = wg.shape[1]
-        if x.dim() < 1 or x.shape[-1] != dim or x.dtype != wg.dtype or x.get_device() != wg.get_device():
-            return None  # the op layer names what is wrong
+        if x.dim() < 1 or x.shape[-1] != dim or x.numel() > _DECODE_ROWS[0] * dim:
+            return None  # the op layer names what is wrong, or more rows than any backend decodes: skip the rest
+        if x.dtype != wg.dtype or x.get_device() != wg.get_device():
+            return None
         if torch.is_autocast_enabled("cuda"):
             return None
         name = dispatch.resolve_backend(backend)
         key = (name, x.get_device(), x.dtype, dim, wg.shape[0], activation)
+        if _DECODE_ROWS[0] == 1 << 62:
+            _DECODE_ROWS[0] = dispatch.decode_max_m()
         if key != self.key:
             self._decide(key, x, wg.shape[0], activation)
         m = x.numel() // dim if dim else 0
