@@ -58,10 +58,13 @@ DECODE_LARGE_MAX_M = 32  # ... the decode path stops at this many tokens
 # and at that size (1.9e10 multiply-adds, M·dim·hidden) the host decides an eager-mode step: 812 / 1076 / 862 µs
 # against eager's 808 / 804 / 830 in the same runs. At twice the tokens (3.9e10) the GPU time wins: 1195 vs eager
 # 1527 µs, and at 32768 tokens 2390 vs 2959 (`mlpfuse bench --tokens 16384,32768 --dim 768 --hidden 3072 --mode
-# fwd+bwd`, benchmarks/results/nvidia-h200/train-mid). So outside graph capture the fused training path starts
-# between the two measured sizes.
+# fwd+bwd`, benchmarks/results/nvidia-h200/train-mid). Since plans launch through the compiled kernel's C entry and
+# the backward releases its buffers early, the fused step at 8192×768×3072 costs about eager's time and much less
+# memory: `benchmarks/host_paths.py` wall per step 720.6 µs (min 626.0, max 860.5) against eager's 743.6 (694.9–
+# 774.4), and `benchmarks/train_anatomy.py --parts memory` peak 160.5 MiB against eager's 304.5 (compile and Liger
+# 208.5), H200. So outside graph capture the fused training path starts from that size's work (1.9e10).
 GATED_TRAINING = True
-GATED_TRAINING_EAGER_MIN_WORK = 3e10
+GATED_TRAINING_EAGER_MIN_WORK = 1.5e10
 MIN_ARCH = 9  # Hopper: the kernels' fast mainloop (TMA, persistent grid) needs sm90
 FAST_DTYPES = (torch.bfloat16, torch.float16)
 
