@@ -638,15 +638,15 @@ def test_auto_decode_cutover_depends_on_layer_size(monkeypatch):
     assert dispatch.gated_mlp_path("auto", torch.empty(64, 768), small, False) == dispatch.DECODE
     assert dispatch.gated_mlp_path("auto", torch.empty(64, 768), small, True) == dispatch.TORCH
     # Training: the fused path where its GPU time outgrows its host time (Llama-8B's MLP), or under CUDA-graph
-    # capture (no host time per step) from the forward's sizes on; eager mode at the blog shape keeps eager's path
-    # (host-bound); small batches stay on cuBLAS either way.
-    blog, llama = (torch.empty(8192, 768), 3072), (torch.empty(8192, 4096), 14336)
-    assert dispatch.gated_mlp_path("auto", *blog, True) == dispatch.TORCH
-    assert dispatch.gated_mlp_path("auto", *llama, True) == dispatch.GATED
-    assert dispatch.gated_mlp_path("auto", torch.empty(16384, 768), 3072, True) == dispatch.GATED
-    assert dispatch.gated_mlp_path("auto", *blog, False) == dispatch.GATED  # inference is not host-bound there
-    monkeypatch.setattr(dispatch, "_graph_capture", lambda x: True)
+    # capture (no host time per step) from the forward's sizes on; eager mode at half the blog shape keeps eager's
+    # path (host-bound); small batches stay on cuBLAS either way.
+    half, blog, llama = (torch.empty(4096, 768), 3072), (torch.empty(8192, 768), 3072), (torch.empty(8192, 4096), 14336)
+    assert dispatch.gated_mlp_path("auto", *half, True) == dispatch.TORCH
     assert dispatch.gated_mlp_path("auto", *blog, True) == dispatch.GATED
+    assert dispatch.gated_mlp_path("auto", *llama, True) == dispatch.GATED
+    assert dispatch.gated_mlp_path("auto", *half, False) == dispatch.GATED  # inference is not host-bound there
+    monkeypatch.setattr(dispatch, "_graph_capture", lambda x: True)
+    assert dispatch.gated_mlp_path("auto", *half, True) == dispatch.GATED
     assert dispatch.gated_mlp_path("auto", torch.empty(512, 768), 3072, True) == dispatch.TORCH
 
 
@@ -703,9 +703,9 @@ def test_auto_training_is_fused_only_when_captured_and_compiles_inside_the_captu
     for launcher in (gated_gemm._launch, glu_backward._launch_pointwise_kernel):
         launcher.clear()
         launcher.kernel.device_caches.clear()
-    ts = gated_inputs((8192,), 776, 3088, torch.bfloat16, False, seed=41)
+    ts = gated_inputs((4096,), 776, 3088, torch.bfloat16, False, seed=41)
     leaves = [t.clone().requires_grad_() for t in ts[:4]]
-    dy = seeded_like(torch.empty(8192, 776), 42).to(DEVICE, torch.bfloat16)
+    dy = seeded_like(torch.empty(4096, 776), 42).to(DEVICE, torch.bfloat16)
 
     def step():
         y = ops.gated_mlp(*leaves, "gelu_tanh")
