@@ -105,7 +105,7 @@ def test_a_local_model_folder(tmp_path):
     (["--model", "gpt2", "--mode", "backward"], "--mode: unknown mode 'backward' for --model"),
     (["--model", "gpt2", "--variants", "eager,cudagraph"], "--variants: unknown variant 'cudagraph' for --model"),
     (["--model", "gpt2", "--tokens", "1x0"], "--tokens: expected BATCHxSEQ shapes"),
-    (["--model", "gpt2", "--tokens", "1x600"], "--tokens: 605 positions (prompt + new tokens) but the model has 512"),
+    (["--model", "gpt2", "--tokens", "1x600"], "--tokens: 600 positions but the model has 512 position embeddings"),
     (["--model", "gpt2", "--layers", "0"], "--layers: expected an integer >= 1, got 0"),
     (["--model", "gpt2", "--dtype", "bf16,fp32"], "--dtype: the model lab runs one dtype per run"),
     (["--model", "gpt2", "--preset", "blog"], "--preset: does not apply to the model lab (--model)"),
@@ -118,6 +118,19 @@ def test_bad_input_is_one_line(flags, expected, tmp_path, capsys):
     assert main(["bench", *tiny, *mode, "--device", "cpu", *flags, "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mlpfuse: error: " + expected), err
+
+
+def test_decode_without_room_for_the_new_tokens_is_skipped_and_the_rest_runs(tmp_path):
+    # A prompt that leaves no room for the new tokens: its decode case cannot run, its prefill case can.
+    code, data, _ = run_lab(tmp_path, "--model", "gpt2", "--tokens", "1x500", "--mode", "prefill,decode",
+                            "--variants", "eager,mlpfuse", "--new-tokens", "20")
+    assert code == 0
+    rows = rows_by(data)
+    for v in ("eager", "mlpfuse"):
+        assert rows[("prefill", v)]["status"] == "ok" and rows[("prefill", v)]["time_ms"] > 0
+        skipped = rows[("decode", v)]
+        assert skipped["status"] == "skipped" and skipped["time_ms"] is None
+        assert skipped["error"].startswith("skipped: 521 positions (prompt + new tokens) but the model has 512")
 
 
 def test_a_folder_without_config_is_refused(tmp_path, capsys):

@@ -296,13 +296,18 @@ def run(name: str, *, layers: int | None, tiny: bool, shapes: list[tuple[int, in
     progress("building the fp32 model")
     built = models.build(name, layers=layers, tiny=tiny, device=device, seed=settings.seed)
     n_layers = _layers(built.model)
-    longest = max(s for _, s in shapes) + (settings.new_tokens + 1 if "decode" in modes else 0)
+    longest = max(s for _, s in shapes)
     if built.max_positions is not None and longest > built.max_positions:
-        raise InputError(f"--tokens: {longest} positions (prompt + new tokens) but the model has "
-                         f"{built.max_positions} position embeddings")
+        raise InputError(f"--tokens: {longest} positions but the model has {built.max_positions} position embeddings")
+    too_long = {}  # decode cases whose prompt leaves no room for the new tokens: skipped, the others still run
+    for case in cases:
+        need = case.seq + settings.new_tokens + 1
+        if case.mode == "decode" and built.max_positions is not None and need > built.max_positions:
+            too_long[case] = (f"skipped: {need} positions (prompt + new tokens) but the model has "
+                              f"{built.max_positions} position embeddings; ask for a shorter prompt with --tokens")
     refs = {}
     for case in cases:  # fp32 references first, then the weights go to the measured dtype in place
-        if case.mode == "decode" and built.kind != models.CAUSAL:
+        if (case.mode == "decode" and built.kind != models.CAUSAL) or case in too_long:
             continue
         progress(f"fp32 reference: {case.label}")
         ids = _inputs(case, built.vocab, device, settings.seed)
@@ -319,6 +324,11 @@ def run(name: str, *, layers: int | None, tiny: bool, shapes: list[tuple[int, in
     result = BenchResult(meta)
     for case in cases:
         rows = {v: _row(built, n_layers, case, v, dtype_name, settings) for v in variants}
+        if case in too_long:
+            for row in rows.values():
+                row.update(status="skipped", error=too_long[case])
+            result.rows.extend(rows.values())
+            continue
         try:
             _run_case(built, case, variants, rows, refs.get(case), settings, device, progress)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the inputs: every row says so
