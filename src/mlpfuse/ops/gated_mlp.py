@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mlpfuse import activations, reference
+from mlpfuse import activations, csrc, reference
 from mlpfuse.ops import _checks, dispatch
 from mlpfuse.ops._util import (
     autocast_dtype, cast_all, eager_tensor, leading, nothing, op_span, profiling, rows,
@@ -58,7 +58,7 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training:
         y = _decode(x2, wg, wu, wd, bg, bu, bd, act.id)
     elif path == dispatch.CUDA:
         # The extension's decode kernel keeps no g and u, so only inference may take it.
-        ext = dispatch.cuda_extension(x2)
+        ext = csrc.extension()  # the path's choice checked x2 for it
         y, h, g, u = dispatch.cuda_call(ext.gated_mlp_forward, x2, wg, wu, wd, bg, bu, bd, act.id, save, not training)
     else:
         out = dispatch.kernel("gated_gemm").gated_gemm(
@@ -214,7 +214,7 @@ def _cuda_backward(dy2, x, x2, wg, wu, wd, bg, bu, g, u, h, act_id: int, recompu
                    need_dw, need_dbg, need_dbu, need_dbd):
     """The CUDA backend's gradients: one C++ call (cuBLAS dh, one GLU-backward pass with fp32 bias sums, cuBLAS dx
     and weight gradients). With `consume` it writes dg and du over the g and u handed over."""
-    ext = dispatch.cuda_extension(x2)
+    ext = csrc.extension()  # the path's choice checked x2 for it
     if recompute:
         _, h, g, u = dispatch.cuda_call(ext.gated_mlp_forward, x2, wg, wu, wd, bg, bu, None, act_id, True, False)
         consume = True  # recomputed here: nobody else holds them
@@ -373,10 +373,6 @@ class _EagerTraining(torch.autograd.Function):
         return _backward(ctx, dy, empty, empty, empty, impl=functools.partial(_gradients, held=held))
 
 
-# The most rows any backend's decode path takes (dispatch.decode_max_m), read on first use.
-_DECODE_ROWS = [1 << 62]
-
-
 class DecodeShortcut:
     """What a module's eager inference call at decode size needs per call, the rest decided once.
 
@@ -401,7 +397,7 @@ class DecodeShortcut:
                 or torch._C._is_tracing()):
             return None
         dim = wg.shape[1]
-        if x.dim() < 1 or x.shape[-1] != dim or x.numel() > _DECODE_ROWS[0] * dim:
+        if x.dim() < 1 or x.shape[-1] != dim or x.numel() > dispatch.decode_max_m() * dim:
             return None  # the op layer names what is wrong, or more rows than any backend decodes: skip the rest
         if x.dtype != wg.dtype or x.get_device() != wg.get_device():
             return None
@@ -409,8 +405,6 @@ class DecodeShortcut:
             return None
         name = dispatch.resolve_backend(backend)
         key = (name, x.get_device(), x.dtype, dim, wg.shape[0], activation)
-        if _DECODE_ROWS[0] == 1 << 62:
-            _DECODE_ROWS[0] = dispatch.decode_max_m()
         if key != self.key:
             self._decide(key, x, wg.shape[0], activation)
         m = x.numel() // dim if dim else 0

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mlpfuse import activations, reference
+from mlpfuse import activations, csrc, reference
 from mlpfuse.ops import _checks, dispatch
 from mlpfuse.ops._util import (
     autocast_dtype, cast_all, eager_tensor, leading, nothing, op_span, profiling, rows,
@@ -32,7 +32,7 @@ def _forward(x, weight, bias, activation: str, backend: str, save: bool, checked
     if path == "torch" or x2.shape[0] == 0:
         out = reference.linear_act_forward(x2, weight, bias, act, save_preact=save)
     elif path == "cuda":
-        ext = dispatch.cuda_extension(x2)
+        ext = csrc.extension()  # the path's choice checked x2 for it
         y, z = dispatch.cuda_call(ext.linear_act_forward, x2, weight, bias, act.id, save)
         out = (y, z) if save else y
     else:
