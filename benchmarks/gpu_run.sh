@@ -2,10 +2,11 @@
 # One GPU run: the steps named on the command line, in order, each under its own time limit, then one archive
 # of everything they wrote and a short summary printed last.
 #   bash benchmarks/gpu_run.sh OUTDIR STEP[:SECONDS] ...
-# Steps: numerics, tests, gpu-tests (the files whose path changes on CUDA), walkthrough, bench-blog, bench-linear, bench-large, bench-large-train, bench-train-mid,
+# Steps: numerics, tests, gpu-tests (the files whose path changes on CUDA), walkthrough, model-lab,
+#        bench-blog, bench-linear, bench-large, bench-large-train, bench-train-mid,
 #        bench-decode, bench-small,
 #        bench-sweep, bench-sweep-large, kernels, tune-linear, tune-blog, tune-llama, decode, decode-sweep, host,
-#        host-paths, host-breakdown, memory, one-launch, profile-train, cuda-backend,
+#        host-paths, host-profile, host-breakdown, memory, one-launch, profile-train, cuda-backend,
 #        multi-gpu, multi-gpu-sp (every visible GPU, tensor parallel; NCCL with NVLink multicast off).
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
@@ -40,6 +41,8 @@ for spec in "$@"; do
             tests/test_kernels_plans.py tests/test_kernels_decode.py tests/test_kernels_gemm.py \
             tests/test_kernels_int64.py tests/test_ops.py tests/test_modules.py tests/test_compile.py ;;
         walkthrough) run_step walkthrough "$secs" python3 -m mlpfuse walkthrough --out "$W/walkthrough" ;;
+        model-lab) run_step model-lab "$secs" python3 -m mlpfuse bench --model llama3-8b --layers 4 --tokens 1x2048 \
+            --mode prefill,decode,train --variants eager,liger,mlpfuse --out "$W/model-lab" ;;
         bench-blog) run_step bench-blog "$secs" python3 -m mlpfuse bench --preset blog --workload geglu --mode fwd,fwd+bwd --out "$W/bench-blog" ;;
         bench-linear) run_step bench-linear "$secs" python3 -m mlpfuse bench --workload linear --tokens 8192 --dim 768 --hidden 3072 --activation gelu_tanh --out "$W/bench-linear" ;;
         bench-large) run_step bench-large "$secs" python3 -m mlpfuse bench --preset llama-8b --workload geglu --mode fwd --out "$W/bench-large" ;;
@@ -73,5 +76,5 @@ tar -C "$OUT" -czf "$OUT/results.tar.gz" work
 cp "$SUMMARY" "$OUT/summary.txt"
 echo "=== tails ==="
 for f in "$W"/*.log; do echo "--- $(basename "$f")"; tail -n 6 "$f"; done
-for f in "$W"/bench-*/results.md "$W"/multi-gpu*/results.md; do [ -f "$f" ] && { echo "=== $f"; head -c 2500 "$f"; echo; }; done
+for f in "$W"/bench-*/results.md "$W"/model-lab/results.md "$W"/multi-gpu*/results.md; do [ -f "$f" ] && { echo "=== $f"; head -c 2500 "$f"; echo; }; done
 echo "=== summary ==="; cat "$SUMMARY"

@@ -51,6 +51,7 @@ def summary(xs):
 
 
 def measure(fns: dict, rounds: int, burst: int, n_wall: int):
+    """{name: {"host": summary, "wall": summary}}; n_wall 0 measures host time only (no "wall" entry)."""
     host = {k: [] for k in fns}
     wall = {k: [] for k in fns}
     for fn in fns.values():
@@ -60,8 +61,9 @@ def measure(fns: dict, rounds: int, burst: int, n_wall: int):
     for _ in range(rounds):
         for k, fn in fns.items():
             host[k].append(host_round(fn, burst))
-            wall[k].append(wall_us(fn, n_wall))
-    return {k: {"host": summary(host[k]), "wall": summary(wall[k])} for k in fns}
+            if n_wall:
+                wall[k].append(wall_us(fn, n_wall))
+    return {k: {"host": summary(host[k]), **({"wall": summary(wall[k])} if n_wall else {})} for k in fns}
 
 
 def main():

@@ -16,36 +16,29 @@ import argparse
 import cProfile
 import io
 import os
+import importlib
 import pstats
-import sys
 
 import torch
 import torch.nn.functional as F
 
 import mlpfuse
 from host_overhead import Eager  # this folder is on sys.path when run
-from host_paths import host_round, spin_up, summary
+from host_paths import measure, spin_up
 from mlpfuse.kernels import gated_gemm
 from mlpfuse.ops import dispatch
-from mlpfuse.ops import gated_mlp as _  # noqa: F401  (the module, below: the package exports the function)
 
-G = sys.modules["mlpfuse.ops.gated_mlp"]
+G = importlib.import_module("mlpfuse.ops.gated_mlp")  # the module: the package's `gated_mlp` is the function
 GELU = mlpfuse.activations.get("gelu_tanh").id
 
 
 def timed(fns: dict, rounds=9, burst=8):
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    res = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            res[k].append(host_round(fn, burst))
-    return {k: summary(v) for k, v in res.items()}
+    """Host µs per call of each function (host_paths.measure without its wall rounds)."""
+    return {k: r["host"] for k, r in measure(fns, rounds, burst, 0).items()}
 
 
-def profile(fn, n):
+def profile(fn, n, top=25):
+    """n calls of fn under cProfile: the `top` functions with the most own time, as text."""
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(n):
@@ -53,7 +46,7 @@ def profile(fn, n):
     prof.disable()
     torch.cuda.synchronize()
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
     return s.getvalue()
 
 

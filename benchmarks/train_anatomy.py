@@ -13,16 +13,14 @@
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
 import sys
 
 import torch
 
 from host_overhead import per_call_rounds  # noqa: E402  (this folder is on sys.path when run)
+from host_profile import profile  # noqa: E402
 from mlpfuse.bench import presets, variants
 
 NAMES = ("eager", "compile", "liger", "mlpfuse", "mlpfuse-triton")
@@ -57,15 +55,7 @@ def host_rows(dev, out):
                   flush=True)
     built, _ = build("mlpfuse-triton", case(64, 768, 3072, "gelu_tanh"), dev)
     _, step = built
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(500):
-        step()
-    prof.disable()
-    torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
-    text = s.getvalue()
+    text = profile(step, 500, top=30)
     print(text[:6000])
     with open(os.path.join(out, "cprofile_train_step.txt"), "w") as f:
         f.write(text)
