@@ -170,7 +170,7 @@ def test_compile_with_the_triton_backend():
 
 def _on_fake_cuda(module, dim):
     """`module` with its Linear weights replaced by fake CUDA tensors, and a fake CUDA input [3, dim]: Dynamo then
-    traces the forward down the branches a GPU takes (the decode shortcut's `x.is_cuda` holds) on a machine
+    traces the forward down the branches a GPU takes (the call plan's `x.is_cuda` holds) on a machine
     without one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -181,9 +181,9 @@ def _on_fake_cuda(module, dim):
 
 
 def test_gated_module_traces_fullgraph_on_cuda_inputs_under_no_grad():
-    # Under no_grad a CUDA input reaches the decode shortcut, which once asked torch._C._is_tracing() first: Dynamo
-    # cannot trace that call ("torch.* op returned non-Tensor"), so a model holding the module failed to compile.
-    # (Under grad the shortcut returns before; compiling with grad is tested on CPU models in test_patching_models.)
+    # Under no_grad a CUDA input reaches the module's call plan, which once asked torch._C._is_tracing() first:
+    # Dynamo cannot trace that call ("torch.* op returned non-Tensor"), so a model holding the module failed to
+    # compile. (Compiling with grad is tested on CPU models in test_patching_models.)
     m = GatedMLP(16, 24, activation="silu", device="meta")
     x = _on_fake_cuda(m, 16)
     with torch.no_grad():

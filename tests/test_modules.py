@@ -328,21 +328,8 @@ def test_module_backend_none_follows_the_environment(monkeypatch):
     assert m(torch.randn(2, 4)).shape == (2, 4)
 
 
-def test_decode_shortcut_declines_what_it_does_not_serve():
-    # The shortcut only takes plain CUDA tensors with autograd off; everything else goes through the op layer
-    # (checked here on CPU, where it must decline and the module still computes the right thing).
-    m = GatedMLP(8, 12, activation="silu", dtype=F64)
-    x = torch.randn(3, 8, dtype=F64)
-    w = (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, None, None, None)
-    with torch.no_grad():
-        assert m._decode(x, *w, "silu", "") is None
-        ref = m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
-        torch.testing.assert_close(m(x), ref)
-    assert m._decode.key is None  # never decided: nothing reached the kernel path
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode shortcut runs on CUDA tensors")
-def test_decode_shortcut_on_gpu_matches_the_reference():
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the decode kernels run on CUDA")
+def test_module_call_plan_on_gpu_matches_the_reference():
     torch.manual_seed(0)
     dim, hidden = 768, 3072
     m = GatedMLP(dim, hidden, activation="gelu_tanh", bias=True, device="cuda", dtype=torch.bfloat16)
@@ -364,11 +351,10 @@ def test_decode_shortcut_on_gpu_matches_the_reference():
     from mlpfuse.ops import dispatch
 
     if dispatch.decode_max_m() and torch.cuda.get_device_capability()[0] >= dispatch.MIN_ARCH:
-        assert m._decode.limit == dispatch.decode_max_m()  # this layer takes the decode path up to its limit
-    # With autograd on, the shortcut declines (the training path runs, with gradients).
+        paths = {key[1][:-1]: entry.path for key, entry in m._plan.entries.items()}
+        assert paths[(1,)] == paths[(64,)] == dispatch.DECODE  # this layer takes the decode path up to its limit
+        assert paths[(300,)] != dispatch.DECODE
+    # With autograd on, the training path runs (no decode kernel), with gradients.
     x = torch.randn(4, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, m.gate_proj.bias, m.up_proj.bias,
-         m.down_proj.bias)
-    assert m._decode(x, *w, "gelu_tanh", "") is None
     m(x).sum().backward()
     assert x.grad is not None

@@ -650,22 +650,6 @@ def test_auto_decode_cutover_depends_on_layer_size(monkeypatch):
     assert dispatch.gated_mlp_path("auto", torch.empty(512, 768), 3072, True) == dispatch.TORCH
 
 
-def test_decode_shortcut_limit_follows_the_policy(monkeypatch):
-    # The module's shortcut serves exactly the row counts for which the policy picks the decode path.
-    from mlpfuse.ops.gated_mlp import DecodeShortcut
-
-    monkeypatch.setattr(dispatch, "_auto_may_use", lambda device, dtype, module: True)
-    monkeypatch.setattr(dispatch, "decode_max_m", lambda: 64)
-    for dim, hidden, expected in ((768, 3072, 64), (4096, 14336, dispatch.DECODE_LARGE_MAX_M)):
-        s = DecodeShortcut()
-        key = ("auto", -1, torch.bfloat16, dim, hidden, "gelu_tanh")
-        s._decide(key, torch.empty(1, dim, dtype=torch.bfloat16), hidden, "gelu_tanh")
-        assert s.limit == expected and s.key == key and s.act_id == activations.get("gelu_tanh").id
-    s = DecodeShortcut()
-    s._decide(("torch", -1, torch.bfloat16, 768, 3072, "silu"), torch.empty(1, 768), 3072, "silu")
-    assert s.limit == 0  # the torch backend never takes the decode kernel
-
-
 @pytest.mark.skipif(not (TRITON and torch.cuda.is_available()), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("bias", [False, True])
 def test_triton_training_step_replays_in_a_cuda_graph(bias):

@@ -21,7 +21,7 @@ from torch import Tensor
 from mlpfuse import activations
 from mlpfuse.errors import InputError
 from mlpfuse.ops import dispatch
-from mlpfuse.ops.gated_mlp import DecodeShortcut, gated_mlp_call
+from mlpfuse.ops.gated_mlp import CallPlan, gated_mlp_call
 from mlpfuse.ops.linear_act import linear_act_call
 
 # Activation module classes (torch.nn and transformers' ACT2FN) mapped to our names. GELU (torch.nn) reads its
@@ -197,6 +197,15 @@ def _weight_bias(linear: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
     return w, b
 
 
+@torch.jit.unused
+def _call_plan(module: nn.Module) -> CallPlan:
+    """The module's CallPlan (made here for a module unpickled from before it had one)."""
+    plan = module.__dict__.get("_plan")
+    if plan is None:
+        plan = module.__dict__["_plan"] = CallPlan()
+    return plan
+
+
 def _same_kind(named: list[tuple[str, Optional[Tensor]]]) -> None:
     first_name, first = named[0]
     for name, t in named[1:]:
@@ -235,7 +244,7 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=bias, device=device, dtype=dtype)
         self.up_proj = nn.Linear(dim, hidden, bias=bias, device=device, dtype=dtype)
         self.down_proj = nn.Linear(hidden, dim, bias=bias, device=device, dtype=dtype)
-        self._decode = DecodeShortcut()
+        self._plan = CallPlan()
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.jit.is_scripting():
@@ -247,10 +256,7 @@ class GatedMLP(nn.Module):
             wd, bd = _weight_bias(mods["down_proj"])
             if _sharded(wg, wu, wd):
                 return self._sharded_forward(x)
-            shortcut = self.__dict__.get("_decode")
-            if shortcut is None:  # a module unpickled from before the shortcut existed
-                shortcut = self.__dict__["_decode"] = DecodeShortcut()
-            y = shortcut(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend)
+            y = _call_plan(self)(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend)
             if y is not None:
                 return y
             return gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend)
@@ -362,14 +368,18 @@ class PackedGatedMLP(GatedMLP):
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.gate_up_proj.weight
-        if not torch.jit.is_scripting():
-            if _sharded(w, self.down_proj.weight):
-                return self._sharded_forward(x)
         b = self.gate_up_proj.bias
         gate_bias: Optional[Tensor] = None
         up_bias: Optional[Tensor] = None
         if b is not None:
             gate_bias, up_bias = b[: self.hidden], b[self.hidden :]
+        if not torch.jit.is_scripting():
+            if _sharded(w, self.down_proj.weight):
+                return self._sharded_forward(x)
+            y = _call_plan(self)(x, w[: self.hidden], w[self.hidden :], self.down_proj.weight, gate_bias, up_bias,
+                                 self.down_proj.bias, self.activation, self.backend)
+            if y is not None:
+                return y
         return gated_mlp_call(
             x,
             w[: self.hidden],

@@ -125,19 +125,33 @@ def gated_gemm(
     if out is None and config is None and (C.DIRECT_LAUNCH or C.INTERPRET):
         # The common call: everything but the output allocation and x's descriptor was decided before for exactly
         # these shapes, strides, alignments, dtypes, devices and weight addresses (see _Plan).
-        try:
-            key = (x.shape, x.stride(), x.data_ptr() & 15, x.dtype, x.get_device(), w_gate.shape, w_gate.stride(),
-                   w_gate.data_ptr(), w_gate.dtype, w_gate.get_device(), w_up.shape, w_up.stride(), w_up.data_ptr(),
-                   w_up.dtype, w_up.get_device(), None if b_gate is None else (b_gate.shape, b_gate.data_ptr(),
-                                                                              b_gate.dtype, b_gate.get_device()),
-                   None if b_up is None else (b_up.shape, b_up.data_ptr(), b_up.dtype, b_up.get_device()),
-                   activation, save_preact, allow_tf32)
-        except (AttributeError, TypeError):
-            key = None  # not tensors: the checks below name the argument
+        key = _plan_key(x, w_gate, w_up, b_gate, b_up, activation, save_preact, allow_tf32)
         plan = _plans.get(key)
         if plan is not None:
             return plan.run(x, w_gate, w_up, b_gate, b_up)
     return _gated_gemm(x, w_gate, w_up, b_gate, b_up, activation, save_preact, allow_tf32, out, config, key)
+
+
+def _plan_key(x, w_gate, w_up, b_gate, b_up, activation, save_preact, allow_tf32):
+    """Every property of the arguments a _Plan's decisions depend on; None for arguments that are not tensors (the
+    checks name them)."""
+    try:
+        return (x.shape, x.stride(), x.data_ptr() & 15, x.dtype, x.get_device(), w_gate.shape, w_gate.stride(),
+                w_gate.data_ptr(), w_gate.dtype, w_gate.get_device(), w_up.shape, w_up.stride(), w_up.data_ptr(),
+                w_up.dtype, w_up.get_device(), None if b_gate is None else (b_gate.shape, b_gate.data_ptr(),
+                                                                           b_gate.dtype, b_gate.get_device()),
+                None if b_up is None else (b_up.shape, b_up.data_ptr(), b_up.dtype, b_up.get_device()),
+                activation, save_preact, allow_tf32)
+    except (AttributeError, TypeError):
+        return None
+
+
+def cached_plan(x, w_gate, w_up, b_gate=None, b_up=None, *, activation: int, save_preact: bool = False,
+                allow_tf32: bool = True):
+    """The launch plan an earlier `gated_gemm` call made for exactly these arguments' layout, or None. A caller that
+    keys its own memo on (at least) the same properties may call `plan.run(x, w_gate, w_up, b_gate, b_up)` itself
+    and skip building this key per call."""
+    return _plans.get(_plan_key(x, w_gate, w_up, b_gate, b_up, activation, save_preact, allow_tf32))
 
 
 class _Plan:

@@ -255,4 +255,9 @@ def linear_act_path(backend: str, x: torch.Tensor, out_features: int, activation
 
 def allow_tf32() -> bool:
     """The flag fp32 kernels follow, as torch's own fp32 matmuls do."""
-    return bool(torch.backends.cuda.matmul.allow_tf32)
+    return _cublas_allow_tf32()
+
+
+# torch.backends.cuda.matmul.allow_tf32 reads this C flag through a module __getattr__ that costs ~2 µs a call.
+_cublas_allow_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", None) or (
+    lambda: bool(torch.backends.cuda.matmul.allow_tf32))

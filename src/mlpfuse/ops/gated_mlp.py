@@ -170,12 +170,14 @@ def _gradients(
     need_dup_bias: bool,
     need_ddown_bias: bool,
     held: Optional[list] = None,
+    path: str = "",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """All seven gradients (empty placeholders where not needed). `held`: eager training's [g, u], handed over to
-    be overwritten with dg and du and released as soon as their last reader ran (g and u are then placeholders)."""
+    be overwritten with dg and du and released as soon as their last reader ran (g and u are then placeholders).
+    `path`: the one the forward took (else chosen again, as the forward would)."""
     act = activations.get(activation)
     x2, dy2 = rows(x), rows(dy.to(x.dtype))
-    path = dispatch.gated_mlp_path(backend, x2, gate_weight.shape[0], True)
+    path = path or dispatch.gated_mlp_path(backend, x2, gate_weight.shape[0], True)
     fused = path != dispatch.TORCH and x2.shape[0] > 0
     triton = fused and path != dispatch.CUDA
     consume = held is not None and not recompute
@@ -353,7 +355,7 @@ class _EagerTraining(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, path: str):
         y, _, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, dispatch.SAVE_PREACT, path)
-        ctx.activation, ctx.backend, ctx.extra_inputs = activation, backend, 1
+        ctx.activation, ctx.backend, ctx.extra_inputs, ctx.path = activation, backend, 1, path
         ctx.held = None if g is None else [g, u]
         ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd)
         return y
@@ -370,63 +372,132 @@ class _EagerTraining(torch.autograd.Function):
         held, ctx.held = ctx.held, None
         ctx.recompute = held is None
         empty = nothing(dy)
-        return _backward(ctx, dy, empty, empty, empty, impl=functools.partial(_gradients, held=held))
+        return _backward(ctx, dy, empty, empty, empty, impl=functools.partial(_gradients, held=held, path=ctx.path))
 
 
-class DecodeShortcut:
-    """What a module's eager inference call at decode size needs per call, the rest decided once.
+def _weights_key(w: Tensor) -> tuple:
+    return (w.data_ptr(), w.shape, w.stride(), w.dtype)
 
-    A module owns one. For a plain CUDA tensor with autograd off (no_grad / inference_mode), not under tracing or
-    autocast, with at most `limit` rows — the most rows for which `dispatch.gated_mlp_path` picks the decode path
-    for this backend, device, dtype and layer, computed on the first such call and whenever those change — the
-    call goes straight to the decode kernel. Everything else returns None and takes `gated_mlp_call`. The kernel's
-    own plan cache validates the tensors (shapes, dtypes, strides, devices) on every new layout, so skipping the op
-    layer's checks changes no result; it saves ~10 µs a call on a decode-sized step, which is most of its cost.
+
+def _bias_key(b: Optional[Tensor]):
+    return None if b is None else (b.data_ptr(), b.shape, b.dtype)
+
+
+class CallPlan:
+    """A module's memo of its eager calls: arguments checked and the path chosen once per layout, not per call.
+
+    A module (or patched block) owns one and offers it every call. It serves plain tensors in eager execution, not
+    under autocast; the key of a call holds every property the checks and the path's choice read — x's shape,
+    strides, 16-byte alignment, dtype and device; each weight's and bias's address, shape and dtype (and the
+    weights' strides); the backend as resolved for this call; whether a gradient is needed and, then, whether a
+    CUDA graph is being captured; TF32 for fp32 — so an entry only ever serves the layout it was checked for
+    (a weight replaced, moved or re-allocated changes its address; a freed and reused address with another shape,
+    dtype or strides changes the key). A new key runs the op layer's checks and path choice (same errors, same
+    path) and is remembered. Per call on a hit: the key, then straight to the kernels — for the gated GEMM its
+    launch plan is held here, so the kernel wrapper's own key is not built again.
+
+    Returns None for what it does not serve (tensor subclasses, compile / export / tracing, autocast, sharded
+    weights are the module's business): the caller then takes `gated_mlp_call`.
     """
 
-    __slots__ = ("key", "limit", "act_id")
+    __slots__ = ("entries",)
+    MAX_ENTRIES = 16
 
     def __init__(self):
-        self.key = None
-        self.limit = 0
-        self.act_id = 0
+        self.entries: dict = {}
+
+    def __reduce__(self):
+        # Entries hold launch plans and the extension module, valid in this process only: a pickled or deep-copied
+        # module starts with an empty memo.
+        return (CallPlan, ())
 
     def __call__(self, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str) -> Optional[Tensor]:
         # is_compiling() before _is_tracing(): Dynamo cannot trace the latter (a torch.* call returning a bool).
-        if (type(x) is not torch.Tensor or torch.is_grad_enabled() or not x.is_cuda or torch.compiler.is_compiling()
-                or torch._C._is_tracing()):
+        if type(x) is not torch.Tensor or torch.compiler.is_compiling() or torch._C._is_tracing():
             return None
-        dim = wg.shape[1]
-        if x.dim() < 1 or x.shape[-1] != dim or x.numel() > dispatch.decode_max_m() * dim:
-            return None  # the op layer names what is wrong, or more rows than any backend decodes: skip the rest
-        if x.dtype != wg.dtype or x.get_device() != wg.get_device():
+        cuda = x.is_cuda
+        if torch.is_autocast_enabled("cuda" if cuda else x.device.type):
             return None
-        if torch.is_autocast_enabled("cuda"):
-            return None
+        grad = torch.is_grad_enabled() and (x.requires_grad or wg.requires_grad or wu.requires_grad
+                                            or wd.requires_grad or (bg is not None and bg.requires_grad)
+                                            or (bu is not None and bu.requires_grad)
+                                            or (bd is not None and bd.requires_grad))
         name = dispatch.resolve_backend(backend)
-        key = (name, x.get_device(), x.dtype, dim, wg.shape[0], activation)
-        if key != self.key:
-            self._decide(key, x, wg.shape[0], activation)
-        m = x.numel() // dim if dim else 0
-        if m == 0 or m > self.limit:
-            return None
-        x2 = x if x.dim() == 2 else x.reshape(m, dim)
+        key = (name, x.shape, x.stride(), x.data_ptr() & 15, x.dtype, x.get_device(), _weights_key(wg),
+               _weights_key(wu), _weights_key(wd), _bias_key(bg), _bias_key(bu), _bias_key(bd), activation, grad,
+               grad and cuda and torch.cuda.is_current_stream_capturing(),
+               x.dtype is torch.float32 and dispatch.allow_tf32())
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = self._decide(key, x, wg, wu, wd, bg, bu, bd, activation, backend, grad)
         if profiling():
             with op_span("mlpfuse::gated_mlp"):
-                y = _decode(x2, wg, wu, wd, bg, bu, bd, self.act_id)
-        else:
-            y = _decode(x2, wg, wu, wd, bg, bu, bd, self.act_id)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], wd.shape[0])
+                return entry(x, wg, wu, wd, bg, bu, bd)
+        return entry(x, wg, wu, wd, bg, bu, bd)
 
-    def _decide(self, key, x, hidden: int, activation: str) -> None:
-        name = key[0]
-        limit = 0
-        probe = x.new_empty(1, x.shape[-1])  # the policy reads only shape, device and dtype
-        for m in range(1, dispatch.decode_max_m() + 1):
-            if dispatch.gated_mlp_path(name, probe.expand(m, -1), hidden, False) != dispatch.DECODE:
-                break
-            limit = m
-        self.key, self.limit, self.act_id = key, limit, activations.get(activation).id
+    def _decide(self, key, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool):
+        _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
+        act = activations.get(activation)
+        x2 = rows(x)
+        path = dispatch.gated_mlp_path(backend, x2, wg.shape[0], grad)
+        if grad:
+            entry = _TrainingEntry(path, activation, backend)
+        elif x2.shape[0] == 0 or path == dispatch.TORCH:
+            entry = _InferenceEntry(dispatch.TORCH, act, None, None)
+        elif path == dispatch.GATED:
+            entry = _InferenceEntry(path, act, dispatch.allow_tf32(), None)
+        else:
+            entry = _InferenceEntry(path, act, None, csrc.extension() if path == dispatch.CUDA else None)
+        if len(self.entries) >= self.MAX_ENTRIES:
+            self.entries.clear()
+        self.entries[key] = entry
+        return entry
+
+
+class _InferenceEntry:
+    """One layout's inference call, no gradient: the path's kernels with everything but the tensors decided."""
+
+    __slots__ = ("path", "act", "tf32", "ext", "gated")
+
+    def __init__(self, path: str, act, tf32, ext):
+        self.path, self.act, self.tf32, self.ext, self.gated = path, act, tf32, ext, None
+
+    def __call__(self, x, wg, wu, wd, bg, bu, bd) -> Tensor:
+        x2 = rows(x)
+        path = self.path
+        if path == dispatch.GATED:
+            plan = self.gated
+            if plan:
+                h = plan.run(x2, wg, wu, bg, bu)
+            else:  # the first call (or a wrapper without launch plans) goes through the kernel's own cache
+                kernel = dispatch.kernel("gated_gemm")
+                h = kernel.gated_gemm(x2, wg, wu, bg, bu, activation=self.act.id, allow_tf32=self.tf32)
+                if plan is None:
+                    found = kernel.cached_plan(x2, wg, wu, bg, bu, activation=self.act.id, allow_tf32=self.tf32)
+                    self.gated = found if found is not None else False
+            y = F.linear(h, wd, bd)
+        elif path == dispatch.DECODE:
+            y = _decode(x2, wg, wu, wd, bg, bu, bd, self.act.id)
+        elif path == dispatch.CUDA:
+            y = dispatch.cuda_call(self.ext.gated_mlp_forward, x2, wg, wu, wd, bg, bu, bd, self.act.id, False, True)[0]
+        else:
+            y = reference.gated_mlp_forward(x2, wg, wu, wd, bg, bu, bd, self.act)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], wd.shape[0])
+
+
+class _TrainingEntry:
+    """One layout's call under autograd: the training path chosen once (eager PyTorch's own ops on the torch path,
+    else `_EagerTraining`)."""
+
+    __slots__ = ("path", "activation", "backend")
+
+    def __init__(self, path: str, activation: str, backend: str):
+        self.path, self.activation, self.backend = path, activation, backend
+
+    def __call__(self, x, wg, wu, wd, bg, bu, bd) -> Tensor:
+        if self.path == dispatch.TORCH:
+            return _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, True, False, self.path)[0]
+        return _EagerTraining.apply(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, self.path)
 
 
 def gated_mlp_call(

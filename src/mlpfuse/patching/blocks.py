@@ -14,7 +14,7 @@ module's forward, where a block falls back to it, runs eager tensor parallelism 
 
 Layouts (mlpfuse.patching.table names the families that use them):
     GatedBlock      down(act(gate(x)) · up(x)), separate or packed gate/up weights, optional gate and down
-                    multipliers (Falcon-H1): one `mlpfuse::gated_mlp` call, with the decode shortcut of GatedMLP.
+                    multipliers (Falcon-H1): one `mlpfuse::gated_mlp` call, with GatedMLP's per-layout call plan.
     TwoLayerBlock   proj(act(fc(x))): fc + bias + activation as one `mlpfuse::linear_act` call, then the model's own
                     second projection (a GEMM with its bias already is one kernel). fc may be a Conv1D ([in, out]
                     weight): the op reads it through a transposed view.
@@ -28,7 +28,7 @@ from torch import Tensor
 
 from mlpfuse.modules import _sharded, _weight_bias
 from mlpfuse.ops import dispatch
-from mlpfuse.ops.gated_mlp import DecodeShortcut, gated_mlp_call
+from mlpfuse.ops.gated_mlp import CallPlan, gated_mlp_call
 from mlpfuse.ops.linear_act import linear_act_call
 
 
@@ -80,7 +80,7 @@ class GatedBlock(PatchedBlock):
         # scaling x by m_g and the output by m_d / m_g keeps the fused op exact in real arithmetic.
         self.fused_in_scale = float(gate_multiplier)
         self.fused_out_scale = float(down_multiplier) / float(gate_multiplier)
-        self._fused_decode = DecodeShortcut()
+        self._fused_plan = CallPlan()
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         mods = self._modules
@@ -100,7 +100,7 @@ class GatedBlock(PatchedBlock):
             # T5 keeps `wo` in fp32 and casts to it; a live dropout sits between the GLU and `wo`.
             return self._source_forward(hidden_states)
         x = hidden_states if self.fused_in_scale == 1.0 else hidden_states * self.fused_in_scale
-        y = self._fused_decode(x, wg, wu, wd, bg, bu, bd, self.fused_activation, self.fused_backend)
+        y = self._fused_plan(x, wg, wu, wd, bg, bu, bd, self.fused_activation, self.fused_backend)
         if y is None:
             y = gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.fused_activation, self.fused_backend)
         return y if self.fused_out_scale == 1.0 else y * self.fused_out_scale
