@@ -84,10 +84,12 @@ def test_sources_compile_with_cpp_extension_flags(compiled_objects):
         assert (folder / obj).stat().st_size > 0
     # The flags are cpp_extension's: its nvcc defines, the sm_90 target, its C++ standard.
     assert "-D__CUDA_NO_HALF_CONVERSIONS__" in ninja and "sm_90" in ninja and re.search(r"-std=c\+\+\d\d", ninja)
-    # Every kernel family is in the objects: the pointwise GLU kernels and the decode kernel, each per dtype.
+    # Every kernel family is in the objects: the pointwise GLU kernels and the decode kernels (tensor-core ones for
+    # 16-bit types, CUDA-core ones for fp32), each per dtype.
     symbols = subprocess.run(["nm", "-C", *(str(folder / o) for o in objects)], capture_output=True, text=True).stdout
     for name in ("glu_forward_kernel<__nv_bfloat16, 8", "glu_backward_kernel<__half, 8", "bias_act_kernel<float, 4",
-                 "decode_mlp_kernel<__nv_bfloat16, 16>", "mlpfuse::gated_mlp_backward"):
+                 "decode_gemv_mma_kernel<__nv_bfloat16, 2, 2", "decode_gemv_mma_kernel<__half, 1, 1",
+                 "decode_gemv_fma_kernel<2, 16>", "mlpfuse::gated_mlp_backward"):
         assert name in symbols, name
 
 
@@ -199,6 +201,26 @@ def test_gated_forward_matches_fp64(dtype, activation, m, strict_fp32):
         y = ops.gated_mlp(x, wg, wu, wd, activation, bg, bu, bd, backend="cuda")
         want = reference.gated_mlp(x, wg, wu, wd, activation, bg, bu, bd)
         assert _err(y, want) < TOL[dtype], (dtype, activation, m, bias)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_at_every_token_count_matches_fp64_and_repeats_bitwise(dtype, strict_fp32):
+    # The decode kernels at 1..16 tokens (one and two token tiles, partial ones), x with a row stride past its width,
+    # sizes that end in partial k chunks and partial 16-row tiles; fixed-order sums give the same bits every run.
+    ext = csrc.extension()
+    act = mlpfuse.activations.get("silu")
+    dim, hidden = 264, 712
+    for bias in (False, True):
+        wg, wu, wd, bg, bu, bd = _weights(dim, hidden, dtype, bias)
+        for m in range(1, 17):
+            x = torch.randn(m, dim + 8, device="cuda", dtype=dtype)[:, :dim]
+            y = ext.gated_mlp_forward(x, wg, wu, wd, bg, bu, bd, act.id, False, True)[0]
+            want = reference.gated_mlp(x, wg, wu, wd, "silu", bg, bu, bd)
+            assert _err(y, want) < TOL[dtype], (dtype, m, bias)
+            again = ext.gated_mlp_forward(x, wg, wu, wd, bg, bu, bd, act.id, False, True)[0]
+            assert torch.equal(y, again), (dtype, m, bias)
 
 
 @gpu

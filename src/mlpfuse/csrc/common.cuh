@@ -1,8 +1,12 @@
-// Device helpers shared by mlpfuse's CUDA kernels: element conversions, 16-byte vectors, the activations.
+// Device helpers shared by mlpfuse's CUDA kernels: element conversions, 16-byte vectors held as raw words, the
+// activations.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
 
 #include "kernels.h"
 
@@ -21,33 +25,77 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 }
 
 // V elements moved as one load/store. With V * sizeof(T) == 16 that is one 128-bit instruction: the pointwise kernels
-// are bound by memory bandwidth, and narrower accesses leave part of it unused.
+// are bound by memory bandwidth, and narrower accesses leave part of it unused. Loads are split from conversions so
+// that a kernel can issue all of its loads before it needs the first value: the bytes in flight per thread, not the
+// instruction count, decide how close a streaming kernel gets to bandwidth. While in flight the data stays in 32-bit
+// words: an array of 16-bit element objects kept across other loads takes one register per element, twice the
+// registers and so half the threads per SM.
 template <typename T, int V>
-struct alignas(sizeof(T) * V) Vec {
-  T v[V];
+struct Raw {
+  static constexpr int kWords = (int(sizeof(T)) * V + 3) / 4;
+  uint32_t w[kWords];
 };
 
 template <typename T, int V>
-__device__ __forceinline__ void load_vec(const T* p, float (&out)[V]) {
-  Vec<T, V> t = *reinterpret_cast<const Vec<T, V>*>(p);
-#pragma unroll
-  for (int i = 0; i < V; ++i) out[i] = to_float(t.v[i]);
+__device__ __forceinline__ Raw<T, V> load_raw(const T* p) {
+  Raw<T, V> r;
+  if constexpr (sizeof(T) * V == 16) {
+    const uint4 q = *reinterpret_cast<const uint4*>(p);
+    r.w[0] = q.x, r.w[1] = q.y, r.w[2] = q.z, r.w[3] = q.w;
+  } else if constexpr (sizeof(T) * V == 4) {
+    r.w[0] = *reinterpret_cast<const uint32_t*>(p);
+  } else {
+    static_assert(sizeof(T) == 2 && V == 1, "16-byte vectors or single elements");
+    r.w[0] = *reinterpret_cast<const unsigned short*>(p);
+  }
+  return r;
 }
 
 template <typename T, int V>
-__device__ __forceinline__ void store_vec(T* p, const float (&in)[V]) {
-  Vec<T, V> t;
-#pragma unroll
-  for (int i = 0; i < V; ++i) t.v[i] = from_float<T>(in[i]);
-  *reinterpret_cast<Vec<T, V>*>(p) = t;
+__device__ __forceinline__ void store_raw(T* p, const Raw<T, V>& r) {
+  if constexpr (sizeof(T) * V == 16) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
+  } else if constexpr (sizeof(T) * V == 4) {
+    *reinterpret_cast<uint32_t*>(p) = r.w[0];
+  } else {
+    *reinterpret_cast<unsigned short*>(p) = static_cast<unsigned short>(r.w[0]);
+  }
+}
+
+// Element j of a Raw as fp32, and the rounding of an fp32 value into element j (set in increasing j from a zeroed
+// Raw: the odd 16-bit element is or-ed into the word its even neighbour started).
+template <typename T, int V>
+__device__ __forceinline__ float get(const Raw<T, V>& r, int j) {
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(r.w[j]);
+  } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint32_t w = r.w[j / 2];
+    return __uint_as_float(j % 2 == 0 ? w << 16 : w & 0xffff0000u);
+  } else {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(r.w[j / 2] >> (16 * (j % 2)))));
+  }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void set(Raw<T, V>& r, int j, float v) {
+  if constexpr (sizeof(T) == 4) {
+    r.w[j] = __float_as_uint(v);
+  } else {
+    uint32_t bits;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) bits = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    else bits = __half_as_ushort(__float2half_rn(v));
+    r.w[j / 2] = j % 2 == 0 ? bits : (r.w[j / 2] | (bits << 16));
+  }
 }
 
 // 16 bytes of T.
 template <typename T> constexpr int kVec = 16 / sizeof(T);
 
 // The activations in fp32, mlpfuse.activations' math. gelu_tanh's 0.5·(1 + tanh(a)) is σ(2a): one exponential.
-// relu is written as x < 0 ? 0 : x so that NaN stays NaN, as in PyTorch.
-__device__ __forceinline__ float sigmoid(float z) { return 1.0f / (1.0f + __expf(-z)); }
+// relu is written as x < 0 ? 0 : x so that NaN stays NaN, as in PyTorch. σ divides with __fdividef (2 ulp, and 0 for
+// an infinite denominator, which is σ's limit): an IEEE division is a multi-instruction sequence per element, and
+// the backward needs σ for every element it streams.
+__device__ __forceinline__ float sigmoid(float z) { return __fdividef(1.0f, 1.0f + __expf(-z)); }
 
 __device__ __forceinline__ float gelu_tanh_sigma(float x) {  // σ(2a), a = √(2/π)·(x + 0.044715·x³)
   return sigmoid(2.0f * 0.7978845608028654f * (x + 0.044715f * x * x * x));
@@ -88,6 +136,27 @@ __device__ __forceinline__ float act_grad(float x) {
     return x > 0.0f ? 2.0f * x : 0.0f;
   } else {
     return 1.0f;
+  }
+}
+
+// act(x) and act'(x) together: the backward needs both, and they share their exponential (or erf).
+template <int ACT>
+__device__ __forceinline__ void act_fwd_grad(float x, float& a, float& da) {
+  if constexpr (ACT == GELU_TANH) {
+    const float s = gelu_tanh_sigma(x);
+    a = x * s;
+    da = s + 2.0f * x * s * (1.0f - s) * 0.7978845608028654f * (1.0f + 0.134145f * x * x);
+  } else if constexpr (ACT == GELU) {
+    const float cdf = 0.5f * (1.0f + erff(x * 0.7071067811865476f));
+    a = x * cdf;
+    da = cdf + x * __expf(-0.5f * x * x) * 0.3989422804014327f;
+  } else if constexpr (ACT == SILU) {
+    const float s = sigmoid(x);
+    a = x * s;
+    da = s * (1.0f + x * (1.0f - s));
+  } else {
+    a = act_fwd<ACT>(x);
+    da = act_grad<ACT>(x);
   }
 }
 

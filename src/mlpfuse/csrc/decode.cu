@@ -1,31 +1,50 @@
-// The whole gated MLP for decode-sized batches (m <= 16 tokens), on CUDA cores:
+// The whole gated MLP for decode-sized batches (m <= 16 tokens):
 //
 //     y = down(act(x·Wgᵀ + bg) · (x·Wuᵀ + bu)) + bd        x [m, dim], Wg/Wu [hidden, dim], Wd [dim, hidden]
 //
-// At a few tokens the MLP is bound by reading its 3·hidden·dim weights once; everything else (launches, the
-// [m, hidden] intermediates) is overhead. Each block owns a slice of kSlice hidden units and reads its weights
-// exactly once:
-//   phase 1  every warp takes 8 of the slice's hidden rows, two at a time, and streams the Wg and Wu rows in
-//            16-byte vectors against x (tiny, L1/L2-resident), accumulating g and u for all tokens in fp32
-//            registers; a warp shuffle sums the lanes, and h = act(g + bg)·(u + bu), rounded to the input dtype as
-//            the unfused path rounds it, goes to shared memory;
-//   phase 2  the block streams Wd[:, slice] (kSlice contiguous elements per output row) against h and adds its
-//            partial of y to an fp32 accumulator with atomics.
-// A second, tiny kernel casts the accumulator (+ bd) into y. The atomics make the last bits of y vary run to run;
-// the C++ entry takes the GEMM path instead under torch.use_deterministic_algorithms(True).
+// At a few tokens the MLP is bound by reading its 3·hidden·dim weights once, so the design is about keeping HBM
+// busy and everything else off the critical path:
+//   * two kernels of one shape (decode_gemv): a block owns 16 output rows and reduces over the whole k range
+//     itself, its 8 warps each taking an interleaved share of k and meeting in shared memory. Kernel 1 streams the
+//     Wg and Wu rows of 16 hidden units and writes h = act(g + bg)·(u + bu), rounded to the input dtype as the
+//     unfused path rounds it, to a [m, hidden] buffer (tiny); kernel 2 streams 16 rows of Wd against h and writes y
+//     (+ bd). No atomics, no zeroed accumulator (no memset launch), and the same bits on every run.
+//   * the weights are read with 16-byte loads that skip L1 (read once), every load of an iteration issued before
+//     the first multiply: 96–128 KiB in flight per SM (kUnroll below), where the single kernel's per-token dot
+//     products kept about 27 KiB. Kernel 1 has hidden / 16 blocks (896 at hidden 14336), kernel 2 dim / 16.
+//   * the products run on tensor cores (mma m16n8k16, fp32 accumulation) for 16-bit inputs: a warp's 16 weight rows
+//     are the A operand and up to 8 tokens of x the B operand, so the work per weight byte stays one instruction per
+//     8 tokens instead of growing with m as CUDA-core dot products do (at 16 tokens those cost as long as the
+//     weights take to stream). The reduction over k does not care about the order of k, so each lane loads 16
+//     contiguous bytes of its weight row and the same 16 bytes of its token's x, and the pair is fed to the mma as
+//     if it were the fragment's k positions: no shuffles, no shared-memory staging, no ldmatrix.
+//   * fp32 inputs keep the same tiling with CUDA-core dot products (tensor cores would need TF32, which loses the
+//     precision fp32 callers ask for).
 #include <algorithm>
+#include <type_traits>
 
 #include "common.cuh"
 
 namespace mlpfuse {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kSlice = 64;                  // hidden units per block: 8 warps × 8 rows
-constexpr int kRowsPerWarp = kSlice / kWarps;
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileRows = 16;  // the mma's M
 
-__device__ __forceinline__ float act_rt(int act, float x) {  // once per (token, hidden unit): a switch is fine here
+// One of the two kernels: out[t, r] over r < rows, t < m, reducing over k.
+struct GemvArgs {
+  int m;            // tokens, 1..16
+  int act;          // with two weight matrices: the activation of the first
+  int64_t k, rows;  // reduction length; output features
+  Mat w0, w1;       // [rows, k]; w1 only with two matrices (up projection)
+  Mat in;           // [m, k]
+  const void* b0;   // [rows] or null
+  const void* b1;
+  Mat out;          // [m, rows]
+};
+
+__device__ __forceinline__ float act_rt(int act, float x) {  // once per output: a switch is fine here
   switch (act) {
     case GELU_TANH: return act_fwd<GELU_TANH>(x);
     case GELU: return act_fwd<GELU>(x);
@@ -36,106 +55,228 @@ __device__ __forceinline__ float act_rt(int act, float x) {  // once per (token,
   }
 }
 
-__device__ __forceinline__ float warp_sum(float v, int width = 32) {
-#pragma unroll
-  for (int off = width / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+// A weight vector: read once, so it does not displace x or h from L1.
+__device__ __forceinline__ uint4 load_weights(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
   return v;
 }
 
-// MT: the token count rounded up to a power of two (the accumulators' size must be known at compile time).
-template <typename T, int MT>
-__global__ void __launch_bounds__(kThreads) decode_mlp_kernel(int act, int m, int64_t dim, int64_t hidden, Mat x,
-                                                              Mat wg, Mat wu, Mat wd, const T* bg, const T* bu,
-                                                              float* acc) {
-  constexpr int V = kVec<T>;
-  __shared__ float hs[MT][kSlice];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t slice0 = int64_t(blockIdx.x) * kSlice;
-  const T* xp = static_cast<const T*>(x.ptr);
+__device__ __forceinline__ uint4 load_input(const void* p) { return __ldg(static_cast<const uint4*>(p)); }
 
-  // Phase 1: two hidden rows per pass, so each x vector loaded feeds 4 weight vectors.
-  for (int p = 0; p < kRowsPerWarp; p += 2) {
-    const int local = warp * kRowsPerWarp + p;
-    const int64_t j = slice0 + local;  // j and j + 1; hidden is a multiple of V >= 4, so both exist or neither
-    if (j >= hidden) {
-      for (int t = lane; t < MT * 2; t += 32) hs[t / 2][local + t % 2] = 0.0f;
-      continue;
-    }
-    float a[2][2][MT] = {};  // [row][gate, up][token]
-    const T* g0 = static_cast<const T*>(wg.ptr) + j * wg.ld;
-    const T* u0 = static_cast<const T*>(wu.ptr) + j * wu.ld;
-    for (int64_t c = int64_t(lane) * V; c < dim; c += 32 * V) {
-      float w[2][2][V];
-      load_vec<T, V>(g0 + c, w[0][0]);
-      load_vec<T, V>(u0 + c, w[0][1]);
-      load_vec<T, V>(g0 + wg.ld + c, w[1][0]);
-      load_vec<T, V>(u0 + wu.ld + c, w[1][1]);
-#pragma unroll
-      for (int t = 0; t < MT; ++t) {
-        if (t >= m) break;
-        float xv[V];
-        load_vec<T, V>(xp + t * x.ld + c, xv);
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-          a[0][0][t] += w[0][0][i] * xv[i];
-          a[0][1][t] += w[0][1][i] * xv[i];
-          a[1][0][t] += w[1][0][i] * xv[i];
-          a[1][1][t] += w[1][1][i] * xv[i];
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float bgr = bg ? to_float(bg[j + r]) : 0.0f, bur = bu ? to_float(bu[j + r]) : 0.0f;
-#pragma unroll
-      for (int t = 0; t < MT; ++t) {
-        const float g = warp_sum(a[r][0][t]) + bgr, u = warp_sum(a[r][1][t]) + bur;
-        if (lane == 0) hs[t][local + r] = t < m ? to_float(from_float<T>(act_rt(act, g) * u)) : 0.0f;
-      }
-    }
-  }
-  __syncthreads();
-
-  // Phase 2: kLanes lanes read one row of Wd[:, slice] (kSlice·sizeof(T) contiguous bytes), each one 16-byte vector.
-  constexpr int kLanes = kSlice / V;
-  constexpr int kRowsPerPass = kThreads / kLanes;
-  const int sub = threadIdx.x % kLanes;
-  const int64_t col = slice0 + int64_t(sub) * V;
-  const bool has_col = col < hidden;
-  // Every lane runs the same number of passes (the shuffles need the whole warp); rows past dim only skip memory.
-  for (int64_t d0 = 0; d0 < dim; d0 += kRowsPerPass) {
-    const int64_t d = d0 + threadIdx.x / kLanes;
-    const bool has_row = d < dim;
-    float w[V] = {};
-    if (has_row && has_col) load_vec<T, V>(static_cast<const T*>(wd.ptr) + d * wd.ld + col, w);
-#pragma unroll
-    for (int t = 0; t < MT; ++t) {
-      if (t >= m) break;
-      float s = 0.0f;
-#pragma unroll
-      for (int i = 0; i < V; ++i) s += w[i] * hs[t][sub * V + i];
-      // The kLanes lanes of a row are adjacent: an xor shuffle below kLanes stays inside the row.
-#pragma unroll
-      for (int off = kLanes / 2; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
-      if (sub == 0 && has_row) atomicAdd(acc + t * dim + d, s);
-    }
+// c += A·B for one m16n8k16 tile, fp32 accumulation.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
   }
 }
 
 template <typename T>
-__global__ void decode_finalize_kernel(int64_t m, int64_t dim, const float* acc, const T* bd, Mat y) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= m * dim) return;
-  const int64_t t = i / dim, d = i % dim;
-  static_cast<T*>(y.ptr)[t * y.ld + d] = from_float<T>(acc[i] + (bd ? to_float(bd[d]) : 0.0f));
+__device__ __forceinline__ const T* row_ptr(Mat w, int64_t r) {
+  return static_cast<const T*>(w.ptr) + r * w.ld;
 }
 
-template <typename T, int MT>
-void launch(int act, int64_t m, int64_t dim, int64_t hidden, Mat x, Mat wg, Mat wu, Mat wd, const T* bg, const T* bu,
-            float* acc, cudaStream_t stream) {
-  const unsigned blocks = static_cast<unsigned>((hidden + kSlice - 1) / kSlice);
-  decode_mlp_kernel<T, MT><<<blocks, kThreads, 0, stream>>>(act, static_cast<int>(m), dim, hidden, x, wg, wu, wd, bg,
-                                                            bu, acc);
+// The block's 16 output rows from the per-warp partial sums part[warp][matrix][row][token]: summed in warp order
+// (the same bits every run), biased, and for two matrices combined as act(g)·u; rounded once into out.
+template <typename T, int NMAT, int MT>
+__device__ __forceinline__ void finish(const GemvArgs& p, int64_t row0, const float (*part)[NMAT][kTileRows][MT]) {
+  for (int i = threadIdx.x; i < kTileRows * MT; i += kThreads) {
+    const int r = i % kTileRows, t = i / kTileRows;  // consecutive threads: consecutive rows, contiguous stores
+    const int64_t row = row0 + r;
+    if (t >= p.m || row >= p.rows) continue;
+    float s[NMAT];
+#pragma unroll
+    for (int mat = 0; mat < NMAT; ++mat) {
+      s[mat] = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) s[mat] += part[w][mat][r][t];
+    }
+    float v = s[0] + (p.b0 ? to_float(static_cast<const T*>(p.b0)[row]) : 0.0f);
+    if constexpr (NMAT == 2) {
+      const float u = s[1] + (p.b1 ? to_float(static_cast<const T*>(p.b1)[row]) : 0.0f);
+      v = act_rt(p.act, v) * u;
+    }
+    static_cast<T*>(p.out.ptr)[t * p.out.ld + row] = from_float<T>(v);
+  }
+}
+
+// 16-bit inputs, tensor cores. NT: tiles of 8 tokens (1 for m <= 8, else 2); U: 16-byte vectors per weight row and
+// lane in flight per iteration.
+//
+// Lane (g, q) = (lane / 4, lane % 4) holds A rows g and g + 8 and B column (token) g, at k positions 2q, 2q + 1,
+// 2q + 8, 2q + 9 of each k16 step. It loads 8 contiguous elements e0..e7 of its rows and of its token's x at
+// k0 + 8q and uses (e0 e1 | e2 e3) as the first k16 step's (2q, 2q+1 | 2q+8, 2q+9) and (e4 e5 | e6 e7) as the
+// second's: a permutation of k, the same for A and B, which the sum over k does not see.
+template <typename T, int NMAT, int NT, int U>
+__global__ void __launch_bounds__(kThreads) decode_gemv_mma_kernel(GemvArgs p) {
+  constexpr int MT = NT * 8;
+  constexpr int kStep = 32;  // k covered by one vector of each of the 4 lanes of a row
+  __shared__ float part[kWarps][NMAT][kTileRows][MT];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int64_t row0 = int64_t(blockIdx.x) * kTileRows;
+
+  // Rows past the end read the last row (never stored) rather than branch around the loads.
+  const T* w[NMAT][2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t r = min(row0 + g + 8 * h, p.rows - 1);
+    w[0][h] = row_ptr<T>(p.w0, r);
+    if constexpr (NMAT == 2) w[NMAT - 1][h] = row_ptr<T>(p.w1, r);
+  }
+  const T* xr[NT];
+  bool has_token[NT];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    has_token[n] = n * 8 + g < p.m;
+    xr[n] = row_ptr<T>(p.in, has_token[n] ? n * 8 + g : 0);
+  }
+
+  float acc[NMAT][NT][4] = {};
+  // One iteration: U vectors per weight row and lane, all loads issued before the first mma. CHECKED: the last,
+  // partial chunk of k, where a lane's vector may lie past the end (then it counts as zeros). Tokens past m read
+  // token 0 (an L1 hit) and are zeroed by a select rather than a branch, which would keep the loads apart.
+  auto step = [&](int64_t kb, auto checked) {
+    constexpr bool CHECKED = decltype(checked)::value;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    uint4 a[NMAT][2][U], b[NT][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t k = kb + u * kStep + 8 * q;
+      const bool ok = !CHECKED || k < p.k;  // k and p.k are multiples of 8: a vector is wholly in or out
+#pragma unroll
+      for (int mat = 0; mat < NMAT; ++mat) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) a[mat][h][u] = ok ? load_weights(w[mat][h] + k) : zero;
+      }
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        const uint4 v = ok ? load_input(xr[n] + k) : zero;
+        b[n][u] = has_token[n] ? v : zero;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int mat = 0; mat < NMAT; ++mat) {
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const uint4 &lo = a[mat][0][u], &hi = a[mat][1][u], &x = b[n][u];
+          mma16816<T>(acc[mat][n], lo.x, hi.x, lo.y, hi.y, x.x, x.y);
+          mma16816<T>(acc[mat][n], lo.z, hi.z, lo.w, hi.w, x.z, x.w);
+        }
+      }
+    }
+  };
+  constexpr int64_t kChunk = int64_t(kStep) * U;  // k per warp and iteration
+  int64_t kb = int64_t(warp) * kChunk;
+  for (; kb + kChunk <= p.k; kb += kWarps * kChunk) step(kb, std::false_type{});
+  if (kb < p.k) step(kb, std::true_type{});
+  // Accumulator fragment: c0, c1 at row g, tokens 2q, 2q + 1; c2, c3 at row g + 8.
+#pragma unroll
+  for (int mat = 0; mat < NMAT; ++mat) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      part[warp][mat][g][n * 8 + 2 * q] = acc[mat][n][0];
+      part[warp][mat][g][n * 8 + 2 * q + 1] = acc[mat][n][1];
+      part[warp][mat][g + 8][n * 8 + 2 * q] = acc[mat][n][2];
+      part[warp][mat][g + 8][n * 8 + 2 * q + 1] = acc[mat][n][3];
+    }
+  }
+  __syncthreads();
+  finish<T, NMAT, MT>(p, row0, part);
+}
+
+// fp32 inputs, CUDA cores, the same tiling: lane (g, q) takes rows g and g + 8 at k0 + 4q (4 elements, 16 bytes)
+// against every token; the 4 lanes of a row then sum their partials with shuffles.
+template <int NMAT, int MT>
+__global__ void __launch_bounds__(kThreads) decode_gemv_fma_kernel(GemvArgs p) {
+  constexpr int kStep = 16;
+  __shared__ float part[kWarps][NMAT][kTileRows][MT];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int64_t row0 = int64_t(blockIdx.x) * kTileRows;
+  const float* w[NMAT][2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t r = min(row0 + g + 8 * h, p.rows - 1);
+    w[0][h] = row_ptr<float>(p.w0, r);
+    if constexpr (NMAT == 2) w[NMAT - 1][h] = row_ptr<float>(p.w1, r);
+  }
+  const float* xp = static_cast<const float*>(p.in.ptr);
+  float acc[NMAT][2][MT] = {};
+  for (int64_t k = int64_t(warp) * kStep + 4 * q; k < p.k + 4 * q; k += int64_t(kWarps) * kStep) {
+    if (k >= p.k) continue;  // k and p.k are multiples of 4; the lanes meet again at the shuffles below
+    float4 a[NMAT][2];
+#pragma unroll
+    for (int mat = 0; mat < NMAT; ++mat) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint4 v = load_weights(w[mat][h] + k);
+        a[mat][h] = make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z),
+                                __uint_as_float(v.w));
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+      if (t >= p.m) break;
+      const float4 xv = __ldg(reinterpret_cast<const float4*>(xp + t * p.in.ld + k));
+#pragma unroll
+      for (int mat = 0; mat < NMAT; ++mat) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          acc[mat][h][t] += a[mat][h].x * xv.x + a[mat][h].y * xv.y + a[mat][h].z * xv.z + a[mat][h].w * xv.w;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int mat = 0; mat < NMAT; ++mat) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        float v = acc[mat][h][t];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        if (t % 4 == q) part[warp][mat][g + 8 * h][t] = v;
+      }
+    }
+  }
+  __syncthreads();
+  finish<float, NMAT, MT>(p, row0, part);
+}
+
+// Vectors per weight row and lane in flight per iteration, against the registers they cost (ptxas, sm_90):
+//   kernel 1 (2 matrices), U = 2:  128 bytes per lane, 32 KiB per block; 60 / 76 registers (8 / 16 tokens), so
+//                                  4 / 3 blocks and 128 / 96 KiB in flight per SM;
+//   kernel 2 (1 matrix),   U = 8:  256 bytes per lane, 64 KiB per block; 120 registers, 2 blocks, 128 KiB per SM;
+//                          U = 6 at 16 tokens (the B fragments of two token tiles): 2 blocks, 96 KiB per SM.
+// Kernel 2 has only dim / 16 blocks (256 at dim 4096, 2 per SM), hence its larger share per block.
+template <int NMAT, int NT>
+constexpr int kUnroll = NMAT == 2 ? 2 : (NT == 1 ? 8 : 6);
+
+template <typename T, int NMAT>
+void launch_gemv(const GemvArgs& p, cudaStream_t stream) {
+  const unsigned blocks = static_cast<unsigned>((p.rows + kTileRows - 1) / kTileRows);
+  if constexpr (std::is_same_v<T, float>) {
+    if (p.m <= 4) decode_gemv_fma_kernel<NMAT, 4><<<blocks, kThreads, 0, stream>>>(p);
+    else if (p.m <= 8) decode_gemv_fma_kernel<NMAT, 8><<<blocks, kThreads, 0, stream>>>(p);
+    else decode_gemv_fma_kernel<NMAT, 16><<<blocks, kThreads, 0, stream>>>(p);
+  } else {
+    if (p.m <= 8) decode_gemv_mma_kernel<T, NMAT, 1, kUnroll<NMAT, 1>><<<blocks, kThreads, 0, stream>>>(p);
+    else decode_gemv_mma_kernel<T, NMAT, 2, kUnroll<NMAT, 2>><<<blocks, kThreads, 0, stream>>>(p);
+  }
 }
 
 }  // namespace
@@ -150,24 +291,19 @@ bool decode_supported(DType dtype, int64_t m, int64_t dim, int64_t hidden, const
   for (int i = 0; i < n_lds; ++i) {
     if (lds[i] % v != 0) return false;
   }
-  // 2^31 blocks are far away; the grid's x dimension allows that many.
-  return (hidden + kSlice - 1) / kSlice < (int64_t(1) << 31);
+  // One block per 16 output rows: the grid's x dimension allows 2^31 - 1 blocks.
+  return std::max(dim, hidden) / kTileRows < (int64_t(1) << 31) - 1;
 }
 
 void decode_gated_mlp(DType dtype, int act, int64_t m, int64_t dim, int64_t hidden, Mat x, Mat wg, Mat wu, Mat wd,
-                      const void* bg, const void* bu, const void* bd, float* acc, Mat y, cudaStream_t stream) {
+                      const void* bg, const void* bu, const void* bd, Mat h, Mat y, cudaStream_t stream) {
+  const int tokens = static_cast<int>(m);
+  const GemvArgs up{tokens, act, dim, hidden, wg, wu, x, bg, bu, h};
+  const GemvArgs down{tokens, IDENTITY, hidden, dim, wd, Mat{nullptr, 0}, h, bd, nullptr, y};
   with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
-    const T* g = static_cast<const T*>(bg);
-    const T* u = static_cast<const T*>(bu);
-    if (m <= 1) launch<T, 1>(act, m, dim, hidden, x, wg, wu, wd, g, u, acc, stream);
-    else if (m <= 2) launch<T, 2>(act, m, dim, hidden, x, wg, wu, wd, g, u, acc, stream);
-    else if (m <= 4) launch<T, 4>(act, m, dim, hidden, x, wg, wu, wd, g, u, acc, stream);
-    else if (m <= 8) launch<T, 8>(act, m, dim, hidden, x, wg, wu, wd, g, u, acc, stream);
-    else launch<T, 16>(act, m, dim, hidden, x, wg, wu, wd, g, u, acc, stream);
-    const int64_t n = m * dim;
-    decode_finalize_kernel<T><<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
-        m, dim, acc, static_cast<const T*>(bd), y);
+    launch_gemv<T, 2>(up, stream);
+    launch_gemv<T, 1>(down, stream);
   });
 }
 

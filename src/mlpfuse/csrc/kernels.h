@@ -38,8 +38,9 @@ bool decode_supported(DType dtype, int64_t m, int64_t dim, int64_t hidden, const
                       const int64_t* lds, int n_lds);
 constexpr int64_t kDecodeMaxM = 16;
 
-// The whole gated MLP for m <= kDecodeMaxM tokens. acc: fp32 [m, dim] zeroed by the caller; y = acc (+ bd) cast.
+// The whole gated MLP for m <= kDecodeMaxM tokens, as two launches: h = act(x·Wgᵀ + bg)·(x·Wuᵀ + bu) into h
+// ([m, hidden], the input dtype, written here), then y = h·Wdᵀ + bd. Deterministic (no atomics).
 void decode_gated_mlp(DType dtype, int act, int64_t m, int64_t dim, int64_t hidden, Mat x, Mat wg, Mat wu, Mat wd,
-                      const void* bg, const void* bu, const void* bd, float* acc, Mat y, cudaStream_t stream);
+                      const void* bg, const void* bu, const void* bd, Mat h, Mat y, cudaStream_t stream);
 
 }  // namespace mlpfuse
