@@ -129,8 +129,44 @@ def main():
         return G._gradients(dy, xd, wg, wu, wd, None, None, g, u, G.nothing(xd), "gelu_tanh", "triton", False,
                             True, True, False, False, False, held=[g, u])
 
+    def same_thread(run):
+        # Autograd runs a CUDA graph's backward on its own device thread; this runs it on the calling one, which
+        # tells the thread hand-off (and, for Python nodes, the GIL moving between threads) from the work itself.
+        def inner():
+            with torch.autograd.set_multithreading_enabled(False):
+                run()
+        return inner
+
+    class PyEager(torch.autograd.Function):
+        """eager's kernels, in one Python autograd node instead of eager's C++ ones: the Python node's own cost."""
+
+        @staticmethod
+        def forward(ctx, xx, a, b, c):
+            g, u = F.linear(xx, a), F.linear(xx, b)
+            h = F.gelu(g, approximate="tanh") * u
+            ctx.save_for_backward(xx, a, b, c, g, u, h)
+            return F.linear(h, c)
+
+        @staticmethod
+        def backward(ctx, d):
+            xx, a, b, c, g, u, h = ctx.saved_tensors
+            dh = d.mm(c)
+            act = F.gelu(g, approximate="tanh")
+            dg = torch.ops.aten.gelu_backward(dh * u, g, approximate="tanh")
+            du = dh * act
+            return dg.mm(a) + du.mm(b), dg.t().mm(xx), du.t().mm(xx), d.t().mm(h)
+
+    def py_eager_step():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        PyEager.apply(x, eager.gate_proj.weight, eager.up_proj.weight, eager.down_proj.weight).backward(dy)
+
     train = {
         "eager module step": step(eager),
+        "eager module step, backward on the calling thread": same_thread(step(eager)),
+        "GatedMLP triton step, backward on the calling thread": same_thread(step(tri)),
+        "eager kernels in one Python autograd node, step": py_eager_step,
         "GatedMLP triton step": step(tri),
         "GatedMLP auto step": step(auto),
         "eager module forward (grad)": fwd_only(eager),
