@@ -368,14 +368,15 @@ class PackedGatedMLP(GatedMLP):
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.gate_up_proj.weight
+        if not torch.jit.is_scripting():
+            if _sharded(w, self.down_proj.weight):  # before any slicing: a DTensor slice would gather the shards
+                return self._sharded_forward(x)
         b = self.gate_up_proj.bias
         gate_bias: Optional[Tensor] = None
         up_bias: Optional[Tensor] = None
         if b is not None:
             gate_bias, up_bias = b[: self.hidden], b[self.hidden :]
         if not torch.jit.is_scripting():
-            if _sharded(w, self.down_proj.weight):
-                return self._sharded_forward(x)
             y = _call_plan(self)(x, w[: self.hidden], w[self.hidden :], self.down_proj.weight, gate_bias, up_bias,
                                  self.down_proj.bias, self.activation, self.backend)
             if y is not None:
