@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -184,5 +185,65 @@ inline void with_dtype(DType dtype, F&& f) {
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// Programmatic dependent launch (sm_90): a kernel launched with it may start while the kernel before it in the
+// stream is still running, once every block of that one has called grid_dependents_may_launch (or exited). The
+// dependent does what needs nothing from its predecessor first (weights it streams, which no kernel of the pair
+// writes), then grid_dependency_wait: that returns once the predecessor has completed and its writes are visible.
+// Both are no-ops for a kernel launched the ordinary way and on older GPUs, so a kernel can be launched either way.
+__device__ __forceinline__ void grid_dependents_may_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Whether the current device takes programmatic dependent launches: sm_90 or newer, and a driver that also
+// records them in CUDA graphs (12.3), so that a captured call behaves as an uncaptured one. Found once per device.
+inline bool dependent_launch_supported() {
+  constexpr int kDevices = 64;
+  static std::atomic<signed char> known[kDevices];  // 0: not yet asked, 1: yes, -1: no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kDevices) {
+    cudaGetLastError();
+    return false;
+  }
+  signed char k = known[dev].load(std::memory_order_relaxed);
+  if (k == 0) {
+    int major = 0, driver = 0;
+    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+                    cudaDriverGetVersion(&driver) == cudaSuccess && major >= 9 && driver >= 12030;
+    cudaGetLastError();
+    k = ok ? 1 : -1;
+    known[dev].store(k, std::memory_order_relaxed);
+  }
+  return k > 0;
+}
+
+// kernel<<<grid, block, 0, stream>>>(args...) as a programmatic dependent of the stream's previous kernel where the
+// device supports it; an ordinary launch otherwise, or if the runtime refuses the attribute.
+template <typename... Params, typename... Args>
+void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args... args) {
+  if (dependent_launch_supported()) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = 0;
+    config.stream = stream;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    if (cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...) == cudaSuccess) return;
+    cudaGetLastError();  // not sticky: clear it so that the caller's launch check sees the launch below
+  }
+  kernel<<<grid, block, 0, stream>>>(static_cast<Params>(args)...);
+}
 
 }  // namespace mlpfuse

@@ -5,13 +5,16 @@
 // At a few tokens the MLP is bound by reading its 3·hidden·dim weights once, so the design is about keeping HBM
 // busy and everything else off the critical path:
 //   * two kernels of one shape (decode_gemv): a block owns 16 output rows and reduces over the whole k range
-//     itself, its 8 warps each taking an interleaved share of k and meeting in shared memory. Kernel 1 streams the
+//     itself, its warps each taking an interleaved share of k and meeting in shared memory. Kernel 1 streams the
 //     Wg and Wu rows of 16 hidden units and writes h = act(g + bg)·(u + bu), rounded to the input dtype as the
 //     unfused path rounds it, to a [m, hidden] buffer (tiny); kernel 2 streams 16 rows of Wd against h and writes y
 //     (+ bd). No atomics, no zeroed accumulator (no memset launch), and the same bits on every run.
 //   * the weights are read with 16-byte loads that skip L1 (read once), every load of an iteration issued before
 //     the first multiply: 96–128 KiB in flight per SM (kUnroll below), where the single kernel's per-token dot
-//     products kept about 27 KiB. Kernel 1 has hidden / 16 blocks (896 at hidden 14336), kernel 2 dim / 16.
+//     products kept about 27 KiB. Kernel 1 has hidden / 16 blocks (896 at hidden 14336), kernel 2 dim / 16; each
+//     is sized to run in a single wave, where every block streams at the same rate and all end together.
+//   * kernel 2 is a programmatic dependent launch of kernel 1 (sm_90): it streams its first Wd bytes while kernel
+//     1's last blocks finish, instead of starting after kernel 1 has drained and the launch gap has passed.
 //   * the products run on tensor cores (mma m16n8k16, fp32 accumulation) for 16-bit inputs: a warp's 16 weight rows
 //     are the A operand and up to 8 tokens of x the B operand, so the work per weight byte stays one instruction per
 //     8 tokens instead of growing with m as CUDA-core dot products do (at 16 tokens those cost as long as the
@@ -28,9 +31,16 @@
 namespace mlpfuse {
 namespace {
 
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
 constexpr int kTileRows = 16;  // the mma's M
+
+// Warps per block, each taking an interleaved share of k. Kernel 1 (two matrices, hidden / 16 blocks: 896 at hidden
+// 14336) uses few, so that all of its blocks fit on the SMs at once (at 8 warps they took 1.7 waves, 2.3 at 16
+// tokens, and the last, partial wave streamed at a fraction of the bandwidth): 4 warps at up to 8 tokens (64
+// registers, 8 blocks per SM), 3 at 16 (76 registers: 8 blocks of 3 warps per SM; 4 warps would have to fit 72
+// registers for 7 blocks per SM, and spill). Kernel 2 (dim / 16 blocks: 256 at dim 4096, one wave either way) keeps
+// 8, which gives its few blocks more bytes in flight each.
+template <int NMAT, int NT>
+constexpr int kWarpsOf = NMAT == 2 ? (NT == 1 ? 4 : 3) : 8;
 
 // One of the two kernels: out[t, r] over r < rows, t < m, reducing over k.
 struct GemvArgs {
@@ -90,9 +100,9 @@ __device__ __forceinline__ const T* row_ptr(Mat w, int64_t r) {
 
 // The block's 16 output rows from the per-warp partial sums part[warp][matrix][row][token]: summed in warp order
 // (the same bits every run), biased, and for two matrices combined as act(g)·u; rounded once into out.
-template <typename T, int NMAT, int MT>
+template <typename T, int WARPS, int NMAT, int MT>
 __device__ __forceinline__ void finish(const GemvArgs& p, int64_t row0, const float (*part)[NMAT][kTileRows][MT]) {
-  for (int i = threadIdx.x; i < kTileRows * MT; i += kThreads) {
+  for (int i = threadIdx.x; i < kTileRows * MT; i += WARPS * 32) {
     const int r = i % kTileRows, t = i / kTileRows;  // consecutive threads: consecutive rows, contiguous stores
     const int64_t row = row0 + r;
     if (t >= p.m || row >= p.rows) continue;
@@ -101,7 +111,7 @@ __device__ __forceinline__ void finish(const GemvArgs& p, int64_t row0, const fl
     for (int mat = 0; mat < NMAT; ++mat) {
       s[mat] = 0.0f;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) s[mat] += part[w][mat][r][t];
+      for (int w = 0; w < WARPS; ++w) s[mat] += part[w][mat][r][t];
     }
     float v = s[0] + (p.b0 ? to_float(static_cast<const T*>(p.b0)[row]) : 0.0f);
     if constexpr (NMAT == 2) {
@@ -119,11 +129,19 @@ __device__ __forceinline__ void finish(const GemvArgs& p, int64_t row0, const fl
 // 2q + 8, 2q + 9 of each k16 step. It loads 8 contiguous elements e0..e7 of its rows and of its token's x at
 // k0 + 8q and uses (e0 e1 | e2 e3) as the first k16 step's (2q, 2q+1 | 2q+8, 2q+9) and (e4 e5 | e6 e7) as the
 // second's: a permutation of k, the same for A and B, which the sum over k does not see.
+//
+// Kernel 1 lets kernel 2 launch at once (grid_dependents_may_launch) and kernel 2 is launched as its programmatic
+// dependent: kernel 2's blocks take the SMs that kernel 1's finishing blocks leave, load their first iteration of
+// Wd (which kernel 1 does not write) and only then wait for h. That hides the launch gap and the first round trip
+// of kernel 2 behind kernel 1's tail. Kernel 1 itself is launched the ordinary way: the weights it streams before
+// anything else could have been written by the kernel before it.
 template <typename T, int NMAT, int NT, int U>
-__global__ void __launch_bounds__(kThreads) decode_gemv_mma_kernel(GemvArgs p) {
+__global__ void __launch_bounds__(kWarpsOf<NMAT, NT> * 32, NMAT == 2 ? 8 : 2) decode_gemv_mma_kernel(GemvArgs p) {
+  constexpr int WARPS = kWarpsOf<NMAT, NT>;
   constexpr int MT = NT * 8;
   constexpr int kStep = 32;  // k covered by one vector of each of the 4 lanes of a row
-  __shared__ float part[kWarps][NMAT][kTileRows][MT];
+  __shared__ float part[WARPS][NMAT][kTileRows][MT];
+  if constexpr (NMAT == 2) grid_dependents_may_launch();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int64_t row0 = int64_t(blockIdx.x) * kTileRows;
 
@@ -147,7 +165,8 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_mma_kernel(GemvArgs p) {
   // One iteration: U vectors per weight row and lane, all loads issued before the first mma. CHECKED: the last,
   // partial chunk of k, where a lane's vector may lie past the end (then it counts as zeros). Tokens past m read
   // token 0 (an L1 hit) and are zeroed by a select rather than a branch, which would keep the loads apart.
-  auto step = [&](int64_t kb, auto checked) {
+  // WAIT: the first iteration, whose weight loads go out before the wait for the kernel that wrote the input.
+  auto step = [&](int64_t kb, auto checked, auto wait) {
     constexpr bool CHECKED = decltype(checked)::value;
     const uint4 zero = make_uint4(0, 0, 0, 0);
     uint4 a[NMAT][2][U], b[NT][U];
@@ -160,6 +179,12 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_mma_kernel(GemvArgs p) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) a[mat][h][u] = ok ? load_weights(w[mat][h] + k) : zero;
       }
+    }
+    if constexpr (decltype(wait)::value) grid_dependency_wait();
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t k = kb + u * kStep + 8 * q;
+      const bool ok = !CHECKED || k < p.k;
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
         const uint4 v = ok ? load_input(xr[n] + k) : zero;
@@ -181,8 +206,16 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_mma_kernel(GemvArgs p) {
   };
   constexpr int64_t kChunk = int64_t(kStep) * U;  // k per warp and iteration
   int64_t kb = int64_t(warp) * kChunk;
-  for (; kb + kChunk <= p.k; kb += kWarps * kChunk) step(kb, std::false_type{});
-  if (kb < p.k) step(kb, std::true_type{});
+  if constexpr (NMAT == 1) {  // kernel 2: the first iteration's weights before the wait for h
+    if (kb < p.k) {
+      step(kb, std::true_type{}, std::true_type{});
+      kb += WARPS * kChunk;
+    } else {
+      grid_dependency_wait();
+    }
+  }
+  for (; kb + kChunk <= p.k; kb += WARPS * kChunk) step(kb, std::false_type{}, std::false_type{});
+  if (kb < p.k) step(kb, std::true_type{}, std::false_type{});
   // Accumulator fragment: c0, c1 at row g, tokens 2q, 2q + 1; c2, c3 at row g + 8.
 #pragma unroll
   for (int mat = 0; mat < NMAT; ++mat) {
@@ -195,15 +228,19 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_mma_kernel(GemvArgs p) {
     }
   }
   __syncthreads();
-  finish<T, NMAT, MT>(p, row0, part);
+  finish<T, WARPS, NMAT, MT>(p, row0, part);
 }
 
 // fp32 inputs, CUDA cores, the same tiling: lane (g, q) takes rows g and g + 8 at k0 + 4q (4 elements, 16 bytes)
-// against every token; the 4 lanes of a row then sum their partials with shuffles.
+// against every token; the 4 lanes of a row then sum their partials with shuffles. Launched the same way as the
+// mma kernels; it waits for its predecessor before its first load.
 template <int NMAT, int MT>
-__global__ void __launch_bounds__(kThreads) decode_gemv_fma_kernel(GemvArgs p) {
+__global__ void __launch_bounds__(kWarpsOf<NMAT, 1> * 32) decode_gemv_fma_kernel(GemvArgs p) {
+  constexpr int WARPS = kWarpsOf<NMAT, 1>;
   constexpr int kStep = 16;
-  __shared__ float part[kWarps][NMAT][kTileRows][MT];
+  __shared__ float part[WARPS][NMAT][kTileRows][MT];
+  if constexpr (NMAT == 2) grid_dependents_may_launch();
+  grid_dependency_wait();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int64_t row0 = int64_t(blockIdx.x) * kTileRows;
   const float* w[NMAT][2];
@@ -215,7 +252,7 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_fma_kernel(GemvArgs p) {
   }
   const float* xp = static_cast<const float*>(p.in.ptr);
   float acc[NMAT][2][MT] = {};
-  for (int64_t k = int64_t(warp) * kStep + 4 * q; k < p.k + 4 * q; k += int64_t(kWarps) * kStep) {
+  for (int64_t k = int64_t(warp) * kStep + 4 * q; k < p.k + 4 * q; k += int64_t(WARPS) * kStep) {
     if (k >= p.k) continue;  // k and p.k are multiples of 4; the lanes meet again at the shuffles below
     float4 a[NMAT][2];
 #pragma unroll
@@ -254,28 +291,38 @@ __global__ void __launch_bounds__(kThreads) decode_gemv_fma_kernel(GemvArgs p) {
     }
   }
   __syncthreads();
-  finish<float, NMAT, MT>(p, row0, part);
+  finish<float, WARPS, NMAT, MT>(p, row0, part);
 }
 
 // Vectors per weight row and lane in flight per iteration, against the registers they cost (ptxas, sm_90):
-//   kernel 1 (2 matrices), U = 2:  128 bytes per lane, 32 KiB per block; 60 / 76 registers (8 / 16 tokens), so
-//                                  4 / 3 blocks and 128 / 96 KiB in flight per SM;
-//   kernel 2 (1 matrix),   U = 8:  256 bytes per lane, 64 KiB per block; 120 registers, 2 blocks, 128 KiB per SM;
-//                          U = 6 at 16 tokens (the B fragments of two token tiles): 2 blocks, 96 KiB per SM.
+//   kernel 1 (2 matrices),         U = 2: 128 bytes per lane, 4 KiB per warp; at hidden 14336 (896 blocks on 132
+//                                  SMs) 27 warps and 110 KiB per SM at up to 8 tokens, 20 warps and 81 KiB at 16;
+//   kernel 2 (1 matrix, 8 warps),  U = 8: 256 bytes per lane, 64 KiB per block; 120 registers, 2 blocks, 128 KiB per
+//                                  SM; U = 6 at 16 tokens (the B fragments of two token tiles): 96 KiB per SM.
 // Kernel 2 has only dim / 16 blocks (256 at dim 4096, 2 per SM), hence its larger share per block.
 template <int NMAT, int NT>
 constexpr int kUnroll = NMAT == 2 ? 2 : (NT == 1 ? 8 : 6);
 
+template <typename... Params>
+void launch(void (*kernel)(Params...), unsigned blocks, unsigned threads, bool dependent, cudaStream_t stream,
+            const GemvArgs& p) {
+  if (dependent) launch_dependent(kernel, dim3(blocks), dim3(threads), stream, p);
+  else kernel<<<blocks, threads, 0, stream>>>(p);
+}
+
+// dependent: launched as the programmatic dependent of the kernel before it (kernel 2 after kernel 1).
 template <typename T, int NMAT>
-void launch_gemv(const GemvArgs& p, cudaStream_t stream) {
+void launch_gemv(const GemvArgs& p, bool dependent, cudaStream_t stream) {
   const unsigned blocks = static_cast<unsigned>((p.rows + kTileRows - 1) / kTileRows);
   if constexpr (std::is_same_v<T, float>) {
-    if (p.m <= 4) decode_gemv_fma_kernel<NMAT, 4><<<blocks, kThreads, 0, stream>>>(p);
-    else if (p.m <= 8) decode_gemv_fma_kernel<NMAT, 8><<<blocks, kThreads, 0, stream>>>(p);
-    else decode_gemv_fma_kernel<NMAT, 16><<<blocks, kThreads, 0, stream>>>(p);
+    constexpr unsigned threads = kWarpsOf<NMAT, 1> * 32;
+    if (p.m <= 4) launch(decode_gemv_fma_kernel<NMAT, 4>, blocks, threads, dependent, stream, p);
+    else if (p.m <= 8) launch(decode_gemv_fma_kernel<NMAT, 8>, blocks, threads, dependent, stream, p);
+    else launch(decode_gemv_fma_kernel<NMAT, 16>, blocks, threads, dependent, stream, p);
+  } else if (p.m <= 8) {
+    launch(decode_gemv_mma_kernel<T, NMAT, 1, kUnroll<NMAT, 1>>, blocks, kWarpsOf<NMAT, 1> * 32, dependent, stream, p);
   } else {
-    if (p.m <= 8) decode_gemv_mma_kernel<T, NMAT, 1, kUnroll<NMAT, 1>><<<blocks, kThreads, 0, stream>>>(p);
-    else decode_gemv_mma_kernel<T, NMAT, 2, kUnroll<NMAT, 2>><<<blocks, kThreads, 0, stream>>>(p);
+    launch(decode_gemv_mma_kernel<T, NMAT, 2, kUnroll<NMAT, 2>>, blocks, kWarpsOf<NMAT, 2> * 32, dependent, stream, p);
   }
 }
 
@@ -302,8 +349,8 @@ void decode_gated_mlp(DType dtype, int act, int64_t m, int64_t dim, int64_t hidd
   const GemvArgs down{tokens, IDENTITY, hidden, dim, wd, Mat{nullptr, 0}, h, bd, nullptr, y};
   with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
-    launch_gemv<T, 2>(up, stream);
-    launch_gemv<T, 1>(down, stream);
+    launch_gemv<T, 2>(up, false, stream);
+    launch_gemv<T, 1>(down, true, stream);
   });
 }
 
