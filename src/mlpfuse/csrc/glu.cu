@@ -105,6 +105,7 @@ __global__ void __launch_bounds__(kThreadsX * kThreadsY) glu_forward_kernel(int6
 // vector allows it, which quarters the atomics that all blocks aim at the same few hundred cache lines.
 template <int V>
 __device__ __forceinline__ void add_column_sums(float* out, int64_t c, const float (&s)[V], bool vec4) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // the 16-byte float atomic is sm_90's
   if constexpr (V % 4 == 0) {
     if (vec4) {
 #pragma unroll
@@ -114,6 +115,7 @@ __device__ __forceinline__ void add_column_sums(float* out, int64_t c, const flo
       return;
     }
   }
+#endif
 #pragma unroll
   for (int i = 0; i < V; ++i) atomicAdd(out + c + i, s[i]);
 }
