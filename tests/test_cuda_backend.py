@@ -84,12 +84,10 @@ def test_sources_compile_with_cpp_extension_flags(compiled_objects):
         assert (folder / obj).stat().st_size > 0
     # The flags are cpp_extension's: its nvcc defines, the sm_90 target, its C++ standard.
     assert "-D__CUDA_NO_HALF_CONVERSIONS__" in ninja and "sm_90" in ninja and re.search(r"-std=c\+\+\d\d", ninja)
-    # Every kernel family is in the objects: the pointwise GLU kernels (the backward's streaming kernel with and
-    # without bias sums, and its fallback for layouts without 16-byte vectors) and the decode kernels (tensor-core
-    # ones for 16-bit types, CUDA-core ones for fp32), each per dtype.
+    # Every kernel family is in the objects: the pointwise GLU kernels and the decode kernels (tensor-core ones for
+    # 16-bit types, CUDA-core ones for fp32), each per dtype.
     symbols = subprocess.run(["nm", "-C", *(str(folder / o) for o in objects)], capture_output=True, text=True).stdout
-    for name in ("glu_forward_kernel<__nv_bfloat16, 8", "glu_backward_stream_kernel<__half, 1, true>",
-                 "glu_backward_stream_kernel<__nv_bfloat16, 3, false>", "glu_backward_kernel<float, 1", "bias_act_kernel<float, 4",
+    for name in ("glu_forward_kernel<__nv_bfloat16, 8", "glu_backward_kernel<__half, 8", "bias_act_kernel<float, 4",
                  "decode_gemv_mma_kernel<__nv_bfloat16, 2, 2", "decode_gemv_mma_kernel<__half, 1, 1",
                  "decode_gemv_fma_kernel<2, 16>", "mlpfuse::gated_mlp_backward"):
         assert name in symbols, name

@@ -12,11 +12,9 @@
 // 8·R rows; thread (x, y) handles column vector x on rows y, y + 8, ... of the tile. A warp's access is 512
 // contiguous bytes of one row, and a thread stays on one column vector, so the backward sums its bias gradients in
 // fp32 registers and adds them with one (vector) atomic per column per block. One tile per block gives thousands of
-// short blocks: the last, partial wave is short. The backward, with three inputs, needs more bytes in flight than
-// registers hold and streams through shared memory instead (glu_backward_stream_kernel). Outputs may alias inputs
-// (h over g, dg over g, ...): every element is read and then written by the same thread, after its loads.
+// short blocks: the last, partial wave is short. Outputs may alias inputs (h over g, dg over g, ...): every element
+// is read and then written by the same thread, and a thread's stores come after all of its loads.
 #include <algorithm>
-#include <atomic>
 #include <type_traits>
 
 #include "common.cuh"
@@ -27,8 +25,8 @@ namespace {
 constexpr int kThreadsX = 32;
 constexpr int kThreadsY = 8;
 // Rows per thread, all loaded before any is used. The forward (≤ 64 registers: 4 blocks, 1024 threads, 128 KiB in
-// flight per SM) and the bias pass take 4. The backward's register-tile kernel (now only for layouts that cannot
-// take 16-byte vectors; the streaming kernel below does the rest) takes 4 as well, capped at 128 registers.
+// flight per SM) and the bias pass take 4. The backward takes 4 as well, capped at 128 registers (2 blocks, 512
+// threads, 96 KiB in flight per SM): 2 rows at 3 blocks per SM hold less in flight, and a tighter cap spills.
 constexpr int kFwdRows = 4;
 constexpr int kBwdRows = 4;
 constexpr int kBwdMinBlocks = 2;
@@ -187,195 +185,6 @@ __global__ void __launch_bounds__(kThreadsX * kThreadsY, kBwdMinBlocks)
   add_column_sums<V>(which == 0 ? dbg : dbu, c, s, vec4);
 }
 
-// The backward's vectorized path: a software pipeline through shared memory, in a grid of exactly as many blocks as
-// fit on the GPU at once.
-//
-// The register-tile kernel above (all loads of 4 rows issued, then compute) reached 85 % of copy bandwidth here:
-// 192 bytes per thread in flight take 48 registers, so only 2 blocks fit per SM, and while a block computes,
-// stores and retires, its SM has only the other block's loads in flight. Here each thread copies its three 16-byte
-// vectors of a row with cp.async into its own slots of a 3-stage ring, so the bytes in flight cost no registers
-// (4 blocks per SM, up to 144 KiB in flight per SM) and never drain between tiles: the loads of the next two units
-// are out while the thread computes one. A thread reads back only the slots it filled itself, so no barrier is
-// needed between stages (cp.async.wait_group orders a thread's copies before its own reads).
-//
-// Work is a list of units (one strip of 32·V columns × 8 rows, strip-major) cut into one contiguous range per
-// block; a thread keeps its bias-gradient sums in registers while its strip stays the same and adds them (folded
-// over the block in shared memory, then one atomic per column) when the strip changes and at the end: about two
-// flushes per block instead of one per 32 rows. The sums are zeroed by a small kernel launched just before, of which
-// this one is the programmatic dependent: it streams from the start and waits for the zeroing only at its first
-// flush.
-constexpr int kStages = 3;
-constexpr int kStreamThreads = kThreadsX * kThreadsY;
-constexpr int kStreamMinBlocks = 4;  // 64 registers; 4 × 45 KiB of shared memory per SM
-
-__device__ __forceinline__ void copy16_async(void* smem, const void* gmem) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-#else
-  *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem);
-#endif
-}
-
-__device__ __forceinline__ void copies_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-template <int N>
-__device__ __forceinline__ void copies_wait() {  // all but the N most recent groups have landed
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
-
-template <typename T, int V>
-__device__ __forceinline__ Raw<T, V> raw_of(const uint4& q) {
-  static_assert(sizeof(T) * V == 16, "16-byte vectors");
-  Raw<T, V> r;
-  r.w[0] = q.x, r.w[1] = q.y, r.w[2] = q.z, r.w[3] = q.w;
-  return r;
-}
-
-// A position in the unit list: strip s, row group rg (row_groups of them per strip).
-struct Cursor {
-  int64_t s, rg;
-  __device__ __forceinline__ void next(int64_t row_groups) {
-    if (++rg == row_groups) rg = 0, ++s;
-  }
-};
-
-template <typename T, int ACT, bool SUMS>
-__global__ void __launch_bounds__(kStreamThreads, kStreamMinBlocks)
-    glu_backward_stream_kernel(int64_t rows, int64_t cols, Mat dh, Mat g, Mat u, Mat dg, Mat du, Mat h, float* dbg,
-                               float* dbu, bool vec4) {
-  constexpr int V = kVec<T>;
-  __shared__ uint4 ring[kStages][3][kStreamThreads];
-  __shared__ float part[SUMS ? kThreadsY : 1][SUMS ? kThreadsX * V : 1];
-  const int tid = threadIdx.y * kThreadsX + threadIdx.x;
-  const int64_t row_groups = (rows + kThreadsY - 1) / kThreadsY;
-  const int64_t units = (cols + kThreadsX * V - 1) / (kThreadsX * V) * row_groups;
-  const int64_t begin = units * blockIdx.x / gridDim.x, end = units * (blockIdx.x + 1) / gridDim.x;
-  const int64_t n = end - begin;
-  const bool write_h = h.ptr != nullptr;
-  auto row_of = [&](const Cursor& at) { return at.rg * kThreadsY + threadIdx.y; };
-  auto col_of = [&](const Cursor& at) { return at.s * (kThreadsX * V) + threadIdx.x * V; };
-
-  Cursor load_at{begin / row_groups, begin % row_groups};
-  Cursor use_at = load_at;
-  // Copies unit i (if it exists) into its stage; every thread commits a group per unit, empty or not, so that the
-  // group count says which stage has landed.
-  auto issue = [&](int64_t i) {
-    if (i < n) {
-      const int64_t r = row_of(load_at), c = col_of(load_at);
-      if (r < rows && c < cols) {
-        uint4* slot = ring[i % kStages][0];
-        copy16_async(slot + tid, at<T>(dh, r, c));
-        copy16_async(slot + kStreamThreads + tid, at<T>(g, r, c));
-        copy16_async(slot + 2 * kStreamThreads + tid, at<T>(u, r, c));
-      }
-      load_at.next(row_groups);
-    }
-    copies_commit();
-  };
-
-  float sum_g[SUMS ? V : 1] = {}, sum_u[SUMS ? V : 1] = {};
-  bool waited = false;
-  // Folds the block's sums of strip s over its 8 row-threads and adds them: one barrier-separated round per sum.
-  auto flush = [&](int64_t s) {
-    if (!waited) grid_dependency_wait(), waited = true;  // the zeroing kernel has finished
-    const int64_t c = s * (kThreadsX * V) + threadIdx.x * V;
-#pragma unroll
-    for (int which = 0; which < 2; ++which) {
-      __syncthreads();  // the previous round's reads are done
-#pragma unroll
-      for (int j = 0; j < V; ++j) part[threadIdx.y][threadIdx.x * V + j] = which == 0 ? sum_g[j] : sum_u[j];
-      __syncthreads();
-      if (threadIdx.y == 0 && c < cols) {
-        float t[V];
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          t[j] = 0.0f;
-          for (int y = 0; y < kThreadsY; ++y) t[j] += part[y][threadIdx.x * V + j];
-        }
-        add_column_sums<V>(which == 0 ? dbg : dbu, c, t, vec4);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < V; ++j) sum_g[j] = sum_u[j] = 0.0f;
-  };
-
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) issue(i);
-  int64_t strip = use_at.s;
-  for (int64_t i = 0; i < n; ++i) {
-    issue(i + kStages - 1);
-    copies_wait<kStages - 1>();
-    if constexpr (SUMS) {
-      if (use_at.s != strip) flush(strip), strip = use_at.s;  // block-uniform: every thread walks the same units
-    }
-    const int64_t r = row_of(use_at), c = col_of(use_at);
-    if (r < rows && c < cols) {
-      const uint4* slot = ring[i % kStages][0];
-      const Raw<T, V> dr = raw_of<T, V>(slot[tid]), gr = raw_of<T, V>(slot[kStreamThreads + tid]),
-                      ur = raw_of<T, V>(slot[2 * kStreamThreads + tid]);
-      Raw<T, V> dgo = {}, duo = {}, ho = {};
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float d = get(dr, j), gj = get(gr, j), uj = get(ur, j);
-        float a, da;
-        act_fwd_grad<ACT>(gj, a, da);
-        const float dgj = d * uj * da, duj = d * a;
-        if constexpr (SUMS) sum_g[j] += dgj, sum_u[j] += duj;
-        set(dgo, j, dgj);
-        set(duo, j, duj);
-        set(ho, j, a * uj);
-      }
-      store_raw<T, V>(at_mut<T>(dg, r, c), dgo);
-      store_raw<T, V>(at_mut<T>(du, r, c), duo);
-      if (write_h) store_raw<T, V>(at_mut<T>(h, r, c), ho);
-    }
-    use_at.next(row_groups);
-  }
-  copies_wait<0>();  // no copy may outlive the block (the trailing groups are empty)
-  if constexpr (SUMS) {
-    if (n > 0) flush(strip);
-  }
-}
-
-__global__ void zero_kernel(float* a, float* b, int64_t n) {
-  grid_dependents_may_launch();  // the backward may start streaming now; it waits for these zeros before adding
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    a[i] = 0.0f;
-    b[i] = 0.0f;
-  }
-}
-
-// How many blocks of a kernel fit on the current device at once (found once per kernel and device).
-template <typename Kernel>
-int64_t resident_blocks(Kernel kernel, int threads) {
-  constexpr int kDevices = 64;
-  static std::atomic<int> known[kDevices];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kDevices) {
-    cudaGetLastError();
-    return 132 * 2;
-  }
-  int k = known[dev].load(std::memory_order_relaxed);
-  if (k == 0) {
-    int sms = 0, per_sm = 0;
-    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0) != cudaSuccess) {
-      cudaGetLastError();
-      sms = 132, per_sm = 2;
-    }
-    k = std::max(1, sms * std::max(1, per_sm));
-    known[dev].store(k, std::memory_order_relaxed);
-  }
-  return k;
-}
-
 template <typename T, int V, int ACT>
 __global__ void __launch_bounds__(kThreadsX * kThreadsY) bias_act_kernel(int64_t rows, int64_t cols, Mat z,
                                                                           const T* bias, Mat y) {
@@ -427,32 +236,17 @@ void glu_forward(DType dtype, int act, int64_t rows, int64_t cols, Mat g, Mat u,
 
 void glu_backward(DType dtype, int act, int64_t rows, int64_t cols, Mat dh, Mat g, Mat u, Mat dg, Mat du, Mat h,
                   float* dbg, float* dbu, cudaStream_t stream) {
-  if (cols == 0) return;
-  const bool sums = dbg != nullptr;
-  if (sums) {
-    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((cols + 1023) / 1024, 1024));
-    zero_kernel<<<blocks, 256, 0, stream>>>(dbg, dbu, cols);
-  }
-  if (rows == 0) return;
+  if (rows == 0 || cols == 0) return;
   // 16-byte atomics need 16-byte aligned sums; a vectorized strip starts at a multiple of 4 columns.
-  const bool vec4 = sums && aligned16(dbg) && aligned16(dbu);
+  const bool vec4 = dbg != nullptr && aligned16(dbg) && aligned16(dbu);
   with_dtype(dtype, [&](auto t) {
     using T = decltype(t);
     with_act(act, [&](auto a) {
       constexpr int ACT = decltype(a)::value;
       if (vectorizable(cols, kVec<T>, {dh, g, u, dg, du, h})) {
-        const int64_t units = (cols + kThreadsX * kVec<T> - 1) / (kThreadsX * kVec<T>) *
-                              ((rows + kThreadsY - 1) / kThreadsY);
-        const dim3 threads(kThreadsX, kThreadsY);
-        if (sums) {
-          auto* kernel = glu_backward_stream_kernel<T, ACT, true>;
-          const dim3 blocks(static_cast<unsigned>(std::min(units, resident_blocks(kernel, kStreamThreads))));
-          launch_dependent(kernel, blocks, threads, stream, rows, cols, dh, g, u, dg, du, h, dbg, dbu, vec4);
-        } else {
-          auto* kernel = glu_backward_stream_kernel<T, ACT, false>;
-          const dim3 blocks(static_cast<unsigned>(std::min(units, resident_blocks(kernel, kStreamThreads))));
-          kernel<<<blocks, threads, 0, stream>>>(rows, cols, dh, g, u, dg, du, h, dbg, dbu, false);
-        }
+        const Grid grid = strip_grid(rows, cols, kVec<T>, kBwdRows);
+        glu_backward_kernel<T, kVec<T>, ACT>
+            <<<grid.blocks, grid.threads, 0, stream>>>(rows, cols, dh, g, u, dg, du, h, dbg, dbu, vec4);
       } else {
         const Grid grid = strip_grid(rows, cols, 1, kBwdRows);
         glu_backward_kernel<T, 1, ACT>

@@ -24,8 +24,8 @@ struct Mat {
 void glu_forward(DType dtype, int act, int64_t rows, int64_t cols, Mat g, Mat u, Mat h, cudaStream_t stream);
 
 // dg = dh * u * act'(g), du = dh * act(g), and h = act(g) * u when h.ptr is set. dg may alias g, du may alias u and
-// h may alias dh: each element is read and written by the same thread. With dbg/dbu set (fp32 [cols], zeroed here,
-// also when rows == 0), the column sums of dg and du are written there, summed in fp32 before rounding.
+// h may alias dh: each element is read and written by the same thread. With dbg/dbu set (fp32 [cols], zeroed by the
+// caller), the column sums of dg and du are added there before rounding.
 void glu_backward(DType dtype, int act, int64_t rows, int64_t cols, Mat dh, Mat g, Mat u, Mat dg, Mat du, Mat h,
                   float* dbg, float* dbu, cudaStream_t stream);
 

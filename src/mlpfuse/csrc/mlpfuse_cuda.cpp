@@ -167,8 +167,7 @@ std::vector<Tensor> gated_mlp_backward(const Tensor& dy, const Tensor& x, const 
   Tensor du = in_place ? u : at::empty({m, hidden}, x.options());
   Tensor dh = at::mm(dy, wd);
   const bool rebuild_h = !have_h && need_dw;
-  // glu_backward zeroes the sums itself (a kernel it overlaps with its own start).
-  Tensor sums = (need_dbg || need_dbu) ? at::empty({2, hidden}, x.options().dtype(at::kFloat)) : Tensor();
+  Tensor sums = (need_dbg || need_dbu) ? at::zeros({2, hidden}, x.options().dtype(at::kFloat)) : Tensor();
   glu_backward(dtype_of(x), static_cast<int>(act), m, hidden, mat(dh), mat(g), mat(u), mat(dg), mat(du),
                rebuild_h ? mat(dh) : Mat{nullptr, 0}, sums.defined() ? sums[0].data_ptr<float>() : nullptr,
                sums.defined() ? sums[1].data_ptr<float>() : nullptr, stream());
@@ -244,7 +243,7 @@ std::vector<Tensor> glu_backward_op(const Tensor& dh, const Tensor& g, const Ten
   Tensor dhc = unit_cols(dh), gc = unit_cols(g), uc = unit_cols(u);
   Tensor dg = at::empty(dh.sizes(), dh.options()), du = at::empty(dh.sizes(), dh.options());
   Tensor h = want_h ? at::empty(dh.sizes(), dh.options()) : Tensor();
-  Tensor sums = bias_sums ? at::empty({2, dh.size(1)}, dh.options().dtype(at::kFloat)) : Tensor();
+  Tensor sums = bias_sums ? at::zeros({2, dh.size(1)}, dh.options().dtype(at::kFloat)) : Tensor();
   glu_backward(dtype_of(dh), static_cast<int>(act), dh.size(0), dh.size(1), mat(dhc), mat(gc), mat(uc), mat(dg),
                mat(du), want_h ? mat(h) : Mat{nullptr, 0}, bias_sums ? sums[0].data_ptr<float>() : nullptr,
                bias_sums ? sums[1].data_ptr<float>() : nullptr, stream());
