@@ -62,7 +62,9 @@ DECODE_LARGE_MAX_M = 32  # ... the decode path stops at this many tokens
 # the backward releases its buffers early, the fused step at 8192×768×3072 costs about eager's time and much less
 # memory: `benchmarks/host_paths.py` wall per step 720.6 µs (min 626.0, max 860.5) against eager's 743.6 (694.9–
 # 774.4), and `benchmarks/train_anatomy.py --parts memory` peak 160.5 MiB against eager's 304.5 (compile and Liger
-# 208.5), H200. So outside graph capture the fused training path starts from that size's work (1.9e10).
+# 208.5), H200. So outside graph capture the fused training path starts from that size's work (1.9e10). With the
+# module's call plan the step measured 0.86-0.88x eager's wall time there (host_paths.py, train_step_do_bench.py,
+# benchmarks/results/nvidia-h200/call-plan).
 GATED_TRAINING = True
 GATED_TRAINING_EAGER_MIN_WORK = 1.5e10
 MIN_ARCH = 9  # Hopper: the kernels' fast mainloop (TMA, persistent grid) needs sm90
