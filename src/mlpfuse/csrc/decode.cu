@@ -4,14 +4,14 @@
 //
 // At a few tokens the MLP is bound by reading its 3·hidden·dim weights once, so the design is about keeping HBM
 // busy and everything else off the critical path:
-//   * two kernels of one shape (decode_gemv): a block owns 16 output rows and reduces over the whole k range
-//     itself, its warps each taking an interleaved share of k and meeting in shared memory. Kernel 1 streams the
-//     Wg and Wu rows of 16 hidden units and writes h = act(g + bg)·(u + bu), rounded to the input dtype as the
-//     unfused path rounds it, to a [m, hidden] buffer (tiny); kernel 2 streams 16 rows of Wd against h and writes y
-//     (+ bd). No atomics, no zeroed accumulator (no memset launch), and the same bits on every run.
+//   * two kernels of one shape (decode_gemv): a block owns 16 output rows (32 in kernel 2 at 16 tokens) and
+//     reduces over the whole k range itself, its warps each taking an interleaved share of k and meeting in shared
+//     memory. Kernel 1 streams the Wg and Wu rows of 16 hidden units and writes h = act(g + bg)·(u + bu), rounded
+//     to the input dtype as the unfused path rounds it, to a [m, hidden] buffer (tiny); kernel 2 streams rows of Wd
+//     against h and writes y (+ bd). No atomics, no zeroed accumulator (no memset launch), and the same bits on every run.
 //   * the weights are read with 16-byte loads that skip L1 (read once), every load of an iteration issued before
-//     the first multiply: 96–128 KiB in flight per SM (kUnroll below), where the single kernel's per-token dot
-//     products kept about 27 KiB. Kernel 1 has hidden / 16 blocks (896 at hidden 14336), kernel 2 dim / 16; each
+//     the first multiply: 96–128 KiB in flight per SM (Shape below), where the single kernel's per-token dot
+//     products kept about 27 KiB. Kernel 1 has hidden / 16 blocks (896 at hidden 14336), kernel 2 dim / 16 (or 32); each
 //     is sized to run in a single wave, where every block streams at the same rate and all end together.
 //   * kernel 2 is a programmatic dependent launch of kernel 1 (sm_90): it streams its first Wd bytes while kernel
 //     1's last blocks finish, instead of starting after kernel 1 has drained and the launch gap has passed.
@@ -33,14 +33,28 @@ namespace {
 
 constexpr int kTileRows = 16;  // the mma's M
 
-// Warps per block, each taking an interleaved share of k. Kernel 1 (two matrices, hidden / 16 blocks: 896 at hidden
-// 14336) uses few, so that all of its blocks fit on the SMs at once (at 8 warps they took 1.7 waves, 2.3 at 16
-// tokens, and the last, partial wave streamed at a fraction of the bandwidth): 4 warps at up to 8 tokens (64
-// registers, 8 blocks per SM), 3 at 16 (76 registers: 8 blocks of 3 warps per SM; 4 warps would have to fit 72
-// registers for 7 blocks per SM, and spill). Kernel 2 (dim / 16 blocks: 256 at dim 4096, one wave either way) keeps
-// 8, which gives its few blocks more bytes in flight each.
+// The launch shape of each kernel (NMAT weight matrices, NT tiles of 8 tokens): warps per block, each taking an
+// interleaved share of k; 16-row tiles per warp (RT); 16-byte vectors per weight row and lane in flight per iteration
+// (U); blocks per SM the registers are sized for. Bytes in flight per SM, not instructions, set the bandwidth, and
+// the registers set the bytes in flight; at hidden 14336, dim 4096 (ptxas, sm_90):
+//   kernel 1 (two matrices, hidden / 16 blocks: 896) is sized so that all of its blocks fit on the SMs at once (at 8
+//     warps it took 1.7 waves, 2.3 at 16 tokens, and the last, partial wave streamed at a fraction of the
+//     bandwidth). Up to 8 tokens: 4 warps, U = 2 (64 registers, 8 blocks per SM), 4 KiB per warp, 110 KiB per SM.
+//     At 16 tokens the second token tile's B fragments and accumulators cost 16 registers more per lane: 3 warps of
+//     U = 2 (80 registers) kept only 81 KiB per SM; 2 warps of U = 4 (7 blocks per SM, 8 KiB per warp) keep 109.
+//   kernel 2 (one matrix, dim / 16 blocks: 256, one wave either way) gives its few blocks more bytes each: 8 warps,
+//     U = 8 (120 registers, 2 blocks per SM), 64 KiB per block, 128 KiB per SM. At 16 tokens a warp's h fragments
+//     are as many bytes as its Wd fragments: with 16 rows per block every block reads all of h (m·hidden) from L2,
+//     as many bytes as the Wd it streams, and the SMs took twice the weight bytes through L2. A warp there takes two
+//     16-row tiles against one set of h fragments (RT = 2): h costs half the weight bytes, as at 8 tokens. 16 warps
+//     of U = 3 (128 registers, one 32-row block per SM) keep 96 KiB per SM, as the 16-row blocks of U = 6 did.
 template <int NMAT, int NT>
-constexpr int kWarpsOf = NMAT == 2 ? (NT == 1 ? 4 : 3) : 8;
+struct Shape {
+  static constexpr int kWarps = NMAT == 2 ? (NT == 1 ? 4 : 2) : (NT == 1 ? 8 : 16);
+  static constexpr int kRowTiles = NMAT == 1 && NT == 2 ? 2 : 1;
+  static constexpr int kUnroll = NMAT == 2 ? (NT == 1 ? 2 : 4) : (NT == 1 ? 8 : 3);
+  static constexpr int kBlocksPerSM = NMAT == 2 ? (NT == 1 ? 8 : 7) : (NT == 1 ? 2 : 1);
+};
 
 // One of the two kernels: out[t, r] over r < rows, t < m, reducing over k.
 struct GemvArgs {
@@ -98,12 +112,12 @@ __device__ __forceinline__ const T* row_ptr(Mat w, int64_t r) {
   return static_cast<const T*>(w.ptr) + r * w.ld;
 }
 
-// The block's 16 output rows from the per-warp partial sums part[warp][matrix][row][token]: summed in warp order
+// The block's ROWS output rows from the per-warp partial sums part[warp][matrix][row][token]: summed in warp order
 // (the same bits every run), biased, and for two matrices combined as act(g)·u; rounded once into out.
-template <typename T, int WARPS, int NMAT, int MT>
-__device__ __forceinline__ void finish(const GemvArgs& p, int64_t row0, const float (*part)[NMAT][kTileRows][MT]) {
-  for (int i = threadIdx.x; i < kTileRows * MT; i += WARPS * 32) {
-    const int r = i % kTileRows, t = i / kTileRows;  // consecutive threads: consecutive rows, contiguous stores
+template <typename T, int WARPS, int NMAT, int ROWS, int MT>
+__device__ __forceinline__ void finish(const GemvArgs& p, int64_t row0, const float (*part)[NMAT][ROWS][MT]) {
+  for (int i = threadIdx.x; i < ROWS * MT; i += WARPS * 32) {
+    const int r = i % ROWS, t = i / ROWS;  // consecutive threads: consecutive rows, contiguous stores
     const int64_t row = row0 + r;
     if (t >= p.m || row >= p.rows) continue;
     float s[NMAT];
@@ -122,10 +136,11 @@ __device__ __forceinline__ void finish(const GemvArgs& p, int64_t row0, const fl
   }
 }
 
-// 16-bit inputs, tensor cores. NT: tiles of 8 tokens (1 for m <= 8, else 2); U: 16-byte vectors per weight row and
-// lane in flight per iteration.
+// 16-bit inputs, tensor cores. NT: tiles of 8 tokens (1 for m <= 8, else 2); the rest of the launch shape is
+// Shape<NMAT, NT>: a warp holds RT tiles of 16 weight rows (the block's 16·RT rows) against the same B fragments, and
+// U 16-byte vectors per weight row and lane are in flight per iteration.
 //
-// Lane (g, q) = (lane / 4, lane % 4) holds A rows g and g + 8 and B column (token) g, at k positions 2q, 2q + 1,
+// Lane (g, q) = (lane / 4, lane % 4) holds A rows g and g + 8 of each row tile and B column (token) g, at k positions 2q, 2q + 1,
 // 2q + 8, 2q + 9 of each k16 step. It loads 8 contiguous elements e0..e7 of its rows and of its token's x at
 // k0 + 8q and uses (e0 e1 | e2 e3) as the first k16 step's (2q, 2q+1 | 2q+8, 2q+9) and (e4 e5 | e6 e7) as the
 // second's: a permutation of k, the same for A and B, which the sum over k does not see.
@@ -135,20 +150,22 @@ __device__ __forceinline__ void finish(const GemvArgs& p, int64_t row0, const fl
 // Wd (which kernel 1 does not write) and only then wait for h. That hides the launch gap and the first round trip
 // of kernel 2 behind kernel 1's tail. Kernel 1 itself is launched the ordinary way: the weights it streams before
 // anything else could have been written by the kernel before it.
-template <typename T, int NMAT, int NT, int U>
-__global__ void __launch_bounds__(kWarpsOf<NMAT, NT> * 32, NMAT == 2 ? 8 : 2) decode_gemv_mma_kernel(GemvArgs p) {
-  constexpr int WARPS = kWarpsOf<NMAT, NT>;
-  constexpr int MT = NT * 8;
+template <typename T, int NMAT, int NT>
+__global__ void __launch_bounds__(Shape<NMAT, NT>::kWarps * 32, Shape<NMAT, NT>::kBlocksPerSM)
+    decode_gemv_mma_kernel(GemvArgs p) {
+  constexpr int WARPS = Shape<NMAT, NT>::kWarps, RT = Shape<NMAT, NT>::kRowTiles, U = Shape<NMAT, NT>::kUnroll;
+  constexpr int ROWS = kTileRows * RT, MT = NT * 8;
   constexpr int kStep = 32;  // k covered by one vector of each of the 4 lanes of a row
-  __shared__ float part[WARPS][NMAT][kTileRows][MT];
+  __shared__ float part[WARPS][NMAT][ROWS][MT];
   if constexpr (NMAT == 2) grid_dependents_may_launch();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
-  const int64_t row0 = int64_t(blockIdx.x) * kTileRows;
+  const int64_t row0 = int64_t(blockIdx.x) * ROWS;
 
-  // Rows past the end read the last row (never stored) rather than branch around the loads.
-  const T* w[NMAT][2];
+  // Rows past the end read the last row (never stored) rather than branch around the loads. w[mat][2·tile + h]:
+  // row g + 8h of the tile.
+  const T* w[NMAT][2 * RT];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
+  for (int h = 0; h < 2 * RT; ++h) {
     const int64_t r = min(row0 + g + 8 * h, p.rows - 1);
     w[0][h] = row_ptr<T>(p.w0, r);
     if constexpr (NMAT == 2) w[NMAT - 1][h] = row_ptr<T>(p.w1, r);
@@ -161,7 +178,7 @@ __global__ void __launch_bounds__(kWarpsOf<NMAT, NT> * 32, NMAT == 2 ? 8 : 2) de
     xr[n] = row_ptr<T>(p.in, has_token[n] ? n * 8 + g : 0);
   }
 
-  float acc[NMAT][NT][4] = {};
+  float acc[NMAT][RT][NT][4] = {};
   // One iteration: U vectors per weight row and lane, all loads issued before the first mma. CHECKED: the last,
   // partial chunk of k, where a lane's vector may lie past the end (then it counts as zeros). Tokens past m read
   // token 0 (an L1 hit) and are zeroed by a select rather than a branch, which would keep the loads apart.
@@ -169,7 +186,7 @@ __global__ void __launch_bounds__(kWarpsOf<NMAT, NT> * 32, NMAT == 2 ? 8 : 2) de
   auto step = [&](int64_t kb, auto checked, auto wait) {
     constexpr bool CHECKED = decltype(checked)::value;
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    uint4 a[NMAT][2][U], b[NT][U];
+    uint4 a[NMAT][2 * RT][U], b[NT][U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t k = kb + u * kStep + 8 * q;
@@ -177,7 +194,7 @@ __global__ void __launch_bounds__(kWarpsOf<NMAT, NT> * 32, NMAT == 2 ? 8 : 2) de
 #pragma unroll
       for (int mat = 0; mat < NMAT; ++mat) {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) a[mat][h][u] = ok ? load_weights(w[mat][h] + k) : zero;
+        for (int h = 0; h < 2 * RT; ++h) a[mat][h][u] = ok ? load_weights(w[mat][h] + k) : zero;
       }
     }
     if constexpr (decltype(wait)::value) grid_dependency_wait();
@@ -196,10 +213,13 @@ __global__ void __launch_bounds__(kWarpsOf<NMAT, NT> * 32, NMAT == 2 ? 8 : 2) de
 #pragma unroll
       for (int mat = 0; mat < NMAT; ++mat) {
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          const uint4 &lo = a[mat][0][u], &hi = a[mat][1][u], &x = b[n][u];
-          mma16816<T>(acc[mat][n], lo.x, hi.x, lo.y, hi.y, x.x, x.y);
-          mma16816<T>(acc[mat][n], lo.z, hi.z, lo.w, hi.w, x.z, x.w);
+        for (int rt = 0; rt < RT; ++rt) {
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            const uint4 &lo = a[mat][2 * rt][u], &hi = a[mat][2 * rt + 1][u], &x = b[n][u];
+            mma16816<T>(acc[mat][rt][n], lo.x, hi.x, lo.y, hi.y, x.x, x.y);
+            mma16816<T>(acc[mat][rt][n], lo.z, hi.z, lo.w, hi.w, x.z, x.w);
+          }
         }
       }
     }
@@ -216,27 +236,31 @@ __global__ void __launch_bounds__(kWarpsOf<NMAT, NT> * 32, NMAT == 2 ? 8 : 2) de
   }
   for (; kb + kChunk <= p.k; kb += WARPS * kChunk) step(kb, std::false_type{}, std::false_type{});
   if (kb < p.k) step(kb, std::true_type{}, std::false_type{});
-  // Accumulator fragment: c0, c1 at row g, tokens 2q, 2q + 1; c2, c3 at row g + 8.
+  // Accumulator fragment: c0, c1 at row g of the tile, tokens 2q, 2q + 1; c2, c3 at row g + 8.
 #pragma unroll
   for (int mat = 0; mat < NMAT; ++mat) {
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      part[warp][mat][g][n * 8 + 2 * q] = acc[mat][n][0];
-      part[warp][mat][g][n * 8 + 2 * q + 1] = acc[mat][n][1];
-      part[warp][mat][g + 8][n * 8 + 2 * q] = acc[mat][n][2];
-      part[warp][mat][g + 8][n * 8 + 2 * q + 1] = acc[mat][n][3];
+    for (int rt = 0; rt < RT; ++rt) {
+      const int r = kTileRows * rt + g;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        part[warp][mat][r][n * 8 + 2 * q] = acc[mat][rt][n][0];
+        part[warp][mat][r][n * 8 + 2 * q + 1] = acc[mat][rt][n][1];
+        part[warp][mat][r + 8][n * 8 + 2 * q] = acc[mat][rt][n][2];
+        part[warp][mat][r + 8][n * 8 + 2 * q + 1] = acc[mat][rt][n][3];
+      }
     }
   }
   __syncthreads();
-  finish<T, WARPS, NMAT, MT>(p, row0, part);
+  finish<T, WARPS, NMAT, ROWS, MT>(p, row0, part);
 }
 
 // fp32 inputs, CUDA cores, the same tiling: lane (g, q) takes rows g and g + 8 at k0 + 4q (4 elements, 16 bytes)
 // against every token; the 4 lanes of a row then sum their partials with shuffles. Launched the same way as the
 // mma kernels; it waits for its predecessor before its first load.
 template <int NMAT, int MT>
-__global__ void __launch_bounds__(kWarpsOf<NMAT, 1> * 32) decode_gemv_fma_kernel(GemvArgs p) {
-  constexpr int WARPS = kWarpsOf<NMAT, 1>;
+__global__ void __launch_bounds__(Shape<NMAT, 1>::kWarps * 32) decode_gemv_fma_kernel(GemvArgs p) {
+  constexpr int WARPS = Shape<NMAT, 1>::kWarps;
   constexpr int kStep = 16;
   __shared__ float part[WARPS][NMAT][kTileRows][MT];
   if constexpr (NMAT == 2) grid_dependents_may_launch();
@@ -291,17 +315,8 @@ __global__ void __launch_bounds__(kWarpsOf<NMAT, 1> * 32) decode_gemv_fma_kernel
     }
   }
   __syncthreads();
-  finish<float, WARPS, NMAT, MT>(p, row0, part);
+  finish<float, WARPS, NMAT, kTileRows, MT>(p, row0, part);
 }
-
-// Vectors per weight row and lane in flight per iteration, against the registers they cost (ptxas, sm_90):
-//   kernel 1 (2 matrices),         U = 2: 128 bytes per lane, 4 KiB per warp; at hidden 14336 (896 blocks on 132
-//                                  SMs) 27 warps and 110 KiB per SM at up to 8 tokens, 20 warps and 81 KiB at 16;
-//   kernel 2 (1 matrix, 8 warps),  U = 8: 256 bytes per lane, 64 KiB per block; 120 registers, 2 blocks, 128 KiB per
-//                                  SM; U = 6 at 16 tokens (the B fragments of two token tiles): 96 KiB per SM.
-// Kernel 2 has only dim / 16 blocks (256 at dim 4096, 2 per SM), hence its larger share per block.
-template <int NMAT, int NT>
-constexpr int kUnroll = NMAT == 2 ? 2 : (NT == 1 ? 8 : 6);
 
 template <typename... Params>
 void launch(void (*kernel)(Params...), unsigned blocks, unsigned threads, bool dependent, cudaStream_t stream,
@@ -313,16 +328,23 @@ void launch(void (*kernel)(Params...), unsigned blocks, unsigned threads, bool d
 // dependent: launched as the programmatic dependent of the kernel before it (kernel 2 after kernel 1).
 template <typename T, int NMAT>
 void launch_gemv(const GemvArgs& p, bool dependent, cudaStream_t stream) {
-  const unsigned blocks = static_cast<unsigned>((p.rows + kTileRows - 1) / kTileRows);
+  const auto blocks = [&](int rows_per_block) {
+    return static_cast<unsigned>((p.rows + rows_per_block - 1) / rows_per_block);
+  };
   if constexpr (std::is_same_v<T, float>) {
-    constexpr unsigned threads = kWarpsOf<NMAT, 1> * 32;
-    if (p.m <= 4) launch(decode_gemv_fma_kernel<NMAT, 4>, blocks, threads, dependent, stream, p);
-    else if (p.m <= 8) launch(decode_gemv_fma_kernel<NMAT, 8>, blocks, threads, dependent, stream, p);
-    else launch(decode_gemv_fma_kernel<NMAT, 16>, blocks, threads, dependent, stream, p);
-  } else if (p.m <= 8) {
-    launch(decode_gemv_mma_kernel<T, NMAT, 1, kUnroll<NMAT, 1>>, blocks, kWarpsOf<NMAT, 1> * 32, dependent, stream, p);
+    constexpr unsigned threads = Shape<NMAT, 1>::kWarps * 32;
+    const unsigned n = blocks(kTileRows);
+    if (p.m <= 4) launch(decode_gemv_fma_kernel<NMAT, 4>, n, threads, dependent, stream, p);
+    else if (p.m <= 8) launch(decode_gemv_fma_kernel<NMAT, 8>, n, threads, dependent, stream, p);
+    else launch(decode_gemv_fma_kernel<NMAT, 16>, n, threads, dependent, stream, p);
   } else {
-    launch(decode_gemv_mma_kernel<T, NMAT, 2, kUnroll<NMAT, 2>>, blocks, kWarpsOf<NMAT, 2> * 32, dependent, stream, p);
+    const auto go = [&](auto nt) {
+      using S = Shape<NMAT, decltype(nt)::value>;
+      launch(decode_gemv_mma_kernel<T, NMAT, decltype(nt)::value>, blocks(kTileRows * S::kRowTiles), S::kWarps * 32,
+             dependent, stream, p);
+    };
+    if (p.m <= 8) go(std::integral_constant<int, 1>{});
+    else go(std::integral_constant<int, 2>{});
   }
 }
 
