@@ -63,6 +63,10 @@ def numerics(quick: bool) -> list[str]:
     from mlpfuse.activations import NAMES
 
     torch.backends.cuda.matmul.allow_tf32 = False
+    # Fixed inputs: relu's derivative jumps at 0, so a pre-activation within fp32 rounding of 0 (about one run in
+    # twenty of 142k random elements) flips one dg element between the fp32 kernels and the fp64 reference and
+    # shows as a ~1e-2 gradient error that says nothing about the kernels.
+    torch.manual_seed(0)
     tol = {torch.float32: 2e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
     failures, worst = [], {}
 
