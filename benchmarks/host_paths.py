@@ -45,6 +45,17 @@ def host_round(fn, burst):
     return dt
 
 
+def training_step(mod, x, dy, params):
+    """One eager-mode training step as a loop runs it: the gradients set to None, forward, `.backward(dy)` into
+    the parameters' and x's .grad."""
+    def step():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        mod(x).backward(dy)
+    return step
+
+
 def summary(xs):
     xs = sorted(xs)
     return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1]}
@@ -94,12 +105,7 @@ def main():
                             mod(x)
                     return fwd
 
-                def step():
-                    for p in params:
-                        p.grad = None
-                    x.grad = None
-                    mod(x).backward(dy)
-                return step
+                return training_step(mod, x, dy, params)
 
             fns = {"eager": make(eager), "mlpfuse auto": make(fused["auto"]), "mlpfuse triton": make(fused["triton"])}
             big = m * d * hdim > 2e10

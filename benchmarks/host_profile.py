@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import mlpfuse
 from host_overhead import Eager  # this folder is on sys.path when run
-from host_paths import measure, spin_up
+from host_paths import measure, spin_up, training_step
 from mlpfuse.kernels import gated_gemm
 from mlpfuse.ops import dispatch
 
@@ -109,12 +109,7 @@ def main():
     params = list(eager.parameters())
 
     def step(mod):
-        def run():
-            for p in params:
-                p.grad = None
-            x.grad = None
-            mod(x).backward(dy)
-        return run
+        return training_step(mod, x, dy, params)
 
     def fwd_only(mod):
         return lambda: mod(x)
@@ -156,11 +151,9 @@ def main():
             du = dh * act
             return dg.mm(a) + du.mm(b), dg.t().mm(xx), du.t().mm(xx), d.t().mm(h)
 
-    def py_eager_step():
-        for p in params:
-            p.grad = None
-        x.grad = None
-        PyEager.apply(x, eager.gate_proj.weight, eager.up_proj.weight, eager.down_proj.weight).backward(dy)
+    py_eager_step = training_step(
+        lambda t: PyEager.apply(t, eager.gate_proj.weight, eager.up_proj.weight, eager.down_proj.weight), x, dy,
+        params)
 
     train = {
         "eager module step": step(eager),

@@ -16,7 +16,7 @@ import triton.testing
 
 import mlpfuse
 from host_overhead import Eager  # this folder is on sys.path when run
-from host_paths import spin_up
+from host_paths import spin_up, training_step
 
 
 def main():
@@ -34,15 +34,7 @@ def main():
     dy = torch.randn(args.tokens, args.dim, device=dev, dtype=dt)
     params = list(eager.parameters())
 
-    def step(mod):
-        def run():
-            for p in params:
-                p.grad = None
-            x.grad = None
-            mod(x).backward(dy)
-        return run
-
-    fns = {"eager": step(eager), "mlpfuse auto": step(fused)}
+    fns = {"eager": training_step(eager, x, dy, params), "mlpfuse auto": training_step(fused, x, dy, params)}
     spin_up()
     times = {k: [] for k in fns}
     for _ in range(args.rounds):
