@@ -10,9 +10,11 @@ No torch import here: analysis runs wherever the trace file is.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
@@ -53,86 +55,149 @@ class Links:
     gpu_op: list[int]  # GPU event -> CPU op that launched it, -1 if unknown
 
 
-def link(trace: Trace) -> Links:
-    ops, runtime, gpu = trace.cpu_ops, trace.runtime, trace.gpu
-    n_ops = len(ops)
-    op_parent = [-1] * n_ops
-    op_self = [e.dur for e in ops]
-    launcher = [-1] * len(runtime)
+class Columns(NamedTuple):
+    """One list of events field by field, each a tuple in event order. Gathered in one pass (zip), since on a large
+    trace each pass over the events costs about as much as the work done with the field it reads."""
 
-    # One sweep over ops and runtime calls ordered by (thread, start, longest first) keeps a stack of open ops
-    # per thread. Index i < n_ops is an op, else a runtime call; on ties ops come first, since they may enclose.
-    both = ops + runtime
-    n = len(both)
-    threads: dict[Any, int] = {}
-    thread = np.fromiter((threads.setdefault((e.pid, e.tid), len(threads)) for e in both), np.int64, n)
-    ts = np.fromiter((e.ts for e in both), np.float64, n)
-    dur = np.fromiter((e.dur for e in both), np.float64, n)
-    order = np.lexsort((np.arange(n), -dur, ts, thread)).tolist()
-    ends = (ts + dur).tolist()
-    thread_of = thread.tolist()
-    dur_of = dur.tolist()
+    name: tuple
+    cat: tuple
+    tid: tuple
+    ts: tuple
+    dur: tuple
+    correlation: tuple
+    external_id: tuple
+    pid: tuple
+
+
+def columns(events: list[Event]) -> Columns:
+    return Columns(*zip(*events)) if events else Columns(*((),) * len(Columns._fields))
+
+
+def _floats(values: tuple) -> np.ndarray:
+    return np.fromiter(values, np.float64, len(values))
+
+
+def _threads(pids: tuple, tids: tuple) -> list[np.ndarray]:
+    """Sort keys that group events by thread, major last: equal (pid, tid) pairs, as a dict compares them, alike.
+    Integer pids and tids (what Kineto writes) are used as they are; anything else is numbered through a dict."""
+    if set(map(type, pids)) <= {int} and set(map(type, tids)) <= {int}:
+        try:
+            return [np.array(tids, dtype=np.int64), np.array(pids, dtype=np.int64)]
+        except OverflowError:
+            pass
+    keys = list(zip(pids, tids))
+    ids = {key: i for i, key in enumerate(dict.fromkeys(keys))}
+    return [np.fromiter(map(ids.__getitem__, keys), np.int64, len(keys))]
+
+
+def _sweep_order(ts: np.ndarray, dur: np.ndarray, threads: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Indices by (thread, start, longest first, index), as np.lexsort((-dur, ts, *threads)) orders them, in a
+    fraction of its time: starts come nearly sorted, so a stable sort of them is cheap, and only runs of equal starts
+    need the duration key. Also a thread number per position, in that order."""
+    order = np.argsort(ts, kind="stable")
+    s = ts[order]
+    tie = np.flatnonzero(s[1:] == s[:-1])
+    if len(tie):
+        at = np.union1d(tie, tie + 1)  # positions inside runs of equal starts; each run is contiguous
+        run = np.cumsum(np.concatenate(([True], s[1:] != s[:-1])))[at]
+        sub = order[at]
+        order[at] = sub[np.lexsort((-dur[sub], run))]
+    for key in threads:
+        order = order[np.argsort(key[order], kind="stable")]
+    new = np.zeros(len(order), dtype=bool)
+    for key in threads:
+        k = key[order]
+        new[1:] |= k[1:] != k[:-1]
+    return order, np.cumsum(new)
+
+
+def _sweep(order: list[int], thread: list[int], end: list[float], limit: list[float], n_ops: int) -> list[int]:
+    """Per item in sweep order, the innermost CPU op still open on its thread (-1 for none). An op stays open while
+    it ends no earlier than the item does; ops (index < n_ops) are pushed, runtime calls only looked up."""
+    tops: list[int] = []
+    found = tops.append
     current = -1
     stack: list[int] = []
     stack_end: list[float] = []
-    for i in order:
-        if thread_of[i] != current:
-            current, stack, stack_end = thread_of[i], [], []
-        end = ends[i]
-        limit = end - 1e-6
-        while stack_end and stack_end[-1] < limit:
+    for i, th, e, lim in zip(order, thread, end, limit):
+        if th != current:
+            current, stack, stack_end = th, [-1], [math.inf]  # the sentinel is never popped
+        while stack_end[-1] < lim:
             stack_end.pop()
             stack.pop()
-        top = stack[-1] if stack else -1
+        found(stack[-1])
         if i < n_ops:
-            op_parent[i] = top
-            if top >= 0:
-                op_self[top] -= dur_of[i]
             stack.append(i)
-            stack_end.append(end)
-        else:
-            launcher[i - n_ops] = top
-
-    by_corr = {e.correlation: i for i, e in enumerate(runtime) if e.correlation is not None}
-    by_ext: dict[int, int] = {}
-    for i, e in enumerate(ops):
-        if e.external_id is not None:
-            by_ext.setdefault(e.external_id, i)
-    gpu_runtime = [-1] * len(gpu)
-    gpu_op = [-1] * len(gpu)
-    for g, e in enumerate(gpu):
-        r = by_corr.get(e.correlation, -1) if e.correlation is not None else -1
-        gpu_runtime[g] = r
-        if r >= 0 and launcher[r] >= 0:
-            gpu_op[g] = launcher[r]
-        elif e.external_id is not None:
-            # Kineto also stamps GPU activity with the launching op's External id; use it when the launch is missing.
-            gpu_op[g] = by_ext.get(e.external_id, -1)
-    return Links(op_parent, np.maximum(np.asarray(op_self, dtype=np.float64), 0.0).tolist(), launcher, gpu_runtime,
-                 gpu_op)
+            stack_end.append(e)
+    return tops
 
 
-def step_indices(steps: list[Step], times: list[float]) -> list[int]:
+def link(trace: Trace, cols: tuple[Columns, Columns, Columns] | None = None,
+         times: tuple[np.ndarray, ...] | None = None) -> Links:
+    """`cols`: the columns of trace.cpu_ops, trace.runtime and trace.gpu, and `times` the starts and durations of
+    the ops and runtime calls as arrays (op ts, op dur, runtime ts, runtime dur), when the caller has them."""
+    ops, runtime, gpu = cols or (columns(trace.cpu_ops), columns(trace.runtime), columns(trace.gpu))
+    n_ops, n_rt, n_gpu = len(ops.ts), len(runtime.ts), len(gpu.ts)
+    op_ts, op_dur, rt_ts, rt_dur = times or (_floats(ops.ts), _floats(ops.dur), _floats(runtime.ts),
+                                             _floats(runtime.dur))
+
+    # One sweep over ops and runtime calls ordered by (thread, start, longest first) keeps a stack of open ops
+    # per thread. Index i < n_ops is an op, else a runtime call; on ties ops come first, since they may enclose.
+    ts, dur = np.concatenate((op_ts, rt_ts)), np.concatenate((op_dur, rt_dur))
+    order, thread = _sweep_order(ts, dur, _threads(ops.pid + runtime.pid, ops.tid + runtime.tid))
+    end = (ts + dur)[order]
+    tops = np.asarray(_sweep(order.tolist(), thread.tolist(), end.tolist(), (end - 1e-6).tolist(), n_ops),
+                      dtype=np.int64)
+    top = np.empty(n_ops + n_rt, dtype=np.int64)
+    top[order] = tops
+    # Self time: an op's duration less its children's, subtracted one child at a time in sweep order (ufunc.at
+    # is unbuffered and goes in index order, so the rounding is that of a running subtraction).
+    op_self = dur[:n_ops].copy()
+    child = (order < n_ops) & (tops >= 0)
+    np.subtract.at(op_self, tops[child], dur[order[child]])
+    launcher = top[n_ops:]
+
+    by_corr = dict(zip(runtime.correlation, range(n_rt)))  # the last call of an id
+    by_corr.pop(None, None)
+    gpu_runtime = np.fromiter(map(by_corr.get, gpu.correlation, itertools.repeat(-1)), np.int64, n_gpu)
+    gpu_op = np.append(launcher, -1)[gpu_runtime]  # -1 when the call is unknown or outside every op
+    # Kineto also stamps GPU activity with the launching op's External id; used when the launch is missing.
+    missing = np.flatnonzero(gpu_op < 0).tolist()
+    if missing and n_ops:
+        by_ext = dict(zip(reversed(ops.external_id), range(n_ops - 1, -1, -1)))  # the first op of an id
+        by_ext.pop(None, None)
+        ext = gpu.external_id
+        gpu_op[missing] = [by_ext.get(ext[g], -1) for g in missing]
+    return Links(top[:n_ops].tolist(), np.maximum(op_self, 0.0).tolist(), launcher.tolist(), gpu_runtime.tolist(),
+                 gpu_op.tolist())
+
+
+def _step_of(steps: list[Step], t: np.ndarray) -> np.ndarray:
     """Index of the step whose span holds each time, -1 outside every step (steps are sorted, disjoint)."""
-    if not times:
-        return []
-    t = np.asarray(times, dtype=np.float64)
     starts = np.asarray([s.ts for s in steps])
     ends = np.asarray([s.end for s in steps])
     k = np.searchsorted(starts, t, side="right") - 1
     inside = (k >= 0) & (t <= ends[np.maximum(k, 0)])
-    return np.where(inside, k, -1).tolist()
+    return np.where(inside, k, -1)
 
 
-def _op_rows(ops: list[Event], op_step: list[int], self_us: list[float], launched_any, n: int) -> dict[str, dict]:
+def step_indices(steps: list[Step], times: list[float]) -> list[int]:
+    """Index of the step whose span holds each time, -1 outside every step (steps are sorted, disjoint)."""
+    if not len(times):
+        return []
+    return _step_of(steps, np.asarray(times, dtype=np.float64)).tolist()
+
+
+def _op_rows(ops: Columns, dur: np.ndarray, op_step: np.ndarray, self_us: list[float], launched_any,
+             n: int) -> dict[str, dict]:
     """Per op name over the steps: count, total and self CPU time, whether any instance launched GPU work."""
-    ids: dict[str, int] = {}
-    name_id = np.fromiter((ids.setdefault(e.name, len(ids)) for e in ops), dtype=np.int64, count=len(ops))
-    keep = np.asarray(op_step, dtype=np.int64) >= 0
+    ids = {name: i for i, name in enumerate(dict.fromkeys(ops.name))}
+    name_id = np.fromiter(map(ids.__getitem__, ops.name), dtype=np.int64, count=len(ops.name))
+    keep = op_step >= 0
     m = len(ids)
     idx = name_id[keep]
     count = np.bincount(idx, minlength=m)
-    total = np.bincount(idx, weights=np.fromiter((e.dur for e in ops), np.float64, len(ops))[keep], minlength=m)
+    total = np.bincount(idx, weights=dur[keep], minlength=m)
     own = np.bincount(idx, weights=np.asarray(self_us, dtype=np.float64)[keep], minlength=m)
     launched = np.bincount(idx, weights=np.frombuffer(bytes(launched_any), dtype=np.uint8)[keep].astype(np.float64),
                            minlength=m)
@@ -149,26 +214,29 @@ def _op_rows(ops: list[Event], op_step: list[int], self_us: list[float], launche
 
 
 def analyze_trace(trace: Trace, label: str | None = None, steps_from: str = AUTO) -> "Analysis":
-    steps, source = find_steps(trace, label, steps_from)
+    cols = ops, runtime, gpu = columns(trace.cpu_ops), columns(trace.runtime), columns(trace.gpu)
+    steps, source = find_steps(trace, label, steps_from, names=tuple(e.name for e in trace.annotations) + ops.name)
     whole = source.kind == WHOLE_TRACE
-    links = link(trace)
+    op_ts, op_dur, rt_ts, rt_dur = _floats(ops.ts), _floats(ops.dur), _floats(runtime.ts), _floats(runtime.dur)
+    links = link(trace, cols, (op_ts, op_dur, rt_ts, rt_dur))
     n = len(steps)
-    ops, runtime, gpu = trace.cpu_ops, trace.runtime, trace.gpu
 
-    op_step = step_indices(steps, [e.ts for e in ops])
-    rt_step = step_indices(steps, [e.ts for e in runtime])
-    own_step = step_indices(steps, [e.ts for e in gpu])
+    op_step = _step_of(steps, op_ts)
+    rt_step = _step_of(steps, rt_ts)
+    gpu_ts = _floats(gpu.ts)
+    gpu_dur = _floats(gpu.dur)
+    gpu_rt = np.asarray(links.gpu_runtime, dtype=np.int64)
+    launched = gpu_rt >= 0
     # GPU work belongs to the step that launched it (it may run after the step's CPU span has ended).
-    gpu_step = [rt_step[r] if r >= 0 else own for r, own in zip(links.gpu_runtime, own_step)]
+    gpu_step = np.where(launched, np.append(rt_step, -1)[gpu_rt], _step_of(steps, gpu_ts))
 
     act = timeline.Activity(
-        start=np.fromiter((e.ts for e in gpu), np.float64, len(gpu)),
-        end=np.fromiter((e.ts + e.dur for e in gpu), np.float64, len(gpu)),
-        launch=np.fromiter((runtime[r].ts if r >= 0 else e.ts for r, e in zip(links.gpu_runtime, gpu)), np.float64,
-                           len(gpu)),
-        launched=np.fromiter((r >= 0 for r in links.gpu_runtime), bool, len(gpu)),
-        step=np.asarray(gpu_step, dtype=np.int64),
-        names=[e.name for e in gpu],
+        start=gpu_ts,
+        end=gpu_ts + gpu_dur,
+        launch=np.where(launched, np.append(rt_ts, 0.0)[gpu_rt], gpu_ts),
+        launched=launched,
+        step=gpu_step,
+        names=gpu.name,
     )
     lines = timeline.per_step(steps, act, whole)
     ahead = timeline.cpu_ahead(steps, act)
@@ -182,7 +250,7 @@ def analyze_trace(trace: Trace, label: str | None = None, steps_from: str = AUTO
     kept = [k if included[k] else -1 for k in range(n)]  # step -> itself, or -1 when left out
 
     # Ops whose subtree launched GPU work (an op "launches" if it or anything under it did).
-    launched_any = bytearray(len(ops))
+    launched_any = bytearray(len(ops.name))
     for o in links.gpu_op:
         while o >= 0 and not launched_any[o]:
             launched_any[o] = 1
@@ -193,48 +261,64 @@ def analyze_trace(trace: Trace, label: str | None = None, steps_from: str = AUTO
     runtime_names: list[Counter] = [Counter() for _ in range(n)]
     fam_counts: list[Counter] = [Counter() for _ in range(n)]
 
-    for i, e in enumerate(runtime):
-        k = rt_step[i]
+    # Counting distinct (step, name) pairs, in order of first appearance, keeps every counter's order (and so the
+    # order of ties in the tables) that of the events.
+    rt_names = runtime.name
+    for (k, name), c in Counter(zip(rt_step.tolist(), rt_names)).items():
         if k < 0:
             continue
-        runtime_names[k][e.name] += 1
-        if is_launch(e.name):
-            launch_names[k][e.name] += 1
-            per[k]["launch_us"] += e.dur
-        elif is_occupancy_query(e.name):
-            per[k]["occupancy_queries"] += 1
+        runtime_names[k][name] += c
+        if is_launch(name):
+            launch_names[k][name] += c
+        elif is_occupancy_query(name):
+            per[k]["occupancy_queries"] += c
+    launches = {name: is_launch(name) for name in set(rt_names)}
+    counted = np.fromiter(map(launches.__getitem__, rt_names), bool, len(rt_names)) & (rt_step >= 0)
+    # bincount adds its weights one by one in event order: the same sums as a running total per step.
+    for k, total in enumerate(np.bincount(rt_step[counted], weights=rt_dur[counted], minlength=n)):
+        per[k]["launch_us"] = float(total)
 
-    op_kept = [kept[k] if k >= 0 else -1 for k in op_step]
-    op_rows = _op_rows(ops, op_kept, links.op_self_us, launched_any, n)
-    for k, c in enumerate(np.bincount(np.asarray(op_step, dtype=np.int64) + 1, minlength=n + 1)[1:]):
+    op_kept = np.append(np.asarray(kept, dtype=np.int64), -1)[op_step]  # -1 stays -1
+    op_rows = _op_rows(ops, op_dur, op_kept, links.op_self_us, launched_any, n)
+    for k, c in enumerate(np.bincount(op_step + 1, minlength=n + 1)[1:]):
         per[k]["cpu_ops"] = float(c)
+
+    # GPU activities: sums per (name, category) in numpy, the rest per distinct (step, name, category, op).
+    names, cats, op_names = gpu.name, gpu.cat, ops.name
+    launcher_name = [op_names[o] if o >= 0 else None for o in links.gpu_op]
+    keys = list(zip(names, cats))
+    kernel_ids = {key: i for i, key in enumerate(dict.fromkeys(keys))}
+    kid = np.fromiter(map(kernel_ids.__getitem__, keys), np.int64, len(keys))
+    mine = gpu_step >= 0
+    m = len(kernel_ids)
+    kid, dur = kid[mine], gpu_dur[mine]
+    k_count = np.bincount(kid, minlength=m)
+    k_total = np.bincount(kid, weights=dur, minlength=m)
+    k_min, k_max = np.full(m, np.inf), np.full(m, -np.inf)
+    np.minimum.at(k_min, kid, dur)
+    np.maximum.at(k_max, kid, dur)
 
     kernel_rows: dict[tuple[str, str], dict] = {}
     by_op: dict[str, Counter] = defaultdict(Counter)
-    for g, e in enumerate(gpu):
-        k = gpu_step[g]
+    for (k, name, cat, launcher), c in Counter(zip(gpu_step.tolist(), names, cats, launcher_name)).items():
         if k < 0:
             continue
-        family = kernel_names.family_of(e.name, e.cat)
-        fam_counts[k][family] += 1
-        per[k]["gpu_kernels" if e.cat == KERNEL else "gpu_memsets" if e.cat == MEMSET else "gpu_memcpys"] += 1
-        o = links.gpu_op[g]
-        op_name = ops[o].name if o >= 0 else "(no CPU op)"
-        by_op[op_name][e.name] += 1
-        if o >= 0 and op_name in op_rows:
-            op_rows[op_name]["gpu_activities"] += 1
-            op_rows[op_name]["kernels"] += e.cat == KERNEL
-            op_rows[op_name]["kernel_names"][e.name] += 1
-        key = (e.name, e.cat)
+        key = (name, cat)
         row = kernel_rows.get(key)
         if row is None:
-            row = kernel_rows[key] = {"name": e.name, "category": e.cat, "family": family, "count": 0,
-                                      "total_us": 0.0, "min_us": e.dur, "max_us": e.dur, "ops": Counter()}
-        row["count"] += 1
-        row["total_us"] += e.dur
-        row["min_us"] = min(row["min_us"], e.dur)
-        row["max_us"] = max(row["max_us"], e.dur)
-        row["ops"][op_name] += 1
+            i = kernel_ids[key]
+            row = kernel_rows[key] = {"name": name, "category": cat, "family": kernel_names.family_of(name, cat),
+                                      "count": int(k_count[i]), "total_us": float(k_total[i]),
+                                      "min_us": float(k_min[i]), "max_us": float(k_max[i]), "ops": Counter()}
+        fam_counts[k][row["family"]] += c
+        per[k]["gpu_kernels" if cat == KERNEL else "gpu_memsets" if cat == MEMSET else "gpu_memcpys"] += c
+        op_name = launcher if launcher is not None else "(no CPU op)"
+        by_op[op_name][name] += c
+        if launcher is not None and op_name in op_rows:
+            op_rows[op_name]["gpu_activities"] += c
+            op_rows[op_name]["kernels"] += c if cat == KERNEL else 0
+            op_rows[op_name]["kernel_names"][name] += c
+        row["ops"][op_name] += c
 
     step_rows, all_gaps = [], []
     for k, (s, tl) in enumerate(zip(steps, lines)):

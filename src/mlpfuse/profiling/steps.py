@@ -11,8 +11,11 @@ label would silently analyse a warm-up region or a tiny repeated span instead of
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
+from itertools import chain, compress
+from typing import Sequence
 
 from mlpfuse.errors import InputError
 from mlpfuse.profiling.trace import Event, Trace, describe
@@ -25,6 +28,7 @@ SOURCES = (AUTO, PROFILER_STEP, LABEL, WHOLE_TRACE)
 WHOLE_TRACE_NAME = "(whole trace)"
 
 _STEP_NAME = re.compile(r"^ProfilerStep#\d+$")
+_NAME, _TS, _DUR = (operator.itemgetter(Event._fields.index(f)) for f in ("name", "ts", "dur"))
 
 
 @dataclass(frozen=True)
@@ -51,9 +55,11 @@ class StepSource:
         return "whole trace" if self.kind == WHOLE_TRACE else PROFILER_STEP
 
 
-def find_steps(trace: Trace, label: str | None = None, source: str = AUTO) -> tuple[list[Step], StepSource]:
+def find_steps(trace: Trace, label: str | None = None, source: str = AUTO,
+               names: Sequence[str] | None = None) -> tuple[list[Step], StepSource]:
     """Steps (sorted, disjoint) and their source. `label` names the spans to use (any name, `## ...` included);
-    `source` forces one of SOURCES."""
+    `source` forces one of SOURCES. `names`: the names of trace.annotations then trace.cpu_ops, when the caller
+    has them at hand (it saves a pass over the events)."""
     if source not in SOURCES:
         raise InputError(f"steps-from: expected one of {', '.join(SOURCES)}, got {source!r}")
     if label is not None and (not isinstance(label, str) or not label):
@@ -65,8 +71,11 @@ def find_steps(trace: Trace, label: str | None = None, source: str = AUTO) -> tu
     if label is not None:
         return _label_steps(trace, label), StepSource(LABEL, label, "chosen")
     if source in (AUTO, PROFILER_STEP):
-        spans = [e for e in (*trace.annotations, *trace.cpu_ops)
-                 if e.name.startswith("ProfilerStep#") and _STEP_NAME.match(e.name)]
+        # Each distinct name is tested once (a trace has few), then the events are picked by name in C.
+        if names is None:
+            names = tuple(map(_NAME, chain(trace.annotations, trace.cpu_ops)))
+        step_names = {n for n in set(names) if n.startswith("ProfilerStep#") and _STEP_NAME.match(n)}
+        spans = list(compress(chain(trace.annotations, trace.cpu_ops), map(step_names.__contains__, names)))
         if spans:
             return _outermost(spans), StepSource(PROFILER_STEP, why="ProfilerStep#N spans")
         if trace.skipped_steps:  # falling back to other spans would analyse something else without saying so
@@ -100,8 +109,8 @@ def whole_trace(trace: Trace) -> list[Step]:
     first = last = None
     for events in (trace.cpu_ops, trace.annotations, trace.runtime, trace.gpu):
         if events:
-            lo = min(e.ts for e in events)
-            hi = max(e.ts + e.dur for e in events)
+            lo = min(map(_TS, events))
+            hi = max(map(operator.add, map(_TS, events), map(_DUR, events)))
             first = lo if first is None else min(first, lo)
             last = hi if last is None else max(last, hi)
     return [Step(WHOLE_TRACE_NAME, first, last)]

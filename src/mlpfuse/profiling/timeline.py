@@ -42,7 +42,7 @@ class Activity:
     launch: np.ndarray  # start of the launching runtime call; the activity's own start when unknown
     launched: np.ndarray  # bool: the launch call is known
     step: np.ndarray  # index of the step that launched it, -1 for none
-    names: list[str]
+    names: list[str] | tuple[str, ...]
 
 
 @dataclass
@@ -71,9 +71,9 @@ def _merge(act: Activity) -> _Merged:
     # The activity ending a period: the last one, in (period, end) order.
     by_end = np.lexsort((end, group))
     last_idx = by_end[np.append(np.flatnonzero(np.diff(group[by_end])), len(start) - 1)]
-    names = act.names
-    return _Merged(start[heads], reach[tails], [names[order[i]] for i in heads],
-                   [names[order[i]] for i in last_idx])
+    name = act.names.__getitem__
+    return _Merged(start[heads], reach[tails], list(map(name, order[heads].tolist())),
+                   list(map(name, order[last_idx].tolist())))
 
 
 def windows(steps: list[Step], act: Activity, whole_trace: bool) -> list[tuple[float, float]]:

@@ -358,6 +358,7 @@ _SCALARS = frozenset((str, int, float, bool, type(None)))  # JSON's hashable val
 Row = tuple  # (name, category, tid, ts, dur, correlation, external_id, pid)
 _NAME = operator.itemgetter(0)
 _TS = operator.itemgetter(3)
+_FIELDS = operator.itemgetter("name", "ts", "dur", "tid", "pid")
 
 
 @dataclass
@@ -385,6 +386,10 @@ def _extract(events: list) -> Extracted:
     unread: Counter = Counter()
     complete = skipped_steps = 0
     max_time, max_id = MAX_TIME_US, MAX_ID
+    fields = _FIELDS
+    # The parser makes a new str for every name; one object per distinct name keeps the events small and makes
+    # every later pass over names (tests, hashing, counting) touch a few hot strings instead of a million cold ones.
+    same_name = {}.setdefault
     for ev in events:
         if type(ev) is not dict or ev.get("ph") != "X":
             continue
@@ -399,11 +404,10 @@ def _extract(events: list) -> Extracted:
             if cat in unread or len(unread) < MAX_UNREAD_CATEGORIES:
                 unread[cat] += 1
             continue
-        name = ev.get("name")
-        ts = ev.get("ts")
-        dur = ev.get("dur")
-        tid = ev.get("tid")
-        pid = ev.get("pid")
+        try:
+            name, ts, dur, tid, pid = fields(ev)  # one call where a well-formed event has them all
+        except KeyError:
+            name, ts, dur, tid, pid = ev.get("name"), ev.get("ts"), ev.get("dur"), ev.get("tid"), ev.get("pid")
         if (type(ts) is not float or type(dur) is not float or not 0.0 <= ts <= max_time
                 or not 0.0 <= dur <= max_time or type(name) is not str or type(tid) not in scalars
                 or type(pid) not in scalars):
@@ -426,7 +430,7 @@ def _extract(events: list) -> Extracted:
                 ext = _id(ext, "External id", repaired)
         elif args is not None:
             repaired["args not an object (ids ignored)"] += 1
-        append((name, norm, tid, ts, dur, corr, ext, pid))
+        append((same_name(name, name), norm, tid, ts, dur, corr, ext, pid))
     rows = _dedupe(_clean_names(rows, repaired), skipped)
     return Extracted(rows, complete, skipped, repaired, skipped_steps, unread)
 
@@ -503,6 +507,8 @@ def _build(ex: Extracted, n_events: int, metadata: dict, path: str) -> Trace:
                   repaired=dict(ex.repaired), skipped_steps=ex.skipped_steps, unread=dict(unread.most_common()))
     buckets = {CPU_OP: trace.cpu_ops, ANNOTATION: trace.annotations, RUNTIME: trace.runtime, KERNEL: trace.gpu,
                MEMSET: trace.gpu, MEMCPY: trace.gpu, PYTHON: trace.python}
+    # Made here, in a pass of their own, rather than in `_extract`'s loop: then the events lie densely in memory,
+    # and every later pass over them is faster (made in that loop, 1M events took 0.2-1.7 s longer end to end).
     make = tuple.__new__
     for row in ex.rows:
         buckets[row[1]].append(make(Event, row))

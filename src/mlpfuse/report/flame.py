@@ -10,13 +10,14 @@ drawn one, and the page says which.
 from __future__ import annotations
 
 import bisect
+import operator
 from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 
 from mlpfuse.profiling.analysis import is_launch
-from mlpfuse.profiling.trace import ANNOTATION, CPU_OP, PYTHON, RUNTIME, Trace
+from mlpfuse.profiling.trace import ANNOTATION, CPU_OP, PYTHON, RUNTIME, Event, Trace
 from mlpfuse.report.markup import TITLE_CHARS, esc, plural, us
 from mlpfuse.report.steps import Span
 
@@ -28,6 +29,7 @@ ROW = 18
 MIN_PX = 0.4  # narrower frames are not drawn (counted on the page)
 CHAR_PX = 6.3
 
+_TS, _DUR, _CORR = (operator.itemgetter(Event._fields.index(f)) for f in ("ts", "dur", "correlation"))
 _KIND_CLASS = {CPU_OP: "op", ANNOTATION: "annotation", PYTHON: "py", RUNTIME: "runtime"}
 
 
@@ -82,7 +84,7 @@ def _sample(spans: list[Span], chosen: int, starts: np.ndarray) -> tuple[list[Sp
 
 def build(trace: Trace, spans: list[Span], chosen: int) -> Tree:
     events = list(chain(trace.annotations, trace.cpu_ops, trace.python, trace.runtime))
-    ts = np.fromiter((e.ts for e in events), np.float64, len(events))
+    ts = np.fromiter(map(_TS, events), np.float64, len(events))
     order = np.argsort(ts, kind="stable")
     starts = ts[order]
     steps, cut_at = _sample(spans, chosen, starts)
@@ -93,9 +95,9 @@ def build(trace: Trace, spans: list[Span], chosen: int) -> Tree:
     tree.calls[root] = len(steps)
 
     gpu_by_corr: dict[int, float] = {}
-    for g in trace.gpu:
-        if g.correlation is not None:
-            gpu_by_corr[g.correlation] = gpu_by_corr.get(g.correlation, 0.0) + g.dur
+    for corr, dur in zip(map(_CORR, trace.gpu), map(_DUR, trace.gpu)):
+        if corr is not None:
+            gpu_by_corr[corr] = gpu_by_corr.get(corr, 0.0) + dur
 
     # Events starting inside a sampled step, clipped to it, grouped by thread; the step spans are the root.
     bounds = [(s.ts, s.end if cut_at is None else cut_at) for s in steps]

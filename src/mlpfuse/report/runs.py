@@ -38,21 +38,27 @@ def load_variant(source: str | os.PathLike, label: str | None = None, max_bytes=
 
 def analyze_to_html(source, html_path, label: str | None = None, max_bytes=None, steps_from: str | None = None):
     """Analyse one trace and write its page; returns the Analysis (the CLI prints it as usual)."""
+    from mlpfuse.profiling.trace import no_gc
+
     check_target(html_path)
-    result, variant = load_variant(source, label, max_bytes, steps_from=steps_from)
-    write(html_path, f"mlpfuse analysis: {variant.name}", [variant])
+    # The page is built with the trace's million objects still alive: a collection then would walk them all.
+    with no_gc():
+        result, variant = load_variant(source, label, max_bytes, steps_from=steps_from)
+        write(html_path, f"mlpfuse analysis: {variant.name}", [variant])
     return result
 
 
 def diff_to_html(a, b, html_path, max_bytes=None):
     """Diff two traces (or saved analyses) and write the page: the diff, then each side in depth."""
     from mlpfuse.profiling.diff import diff
+    from mlpfuse.profiling.trace import no_gc
 
     check_target(html_path)
-    an_a, va = load_variant(a, max_bytes=max_bytes)
-    an_b, vb = load_variant(b, max_bytes=max_bytes)
-    title = f"{va.name} → {vb.name}"
-    va.name, vb.name = f"A: {va.name}", f"B: {vb.name}"
-    result = diff(an_a, an_b)
-    write(html_path, f"mlpfuse diff: {title}", [va, vb], diffs=[(f"A → B: {title}", result.to_dict())])
+    with no_gc():  # as in analyze_to_html
+        an_a, va = load_variant(a, max_bytes=max_bytes)
+        an_b, vb = load_variant(b, max_bytes=max_bytes)
+        title = f"{va.name} → {vb.name}"
+        va.name, vb.name = f"A: {va.name}", f"B: {vb.name}"
+        result = diff(an_a, an_b)
+        write(html_path, f"mlpfuse diff: {title}", [va, vb], diffs=[(f"A → B: {title}", result.to_dict())])
     return result
