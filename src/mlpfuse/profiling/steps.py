@@ -18,7 +18,7 @@ from itertools import chain, compress
 from typing import Sequence
 
 from mlpfuse.errors import InputError
-from mlpfuse.profiling.trace import Event, Trace, describe
+from mlpfuse.profiling.trace import Event, Trace, describe, event_field
 
 PROFILER_STEP = "ProfilerStep"
 LABEL = "label"
@@ -28,7 +28,7 @@ SOURCES = (AUTO, PROFILER_STEP, LABEL, WHOLE_TRACE)
 WHOLE_TRACE_NAME = "(whole trace)"
 
 _STEP_NAME = re.compile(r"^ProfilerStep#\d+$")
-_NAME, _TS, _DUR = (operator.itemgetter(Event._fields.index(f)) for f in ("name", "ts", "dur"))
+_NAME, _TS, _DUR = event_field("name"), event_field("ts"), event_field("dur")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import stat
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from mlpfuse.errors import InputError
 
@@ -77,6 +77,12 @@ class Event(NamedTuple):
     @property
     def end(self) -> float:
         return self.ts + self.dur
+
+
+def event_field(name: str) -> Callable[[tuple], Any]:
+    """A getter of one Event field by position: `map(event_field("ts"), events)` runs in C, where `e.ts` per event
+    goes through a Python-level loop — on a million events the difference is a large part of a pass."""
+    return operator.itemgetter(Event._fields.index(name))
 
 
 @dataclass
@@ -355,9 +361,8 @@ def _checked(ev: dict, name: Any, tid: Any, pid: Any) -> tuple[float, float] | s
 
 _SCALARS = frozenset((str, int, float, bool, type(None)))  # JSON's hashable values: usable as pid / tid
 
-Row = tuple  # (name, category, tid, ts, dur, correlation, external_id, pid)
-_NAME = operator.itemgetter(0)
-_TS = operator.itemgetter(3)
+Row = tuple  # (name, category, tid, ts, dur, correlation, external_id, pid): an Event's fields, in its order
+_NAME, _TS = event_field("name"), event_field("ts")
 _FIELDS = operator.itemgetter("name", "ts", "dur", "tid", "pid")
 
 

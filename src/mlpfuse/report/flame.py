@@ -10,14 +10,13 @@ drawn one, and the page says which.
 from __future__ import annotations
 
 import bisect
-import operator
 from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 
 from mlpfuse.profiling.analysis import is_launch
-from mlpfuse.profiling.trace import ANNOTATION, CPU_OP, PYTHON, RUNTIME, Event, Trace
+from mlpfuse.profiling.trace import ANNOTATION, CPU_OP, PYTHON, RUNTIME, Trace, event_field
 from mlpfuse.report.markup import TITLE_CHARS, esc, plural, us
 from mlpfuse.report.steps import Span
 
@@ -29,7 +28,7 @@ ROW = 18
 MIN_PX = 0.4  # narrower frames are not drawn (counted on the page)
 CHAR_PX = 6.3
 
-_TS, _DUR, _CORR = (operator.itemgetter(Event._fields.index(f)) for f in ("ts", "dur", "correlation"))
+_TS, _DUR, _CORR = event_field("ts"), event_field("dur"), event_field("correlation")
 _KIND_CLASS = {CPU_OP: "op", ANNOTATION: "annotation", PYTHON: "py", RUNTIME: "runtime"}
 
 
