@@ -437,67 +437,44 @@ class CallPlan:
 
     def _decide(self, key, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool):
         _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
-        act = activations.get(activation)
-        x2 = rows(x)
-        path = dispatch.gated_mlp_path(backend, x2, wg.shape[0], grad)
-        if grad:
-            entry = _TrainingEntry(path, activation, backend)
-        elif x2.shape[0] == 0 or path == dispatch.TORCH:
-            entry = _InferenceEntry(dispatch.TORCH, act, None, None)
-        elif path == dispatch.GATED:
-            entry = _InferenceEntry(path, act, dispatch.allow_tf32(), None)
-        else:
-            entry = _InferenceEntry(path, act, None, csrc.extension() if path == dispatch.CUDA else None)
+        activations.get(activation)
+        entry = _Entry(dispatch.gated_mlp_path(backend, rows(x), wg.shape[0], grad), activation, backend, grad)
         if len(self.entries) >= self.MAX_ENTRIES:
             self.entries.clear()
         self.entries[key] = entry
         return entry
 
 
-class _InferenceEntry:
-    """One layout's inference call, no gradient: the path's kernels with everything but the tensors decided."""
+class _Entry:
+    """One layout's call with its path chosen: `_forward` on that path (eager PyTorch's own ops under autograd on
+    the torch path, else `_EagerTraining`). For inference on the gated path the GEMM's launch plan, looked up after
+    the first call, is held here and run directly."""
 
-    __slots__ = ("path", "act", "tf32", "ext", "gated")
+    __slots__ = ("path", "activation", "backend", "grad", "gated")
 
-    def __init__(self, path: str, act, tf32, ext):
-        self.path, self.act, self.tf32, self.ext, self.gated = path, act, tf32, ext, None
-
-    def __call__(self, x, wg, wu, wd, bg, bu, bd) -> Tensor:
-        x2 = rows(x)
-        path = self.path
-        if path == dispatch.GATED:
-            plan = self.gated
-            if plan:
-                h = plan.run(x2, wg, wu, bg, bu)
-            else:  # the first call (or a wrapper without launch plans) goes through the kernel's own cache
-                kernel = dispatch.kernel("gated_gemm")
-                h = kernel.gated_gemm(x2, wg, wu, bg, bu, activation=self.act.id, allow_tf32=self.tf32)
-                if plan is None:
-                    found = kernel.cached_plan(x2, wg, wu, bg, bu, activation=self.act.id, allow_tf32=self.tf32)
-                    self.gated = found if found is not None else False
-            y = F.linear(h, wd, bd)
-        elif path == dispatch.DECODE:
-            y = _decode(x2, wg, wu, wd, bg, bu, bd, self.act.id)
-        elif path == dispatch.CUDA:
-            y = dispatch.cuda_call(self.ext.gated_mlp_forward, x2, wg, wu, wd, bg, bu, bd, self.act.id, False, True)[0]
-        else:
-            y = reference.gated_mlp_forward(x2, wg, wu, wd, bg, bu, bd, self.act)
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], wd.shape[0])
-
-
-class _TrainingEntry:
-    """One layout's call under autograd: the training path chosen once (eager PyTorch's own ops on the torch path,
-    else `_EagerTraining`)."""
-
-    __slots__ = ("path", "activation", "backend")
-
-    def __init__(self, path: str, activation: str, backend: str):
-        self.path, self.activation, self.backend = path, activation, backend
+    def __init__(self, path: str, activation: str, backend: str, grad: bool):
+        self.path, self.activation, self.backend, self.grad = path, activation, backend, grad
+        self.gated = None  # the gated GEMM's plan; False once known there is none to hold
 
     def __call__(self, x, wg, wu, wd, bg, bu, bd) -> Tensor:
-        if self.path == dispatch.TORCH:
-            return _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, True, False, self.path)[0]
-        return _EagerTraining.apply(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, self.path)
+        if self.grad and self.path != dispatch.TORCH:
+            return _EagerTraining.apply(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, self.path)
+        plan = self.gated
+        if plan:
+            y = F.linear(plan.run(rows(x), wg, wu, bg, bu), wd, bd)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], wd.shape[0])
+        y = _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, self.grad, False, self.path)[0]
+        if plan is None:
+            self.gated = self._gated_plan(x, wg, wu, bg, bu) or False
+        return y
+
+    def _gated_plan(self, x, wg, wu, bg, bu):
+        """The launch plan the call just made (the same arguments `_forward` passed), where there is one."""
+        if self.grad or self.path != dispatch.GATED:
+            return None
+        return dispatch.kernel("gated_gemm").cached_plan(rows(x), wg, wu, bg, bu,
+                                                         activation=activations.get(self.activation).id,
+                                                         allow_tf32=dispatch.allow_tf32())
 
 
 def gated_mlp_call(
