@@ -120,27 +120,7 @@ __device__ __forceinline__ float act_fwd(float x) {
   }
 }
 
-template <int ACT>
-__device__ __forceinline__ float act_grad(float x) {
-  if constexpr (ACT == GELU_TANH) {
-    // With s = σ(2a): 0.5·(1 + t) = s and 0.5·(1 − t²) = 2·s·(1 − s), t = tanh(a).
-    const float s = gelu_tanh_sigma(x);
-    return s + 2.0f * x * s * (1.0f - s) * 0.7978845608028654f * (1.0f + 0.134145f * x * x);
-  } else if constexpr (ACT == GELU) {
-    return 0.5f * (1.0f + erff(x * 0.7071067811865476f)) + x * __expf(-0.5f * x * x) * 0.3989422804014327f;
-  } else if constexpr (ACT == SILU) {
-    const float s = sigmoid(x);
-    return s * (1.0f + x * (1.0f - s));
-  } else if constexpr (ACT == RELU) {
-    return x > 0.0f ? 1.0f : 0.0f;
-  } else if constexpr (ACT == RELU2) {
-    return x > 0.0f ? 2.0f * x : 0.0f;
-  } else {
-    return 1.0f;
-  }
-}
-
-// act(x) and act'(x) together: the backward needs both, and they share their exponential (or erf).
+// act(x) and act'(x) together (the backward's only use of the derivative): they share their exponential or erf.
 template <int ACT>
 __device__ __forceinline__ void act_fwd_grad(float x, float& a, float& da) {
   if constexpr (ACT == GELU_TANH) {
@@ -155,9 +135,15 @@ __device__ __forceinline__ void act_fwd_grad(float x, float& a, float& da) {
     const float s = sigmoid(x);
     a = x * s;
     da = s * (1.0f + x * (1.0f - s));
-  } else {
+  } else if constexpr (ACT == RELU) {
     a = act_fwd<ACT>(x);
-    da = act_grad<ACT>(x);
+    da = x > 0.0f ? 1.0f : 0.0f;
+  } else if constexpr (ACT == RELU2) {
+    a = act_fwd<ACT>(x);
+    da = x > 0.0f ? 2.0f * x : 0.0f;
+  } else {
+    a = x;
+    da = 1.0f;
   }
 }
 
