@@ -86,6 +86,24 @@ def test_bf16_error_is_measured_against_the_fp32_run(tmp_path):
     assert fused["rel_err"] < 5e-2 and fused["err_vs_eager"] == pytest.approx(fused["rel_err"] / eager["rel_err"])
 
 
+def test_bf16_models_keep_the_rotary_frequencies_of_the_fp32_model():
+    """The lab's bf16 models rotate late positions as the fp32 model does: their rotary cos/sin at position 4095
+    match an fp64 computation to bf16 rounding (rounding the inverse frequencies to bf16, as `model.to(bf16)`
+    does, puts the angle off by up to several radians there)."""
+    from mlpfuse.bench import models
+
+    built = models.build("llama3-8b", layers=1, tiny=True, device=torch.device("cpu"), dtype=torch.bfloat16)
+    assert {p.dtype for p in built.model.parameters()} == {torch.bfloat16}
+    rotary = built.model.model.rotary_emb
+    pos = torch.tensor([[4095]])
+    cos, sin = rotary(torch.zeros(1, 1, 1, dtype=torch.bfloat16), pos)
+    cfg = built.model.config
+    dim = cfg.hidden_size // cfg.num_attention_heads
+    inv = 1.0 / cfg.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.cat([inv, inv]) * 4095
+    assert (cos.double().flatten() - angles.cos()).abs().max() < 1e-2
+    assert (sin.double().flatten() - angles.sin()).abs().max() < 1e-2
+
 def test_a_local_model_folder(tmp_path):
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                                    vocab_size=128, max_position_embeddings=64)

@@ -314,7 +314,7 @@ def run(name: str, *, layers: int | None, tiny: bool, shapes: list[tuple[int, in
         with torch.no_grad(), _no_tf32():
             refs[case] = _forward_last(built.model, ids, built.kind).double()
     if dtype != torch.float32:
-        built.model.to(dtype)
+        models.cast_parameters(built.model, dtype)
     _free(device)
 
     meta = environment(device, _NoPeaks(), _sweep_settings(settings), command)

@@ -157,6 +157,18 @@ def _kind_of(config) -> tuple[str, str]:
                      f"LM class transformers {transformers.__version__} knows")
 
 
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The model's floating-point parameters in `dtype`, in place; buffers stay as the model built them, as
+    `from_pretrained(dtype=...)` leaves them. `model.to(bf16)` would also round the rotary embedding's fp32
+    inverse frequencies, and at position p the angle is off by p times that rounding: at 1024 tokens through one
+    Llama-3-8B-sized layer the bf16 logits were 46 % off the fp32 run's (1.7 % with the frequencies kept), for
+    every variant alike, so the logits' error no longer told the variants apart."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
+
+
 def build(name: str, *, layers: int | None, tiny: bool, device: torch.device, seed: int = 0,
           dtype: torch.dtype = torch.float32) -> Built:
     """The model in `dtype` on `device`, eval mode, dropout off. Random init is seeded: the same call gives the same
@@ -173,7 +185,7 @@ def build(name: str, *, layers: int | None, tiny: bool, device: torch.device, se
         config = getattr(transformers, spec.config)(**values)
         _no_dropout(config)
         with torch.device(device):
-            model = getattr(transformers, spec.model)(config).to(dtype)
+            model = cast_parameters(getattr(transformers, spec.model)(config), dtype)
         label = spec.name + (" (tiny)" if tiny else "")
         kind, weights = spec.kind, "random init"
     else:
@@ -193,7 +205,7 @@ def build(name: str, *, layers: int | None, tiny: bool, device: torch.device, se
             weights = spec
         else:
             with torch.device(device):
-                model = cls(config).to(dtype)
+                model = cast_parameters(cls(config), dtype)
             weights = "random init"
         label = os.path.basename(os.path.normpath(spec))
     if layers is not None:
