@@ -2,11 +2,12 @@
 # One GPU run: the steps named on the command line, in order, each under its own time limit, then one archive
 # of everything they wrote and a short summary printed last.
 #   bash benchmarks/gpu_run.sh OUTDIR STEP[:SECONDS] ...
-# Steps: numerics, tests, gpu-tests (the files whose path changes on CUDA), walkthrough, model-lab,
+# Steps: numerics, tests, gpu-tests (the files whose path changes on CUDA), plan-tests, walkthrough, model-lab,
+#        model-gpt2, model-bert,
 #        bench-blog, bench-linear, bench-large, bench-large-train, bench-train-mid,
 #        bench-decode, bench-small,
 #        bench-sweep, bench-sweep-large, kernels, tune-linear, tune-blog, tune-llama, decode, decode-sweep, host,
-#        host-paths, host-profile, host-breakdown, memory, one-launch, profile-train, cuda-backend,
+#        host-paths, host-floor, host-profile, host-breakdown, memory, one-launch, profile-train, cuda-backend,
 #        multi-gpu, multi-gpu-sp (every visible GPU, tensor parallel; NCCL with NVLink multicast off).
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
@@ -37,12 +38,17 @@ for spec in "$@"; do
     case $step in
         numerics) run_step numerics "$secs" python3 benchmarks/numerics_gpu.py --workers 12 --budget-s $((secs - 30)) --out "$W/numerics-h200.txt" ;;
         tests) run_step tests "$secs" python3 -m pytest -q -p no:cacheprovider tests ;;
+        plan-tests) run_step plan-tests "$secs" python3 -m pytest -q -p no:cacheprovider tests/test_call_plan.py ;;
         gpu-tests) run_step gpu-tests "$secs" python3 -m pytest -q -p no:cacheprovider --durations=10 \
             tests/test_kernels_plans.py tests/test_kernels_decode.py tests/test_kernels_gemm.py \
             tests/test_kernels_int64.py tests/test_ops.py tests/test_modules.py tests/test_compile.py tests/test_call_plan.py ;;
         walkthrough) run_step walkthrough "$secs" python3 -m mlpfuse walkthrough --out "$W/walkthrough" ;;
         model-lab) run_step model-lab "$secs" python3 -m mlpfuse bench --model llama3-8b --layers 4 --tokens 1x2048 \
             --mode prefill,decode,train --variants eager,liger,mlpfuse --out "$W/model-lab" ;;
+        model-gpt2) run_step model-gpt2 "$secs" python3 -m mlpfuse bench --model gpt2 --tokens 1x128,8x128 \
+            --mode prefill,decode,train --variants eager,mlpfuse --out "$W/model-gpt2" ;;
+        model-bert) run_step model-bert "$secs" python3 -m mlpfuse bench --model bert-base --tokens 1x128,8x128 \
+            --mode prefill,train --variants eager,mlpfuse --out "$W/model-bert" ;;
         bench-blog) run_step bench-blog "$secs" python3 -m mlpfuse bench --preset blog --workload geglu --mode fwd,fwd+bwd --out "$W/bench-blog" ;;
         bench-linear) run_step bench-linear "$secs" python3 -m mlpfuse bench --workload linear --tokens 8192 --dim 768 --hidden 3072 --activation gelu_tanh --out "$W/bench-linear" ;;
         bench-large) run_step bench-large "$secs" python3 -m mlpfuse bench --preset llama-8b --workload geglu --mode fwd --out "$W/bench-large" ;;
@@ -50,7 +56,7 @@ for spec in "$@"; do
         bench-train-mid) run_step bench-train-mid "$secs" python3 -m mlpfuse bench --tokens 16384,32768 --dim 768 --hidden 3072 --workload geglu --mode fwd+bwd --variants eager,eager-cudagraph,mlpfuse,mlpfuse-triton,mlpfuse-cudagraph --out "$W/bench-train-mid" ;;
         bench-decode) run_step bench-decode "$secs" python3 -m mlpfuse bench --preset decode --workload geglu --out "$W/bench-decode" ;;
         bench-small) run_step bench-small "$secs" python3 -m mlpfuse bench --preset small --workload geglu --out "$W/bench-small" ;;
-        bench-sweep) run_step bench-sweep "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 768 --hidden 3072 --workload geglu --out "$W/bench-sweep" ;;
+        bench-sweep) run_step bench-sweep "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 768 --hidden 3072 --workload geglu,swiglu --mode fwd,fwd+bwd --variants eager,compile,liger,eager-cudagraph,mlpfuse --out "$W/bench-sweep" ;;
         kernels) run_step kernels "$secs" python3 benchmarks/tune_kernels.py --out "$W/kernels" ;;
         tune-linear) run_step tune-linear "$secs" python3 benchmarks/tune_kernels.py --skip-numerics --only linear --out "$W" ;;
         tune-llama) run_step tune-llama "$secs" python3 benchmarks/tune_kernels.py --skip-numerics --only llama --out "$W" ;;
@@ -59,6 +65,7 @@ for spec in "$@"; do
         decode-sweep) run_step decode-sweep "$secs" python3 benchmarks/bench_decode.py --sweep --out "$W/decode" ;;
         host) run_step host "$secs" python3 benchmarks/host_overhead.py --out "$W/host" ;;
         host-paths) run_step host-paths "$secs" python3 benchmarks/host_paths.py --out "$W/host-paths" ;;
+        host-floor) run_step host-floor "$secs" python3 benchmarks/host_floor.py --out "$W/host-floor" ;;
         host-profile) run_step host-profile "$secs" python3 benchmarks/host_profile.py --out "$W/host-profile" ;;
         host-breakdown) run_step host-breakdown "$secs" python3 benchmarks/host_breakdown.py --out "$W/host_breakdown.json" ;;
         memory) run_step memory "$secs" python3 benchmarks/train_anatomy.py --parts memory --out "$W/memory" ;;
@@ -76,5 +83,5 @@ tar -C "$OUT" -czf "$OUT/results.tar.gz" work
 cp "$SUMMARY" "$OUT/summary.txt"
 echo "=== tails ==="
 for f in "$W"/*.log; do echo "--- $(basename "$f")"; tail -n 6 "$f"; done
-for f in "$W"/bench-*/results.md "$W"/model-lab/results.md "$W"/multi-gpu*/results.md; do [ -f "$f" ] && { echo "=== $f"; head -c 2500 "$f"; echo; }; done
+for f in "$W"/bench-*/results.md "$W"/model-*/results.md "$W"/multi-gpu*/results.md; do [ -f "$f" ] && { echo "=== $f"; head -c 2500 "$f"; echo; }; done
 echo "=== summary ==="; cat "$SUMMARY"
