@@ -3,10 +3,10 @@
 # of everything they wrote and a short summary printed last.
 #   bash benchmarks/gpu_run.sh OUTDIR STEP[:SECONDS] ...
 # Steps: numerics, tests, gpu-tests (the files whose path changes on CUDA), plan-tests, walkthrough, model-lab,
-#        model-gpt2, model-bert,
+#        model-prefill-32, model-gpt2, model-bert,
 #        bench-blog, bench-linear, bench-large, bench-large-train, bench-train-mid,
 #        bench-decode, bench-small,
-#        bench-sweep, bench-sweep-large, kernels, tune-linear, tune-blog, tune-llama, decode, decode-sweep, host,
+#        bench-sweep, bench-sweep-train, bench-sweep-large, bench-sweep-large-train, kernels, tune-linear, tune-blog, tune-llama, decode, decode-sweep, host,
 #        host-paths, host-floor, host-profile, host-breakdown, memory, one-launch, profile-train, cuda-backend,
 #        multi-gpu, multi-gpu-sp (every visible GPU, tensor parallel; NCCL with NVLink multicast off).
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
@@ -45,6 +45,8 @@ for spec in "$@"; do
         walkthrough) run_step walkthrough "$secs" python3 -m mlpfuse walkthrough --out "$W/walkthrough" ;;
         model-lab) run_step model-lab "$secs" python3 -m mlpfuse bench --model llama3-8b --layers 4 --tokens 1x2048 \
             --mode prefill,decode,train --variants eager,liger,mlpfuse --out "$W/model-lab" ;;
+        model-prefill-32) run_step model-prefill-32 "$secs" python3 -m mlpfuse bench --model llama3-8b --tokens 1x8192 \
+            --mode prefill --variants eager,mlpfuse --out "$W/model-prefill-32" ;;
         model-gpt2) run_step model-gpt2 "$secs" python3 -m mlpfuse bench --model gpt2 --tokens 1x128,8x128 \
             --mode prefill,decode,train --variants eager,mlpfuse --out "$W/model-gpt2" ;;
         model-bert) run_step model-bert "$secs" python3 -m mlpfuse bench --model bert-base --tokens 1x128,8x128 \
@@ -56,7 +58,8 @@ for spec in "$@"; do
         bench-train-mid) run_step bench-train-mid "$secs" python3 -m mlpfuse bench --tokens 16384,32768 --dim 768 --hidden 3072 --workload geglu --mode fwd+bwd --variants eager,eager-cudagraph,mlpfuse,mlpfuse-triton,mlpfuse-cudagraph --out "$W/bench-train-mid" ;;
         bench-decode) run_step bench-decode "$secs" python3 -m mlpfuse bench --preset decode --workload geglu --out "$W/bench-decode" ;;
         bench-small) run_step bench-small "$secs" python3 -m mlpfuse bench --preset small --workload geglu --out "$W/bench-small" ;;
-        bench-sweep) run_step bench-sweep "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 768 --hidden 3072 --workload geglu,swiglu --mode fwd,fwd+bwd --variants eager,compile,liger,eager-cudagraph,mlpfuse --out "$W/bench-sweep" ;;
+        bench-sweep) run_step bench-sweep "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 768 --hidden 3072 --workload geglu,swiglu --mode fwd --variants eager,compile,liger,eager-cudagraph,mlpfuse --out "$W/bench-sweep" ;;
+        bench-sweep-train) run_step bench-sweep-train "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 768 --hidden 3072 --workload geglu,swiglu --mode fwd+bwd --variants eager,compile,liger,eager-cudagraph,mlpfuse --out "$W/bench-sweep-train" ;;
         kernels) run_step kernels "$secs" python3 benchmarks/tune_kernels.py --out "$W/kernels" ;;
         tune-linear) run_step tune-linear "$secs" python3 benchmarks/tune_kernels.py --skip-numerics --only linear --out "$W" ;;
         tune-llama) run_step tune-llama "$secs" python3 benchmarks/tune_kernels.py --skip-numerics --only llama --out "$W" ;;
@@ -69,7 +72,8 @@ for spec in "$@"; do
         host-profile) run_step host-profile "$secs" python3 benchmarks/host_profile.py --out "$W/host-profile" ;;
         host-breakdown) run_step host-breakdown "$secs" python3 benchmarks/host_breakdown.py --out "$W/host_breakdown.json" ;;
         memory) run_step memory "$secs" python3 benchmarks/train_anatomy.py --parts memory --out "$W/memory" ;;
-        bench-sweep-large) run_step bench-sweep-large "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 4096 --hidden 14336 --workload geglu,swiglu --mode fwd,fwd+bwd --variants eager,compile,liger,mlpfuse --out "$W/bench-sweep-large" ;;
+        bench-sweep-large) run_step bench-sweep-large "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 4096 --hidden 14336 --workload geglu,swiglu --mode fwd --variants eager,compile,liger,mlpfuse --out "$W/bench-sweep-large" ;;
+        bench-sweep-large-train) run_step bench-sweep-large-train "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 4096 --hidden 14336 --workload geglu,swiglu --mode fwd+bwd --variants eager,compile,liger,mlpfuse --out "$W/bench-sweep-large-train" ;;
         one-launch) run_step one-launch "$secs" python3 benchmarks/decode_one_launch.py ;;
         multi-gpu) run_step multi-gpu "$secs" python3 benchmarks/multi_gpu.py --out "$W/multi-gpu" ;;
         multi-gpu-sp) run_step multi-gpu-sp "$secs" python3 benchmarks/multi_gpu.py --sequence-parallel --out "$W/multi-gpu-sp" ;;
