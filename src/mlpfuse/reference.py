@@ -76,6 +76,12 @@ def gated_mlp_forward(
     save_preact: bool = False,
 ):
     """y, or (y, h, g, u) with `save_preact`: what the backward reads (h = act(g)·u, the down projection's input)."""
+    if not save_preact:
+        # Eager's own order: the gate's pre-activation is freed once activated, before the up projection's output
+        # is allocated (computing g and u first holds one [M, hidden] buffer more at the peak).
+        act = activations.get(activation)
+        h = act.forward(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight, up_bias)
+        return F.linear(h, down_weight, down_bias)
     g, u = gated_preact(x, gate_weight, up_weight, gate_bias, up_bias)
     h = glu(g, u, activation)
     y = F.linear(h, down_weight, down_bias)

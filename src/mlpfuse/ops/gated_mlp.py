@@ -446,18 +446,22 @@ class CallPlan:
 
 
 class _Entry:
-    """One layout's call with its path chosen: `_forward` on that path (eager PyTorch's own ops under autograd on
-    the torch path, else `_EagerTraining`). For inference on the gated path the GEMM's launch plan, looked up after
-    the first call, is held here and run directly."""
+    """One layout's call with its path chosen: on the torch path eager PyTorch's own ops in eager's order (under
+    autograd when a gradient is needed), else `_forward` on that path, or `_EagerTraining` for a gradient. For
+    inference on the gated path the GEMM's launch plan, looked up after the first call, is held here and run
+    directly."""
 
-    __slots__ = ("path", "activation", "backend", "grad", "gated")
+    __slots__ = ("path", "activation", "act", "backend", "grad", "gated")
 
     def __init__(self, path: str, activation: str, backend: str, grad: bool):
         self.path, self.activation, self.backend, self.grad = path, activation, backend, grad
+        self.act = activations.get(activation)
         self.gated = None  # the gated GEMM's plan; False once known there is none to hold
 
     def __call__(self, x, wg, wu, wd, bg, bu, bd) -> Tensor:
-        if self.grad and self.path != dispatch.TORCH:
+        if self.path == dispatch.TORCH:  # eager's kernels, under autograd when a gradient is needed
+            return reference.gated_mlp_forward(x, wg, wu, wd, bg, bu, bd, self.act)
+        if self.grad:
             return _EagerTraining.apply(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, self.path)
         plan = self.gated
         if plan:

@@ -1,0 +1,112 @@
+"""Tile configs of the gated GEMM at mid-size token counts, against the eager pieces it replaces (CUDA GPU).
+
+    PYTHONPATH=src python3 benchmarks/tune_mid_m.py [--rounds 15] [--out DIR]
+
+At 512–2048 tokens × 768×3072 the size-class table gives the gated kernel the tiles tuned at 8192 tokens, and
+`auto` keeps eager's kernels there because the fused kernel lost on GPU time. This times, per shape, h = act(x·Wgᵀ)·
+(x·Wuᵀ) by eager's three kernels (two cuBLAS GEMMs + GELU·mul), by cuBLAS on the packed [2·hidden, dim] weight
+(+ GELU·mul), and by the gated kernel under each candidate config. GPU time of each call alone: the L2 is flushed
+before every call (as `mlpfuse bench` does) and the call is bracketed by CUDA events; variants interleaved per
+round; median over rounds with min–max. The down projection is the same GEMM for every variant and left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from mlpfuse import activations as A
+from mlpfuse.kernels.configs import KernelConfig as K
+from mlpfuse.kernels.gated_gemm import gated_gemm
+
+SHAPES = ((512, 768, 3072), (1024, 768, 3072), (2048, 768, 3072), (4096, 768, 3072), (512, 4096, 14336),
+          (1024, 4096, 14336))
+CANDIDATES = {
+    "128x64x64 s3w4 x2 flatten (table)": K(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2, flatten=True),
+    "128x64x64 s4w4 x2 flatten": K(128, 64, 64, num_stages=4, num_warps=4, programs_per_sm=2, flatten=True),
+    "128x64x64 s3w4 x2": K(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2),
+    "128x64x64 s3w4 one per tile": K(128, 64, 64, num_stages=3, num_warps=4, persistent=False),
+    "64x64x64 s4w4 x2 flatten": K(64, 64, 64, num_stages=4, num_warps=4, programs_per_sm=2, flatten=True),
+    "64x128x64 s3w4 x2 flatten": K(64, 128, 64, num_stages=3, num_warps=4, programs_per_sm=2, flatten=True),
+    "128x128x64 s3w8 flatten": K(128, 128, 64, num_stages=3, num_warps=8, flatten=True),
+    "128x64x64 s3w4 x2 flatten g4": K(128, 64, 64, group_m=4, num_stages=3, num_warps=4, programs_per_sm=2,
+                                      flatten=True),
+    "128x64x64 s3w4 x2 warp-specialized": K(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2,
+                                            warp_specialize=True),
+}
+
+
+def time_calls(variants: dict, rounds: int) -> dict:
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    times = {k: [] for k in variants}
+    for fn in variants.values():
+        fn()
+    torch.cuda.synchronize()
+    for _ in range(rounds):
+        events = []
+        for k, fn in variants.items():
+            flush.zero_()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            events.append((k, s, e))
+        torch.cuda.synchronize()
+        for k, s, e in events:
+            times[k].append(s.elapsed_time(e) * 1e3)
+    return {k: {"us": statistics.median(t), "min": min(t), "max": max(t)} for k, t in times.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(200):  # clocks up
+        a @ a
+    del a
+    results = {}
+    for m, d, hdim in SHAPES:
+        x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+        wgu = torch.randn(2 * hdim, d, device="cuda", dtype=torch.bfloat16) * d**-0.5
+        wg, wu = wgu[:hdim], wgu[hdim:]
+        hbuf = torch.empty(m, hdim, device="cuda", dtype=torch.bfloat16)
+        v = {
+            "eager: 2 GEMMs + gelu*mul": lambda: F.gelu(F.linear(x, wg), approximate="tanh") * F.linear(x, wu),
+            "cuBLAS packed GEMM + gelu*mul": lambda: (lambda gu: F.gelu(gu[:, :hdim], approximate="tanh")
+                                                      * gu[:, hdim:])(F.linear(x, wgu)),
+        }
+        for name, cfg in CANDIDATES.items():
+            def fn(cfg=cfg):
+                return gated_gemm(x, wg, wu, activation=A.GELU_TANH, config=cfg, out=hbuf)
+            try:
+                fn()
+                torch.cuda.synchronize()
+                v[f"gated {name}"] = fn
+            except Exception as e:  # a config that does not fit is reported, not fatal
+                print(f"{m}x{d}x{hdim} {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        v["gated default (as called)"] = lambda: gated_gemm(x, wg, wu, activation=A.GELU_TANH)
+        r = time_calls(v, args.rounds)
+        shape = f"{m}x{d}x{hdim}"
+        results[shape] = r
+        base = r["eager: 2 GEMMs + gelu*mul"]["us"]
+        print(f"\n== {shape} bf16, GPU µs per call (L2 flushed), median [min, max] of {args.rounds} rounds")
+        for k, t in sorted(r.items(), key=lambda kv: kv[1]["us"]):
+            print(f"  {k:44s} {t['us']:8.1f} [{t['min']:.1f}, {t['max']:.1f}]  {t['us'] / base:.3f}x eager")
+        del x, wgu, hbuf
+        torch.cuda.empty_cache()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "tune_mid_m.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
