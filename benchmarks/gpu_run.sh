@@ -6,7 +6,7 @@
 #        model-prefill-32, model-gpt2, model-bert,
 #        bench-blog, bench-linear, bench-large, bench-large-train, bench-train-mid,
 #        bench-decode, bench-small,
-#        bench-sweep, bench-sweep-train, bench-sweep-large, bench-sweep-large-train, kernels, tune-mid-m, tune-linear, tune-blog, tune-llama, decode, decode-sweep, host,
+#        bench-sweep, bench-sweep-mid, bench-sweep-mid-large, bench-sweep-train, bench-sweep-large, bench-sweep-large-train, kernels, tune-mid-m, tune-linear, tune-blog, tune-llama, decode, decode-sweep, host,
 #        host-paths, host-floor, host-profile, host-breakdown, memory, one-launch, profile-train, cuda-backend,
 #        multi-gpu, multi-gpu-sp (every visible GPU, tensor parallel; NCCL with NVLink multicast off).
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
@@ -59,6 +59,8 @@ for spec in "$@"; do
         bench-decode) run_step bench-decode "$secs" python3 -m mlpfuse bench --preset decode --workload geglu --out "$W/bench-decode" ;;
         bench-small) run_step bench-small "$secs" python3 -m mlpfuse bench --preset small --workload geglu --out "$W/bench-small" ;;
         bench-sweep) run_step bench-sweep "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 768 --hidden 3072 --workload geglu,swiglu --mode fwd --variants eager,compile,liger,eager-cudagraph,mlpfuse --out "$W/bench-sweep" ;;
+        bench-sweep-mid) run_step bench-sweep-mid "$secs" python3 -m mlpfuse bench --tokens 128,256,512,1024,2048 --dim 768 --hidden 3072 --workload geglu,swiglu --mode fwd --variants eager,compile,liger,eager-cudagraph,mlpfuse --out "$W/bench-sweep-mid" ;;
+        bench-sweep-mid-large) run_step bench-sweep-mid-large "$secs" python3 -m mlpfuse bench --tokens 128,256,512 --dim 4096 --hidden 14336 --workload geglu,swiglu --mode fwd --variants eager,compile,liger,mlpfuse --out "$W/bench-sweep-mid-large" ;;
         bench-sweep-train) run_step bench-sweep-train "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 768 --hidden 3072 --workload geglu,swiglu --mode fwd+bwd --variants eager,compile,liger,eager-cudagraph,mlpfuse --out "$W/bench-sweep-train" ;;
         kernels) run_step kernels "$secs" python3 benchmarks/tune_kernels.py --out "$W/kernels" ;;
         tune-mid-m) run_step tune-mid-m "$secs" python3 benchmarks/tune_mid_m.py --out "$W/tune-mid-m" ;;

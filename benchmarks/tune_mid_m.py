@@ -5,9 +5,11 @@
 At 512–2048 tokens × 768×3072 the size-class table gives the gated kernel the tiles tuned at 8192 tokens, and
 `auto` keeps eager's kernels there because the fused kernel lost on GPU time. This times, per shape, h = act(x·Wgᵀ)·
 (x·Wuᵀ) by eager's three kernels (two cuBLAS GEMMs + GELU·mul), by cuBLAS on the packed [2·hidden, dim] weight
-(+ GELU·mul), and by the gated kernel under each candidate config. GPU time of each call alone: the L2 is flushed
-before every call (as `mlpfuse bench` does) and the call is bracketed by CUDA events; variants interleaved per
-round; median over rounds with min–max. The down projection is the same GEMM for every variant and left out.
+(+ GELU·mul), and by the gated kernel under each candidate config. Each call alone, L2 flushed before it and
+bracketed by CUDA events, twice: as `mlpfuse bench` times it (the GPU waits for the host's launches: host time
+between launches is in the figure, as in an eager-mode step) and as pure GPU time (a 1 ms GPU sleep before the start
+event lets the host queue every launch first, as a CUDA graph would). Variants interleaved per round; median over
+rounds with min–max. The down projection is the same GEMM for every variant and left out.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from mlpfuse import activations as A
 from mlpfuse.kernels.configs import KernelConfig as K
 from mlpfuse.kernels.gated_gemm import gated_gemm
 
-SHAPES = ((512, 768, 3072), (1024, 768, 3072), (2048, 768, 3072), (4096, 768, 3072), (512, 4096, 14336),
+SHAPES = ((128, 768, 3072), (256, 768, 3072), (512, 768, 3072), (1024, 768, 3072), (2048, 768, 3072), (4096, 768, 3072), (512, 4096, 14336),
           (1024, 4096, 14336))
 CANDIDATES = {
     "128x64x64 s3w4 x2 flatten (table)": K(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2, flatten=True),
@@ -36,12 +38,10 @@ CANDIDATES = {
     "128x128x64 s3w8 flatten": K(128, 128, 64, num_stages=3, num_warps=8, flatten=True),
     "128x64x64 s3w4 x2 flatten g4": K(128, 64, 64, group_m=4, num_stages=3, num_warps=4, programs_per_sm=2,
                                       flatten=True),
-    "128x64x64 s3w4 x2 warp-specialized": K(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2,
-                                            warp_specialize=True),
 }
 
 
-def time_calls(variants: dict, rounds: int) -> dict:
+def time_calls(variants: dict, rounds: int, pure: bool) -> dict:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     times = {k: [] for k in variants}
     for fn in variants.values():
@@ -51,6 +51,8 @@ def time_calls(variants: dict, rounds: int) -> dict:
         events = []
         for k, fn in variants.items():
             flush.zero_()
+            if pure:
+                torch.cuda._sleep(2_000_000)  # ~1 ms at H100/H200 clocks: the host runs ahead of the GPU
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
             fn()
@@ -93,13 +95,15 @@ def main():
             except Exception as e:  # a config that does not fit is reported, not fatal
                 print(f"{m}x{d}x{hdim} {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
         v["gated default (as called)"] = lambda: gated_gemm(x, wg, wu, activation=A.GELU_TANH)
-        r = time_calls(v, args.rounds)
         shape = f"{m}x{d}x{hdim}"
-        results[shape] = r
-        base = r["eager: 2 GEMMs + gelu*mul"]["us"]
-        print(f"\n== {shape} bf16, GPU µs per call (L2 flushed), median [min, max] of {args.rounds} rounds")
-        for k, t in sorted(r.items(), key=lambda kv: kv[1]["us"]):
-            print(f"  {k:44s} {t['us']:8.1f} [{t['min']:.1f}, {t['max']:.1f}]  {t['us'] / base:.3f}x eager")
+        for pure in (False, True):
+            r = time_calls(v, args.rounds, pure)
+            results[f"{shape} {'pure' if pure else 'host gaps'}"] = r
+            base = r["eager: 2 GEMMs + gelu*mul"]["us"]
+            how = "pure GPU time" if pure else "GPU waits for the host's launches"
+            print(f"\n== {shape} bf16, µs per call (L2 flushed; {how}), median [min, max] of {args.rounds} rounds")
+            for k, t in sorted(r.items(), key=lambda kv: kv[1]["us"]):
+                print(f"  {k:44s} {t['us']:8.1f} [{t['min']:.1f}, {t['max']:.1f}]  {t['us'] / base:.3f}x eager")
         del x, wgu, hbuf
         torch.cuda.empty_cache()
     if args.out:
