@@ -645,17 +645,17 @@ def test_auto_decode_cutover_depends_on_layer_size(monkeypatch):
     assert dispatch.gated_mlp_path("auto", *blog, True) == dispatch.GATED
     assert dispatch.gated_mlp_path("auto", *llama, True) == dispatch.GATED
     assert dispatch.gated_mlp_path("auto", *half, False) == dispatch.GATED  # inference is not host-bound there
-    # Eager-mode inference: the gated GEMM (2 launches through the held plan) from GATED_EAGER_MIN_M tokens above
-    # the decode sizes; captured in a CUDA graph the GPU-time rule decides (cuBLAS below GATED_MIN_M tokens).
-    mid = (torch.empty(dispatch.GATED_EAGER_MIN_M, 768), 3072)
-    below = (torch.empty(dispatch.GATED_EAGER_MIN_M - 1, 768), 3072)
+    # Inference: the gated GEMM from GATED_INFERENCE_MIN_M tokens above the decode sizes, captured or not (it wins on
+    # GPU time there as well); training keeps cuBLAS below GATED_MIN_M tokens, captured or not.
+    mid = (torch.empty(dispatch.GATED_INFERENCE_MIN_M, 768), 3072)
+    below = (torch.empty(dispatch.GATED_INFERENCE_MIN_M - 1, 768), 3072)
     assert dispatch.gated_mlp_path("auto", *mid, False) == dispatch.GATED
     assert dispatch.gated_mlp_path("auto", *below, False) == dispatch.TORCH
     assert dispatch.gated_mlp_path("auto", *mid, True) == dispatch.TORCH
     monkeypatch.setattr(dispatch, "_graph_capture", lambda x: True)
     assert dispatch.gated_mlp_path("auto", *half, True) == dispatch.GATED
     assert dispatch.gated_mlp_path("auto", torch.empty(512, 768), 3072, True) == dispatch.TORCH
-    assert dispatch.gated_mlp_path("auto", *mid, False) == dispatch.TORCH
+    assert dispatch.gated_mlp_path("auto", *mid, False) == dispatch.GATED
     assert dispatch.gated_mlp_path("auto", *half, False) == dispatch.GATED
 
 

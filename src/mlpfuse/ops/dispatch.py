@@ -36,14 +36,14 @@ SAVE_PREACT = True
 # 52.9, M=4096 99.8 → 69.9; at 4096/14336: M=1024 397 → 381, M=4096 1643 → 1525. Below that the kernel's host
 # cost decides (30.6 µs a call even with the cached launch, vs 9.2 µs for one cuBLAS GEMM, measured with
 # benchmarks/host_overhead.py), so small problems stay on cuBLAS.
-# Since then the module's call plan launches the gated GEMM's held plan for a few µs of host time, and eager-mode
-# inference is decided by the host as well: in `mlpfuse bench` (L2 flushed, each call alone on the GPU, host time
-# between its launches included) the gated GEMM measured 14.9 / 23.4 / 33.1 µs at 512 / 1024 / 2048 × 768×3072
-# against eager's two GEMMs + GELU·mul at 118.9 / 101.0 / 118.6, and 183.8 vs 266.3 at 512×4096×14336
-# (benchmarks/tune_mid_m.py, benchmarks/results/nvidia-h200/auto-sweeps). Outside CUDA-graph capture, inference
-# therefore takes the gated GEMM from GATED_EAGER_MIN_M tokens; captured (no host time per replay) and in training
-# the GPU-time rule below still holds.
-GATED_EAGER_MIN_M = 128  # tokens: inference outside graph capture (the decode path covers fewer)
+# Those figures are obsolete for inference: with the flattened persistent loop and the held launch plan,
+# `benchmarks/tune_mid_m.py` (L2 flushed, each call alone; benchmarks/results/nvidia-h200/auto-sweeps) measured the
+# gated GEMM against eager's two GEMMs + GELU·mul, as pure GPU time (the host queued ahead) at 128 / 256 / 512 / 1024
+# / 2048 / 4096 × 768×3072: 12.7 / 12.8 / 14.6 / 23.0 / 32.8 / 60.7 µs vs 19.5 / 21.2 / 24.8 / 35.1 / 54.7 / 103.1
+# (0.59–0.66×), and 192.4 vs 211.6 / 329.9 vs 359.3 at 512 / 1024 × 4096×14336 (0.91×), the same with the host's
+# launch gaps in. So inference takes it from GATED_INFERENCE_MIN_M tokens (the decode path covers fewer), in eager
+# mode and in graphs alike; training keeps the rule below (its backward was measured on its own).
+GATED_INFERENCE_MIN_M = 128  # tokens
 GATED_MIN_M = 1024  # tokens, and ...
 GATED_MIN_WORK = 8e9  # ... M·hidden·dim multiply-adds from which the gated GEMM replaces 2 GEMMs + GELU·mul
 # gemm_act vs addmm + activation at 768→3072: M=2048 27.5 → 45.1 µs (eager wins), M=4096 49.1 → 45.7.
@@ -253,13 +253,12 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
         return DECODE
     if not _auto_may_use(x.device, x.dtype, "gated_gemm"):
         return TORCH
-    captured = _graph_capture(x)
-    if not training and not captured:
-        return GATED if m >= GATED_EAGER_MIN_M else TORCH
+    if not training:
+        return GATED if m >= GATED_INFERENCE_MIN_M else TORCH
     work = m * x.shape[1] * hidden
     if m < GATED_MIN_M or work < GATED_MIN_WORK:
         return TORCH
-    if training and work < GATED_TRAINING_EAGER_MIN_WORK and not captured:
+    if work < GATED_TRAINING_EAGER_MIN_WORK and not _graph_capture(x):
         return TORCH  # host-bound outside a CUDA graph: eager's path costs less host time
     return GATED
 

@@ -389,8 +389,8 @@ class CallPlan:
     A module (or patched block) owns one and offers it every call. It serves plain tensors in eager execution, not
     under autocast; the key of a call holds every property the checks and the path's choice read — x's shape,
     strides, 16-byte alignment, dtype and device; each weight's and bias's address, shape and dtype (and the
-    weights' strides); the backend as resolved for this call; whether a gradient is needed; whether a CUDA graph
-    is being captured; TF32 for fp32 — so an entry only ever serves the layout it was checked for
+    weights' strides); the backend as resolved for this call; whether a gradient is needed and, then, whether a
+    CUDA graph is being captured; TF32 for fp32 — so an entry only ever serves the layout it was checked for
     (a weight replaced, moved or re-allocated changes its address; a freed and reused address with another shape,
     dtype or strides changes the key). A new key runs the op layer's checks and path choice (same errors, same
     path) and is remembered. Per call on a hit: the key, then straight to the kernels — for the gated GEMM its
@@ -425,7 +425,7 @@ class CallPlan:
         name = dispatch.resolve_backend(backend)
         key = (name, x.shape, x.stride(), x.data_ptr() & 15, x.dtype, x.get_device(), _weights_key(wg),
                _weights_key(wu), _weights_key(wd), _bias_key(bg), _bias_key(bu), _bias_key(bd), activation, grad,
-               cuda and torch.cuda.is_current_stream_capturing(),
+               grad and cuda and torch.cuda.is_current_stream_capturing(),
                x.dtype is torch.float32 and dispatch.allow_tf32())
         entry = self.entries.get(key)
         if entry is None:
