@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from mlpfuse import activations as A
 from mlpfuse.kernels.configs import KernelConfig as K
 from mlpfuse.kernels.gated_gemm import gated_gemm
+from mlpfuse.kernels.gemm_act import gemm_act
 
 SHAPES = ((128, 768, 3072), (256, 768, 3072), (512, 768, 3072), (1024, 768, 3072), (2048, 768, 3072), (4096, 768, 3072), (512, 4096, 14336),
           (1024, 4096, 14336))
@@ -95,11 +96,16 @@ def main():
             except Exception as e:  # a config that does not fit is reported, not fatal
                 print(f"{m}x{d}x{hdim} {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
         v["gated default (as called)"] = lambda: gated_gemm(x, wg, wu, activation=A.GELU_TANH)
+        # FusedLinear's kernel at the same M (dim → hidden + bias + GELU, BERT's intermediate layer) beside
+        # eager's addmm + GELU: the linear_act threshold's evidence.
+        b = torch.zeros(hdim, device="cuda", dtype=torch.bfloat16)
+        v["linear+act: eager addmm + gelu"] = lambda: F.gelu(F.linear(x, wg, b))
+        v["linear+act: gemm_act (as called)"] = lambda: gemm_act(x, wg, b, activation=A.GELU)
         shape = f"{m}x{d}x{hdim}"
         for pure in (False, True):
             r = time_calls(v, args.rounds, pure)
             results[f"{shape} {'pure' if pure else 'host gaps'}"] = r
-            base = r["eager: 2 GEMMs + gelu*mul"]["us"]
+            base = r["eager: 2 GEMMs + gelu*mul"]["us"]  # the linear+act rows: compare them with each other
             how = "pure GPU time" if pure else "GPU waits for the host's launches"
             print(f"\n== {shape} bf16, µs per call (L2 flushed; {how}), median [min, max] of {args.rounds} rounds")
             for k, t in sorted(r.items(), key=lambda kv: kv[1]["us"]):
