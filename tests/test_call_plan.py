@@ -225,3 +225,67 @@ def test_packed_module_uses_its_plan():
         close(m(x), want)
         close(m(x), want)
     assert len(m._plan.entries) == 1
+
+
+# --- FusedLinear and the patched linear+activation blocks: ops.linear_act.LinearActPlan -------------------------
+
+def linear(backend, bias=True, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return mlpfuse.FusedLinear(DIM, HIDDEN, bias=bias, activation="gelu", device=DEVICE, dtype=dtype, backend=backend)
+
+
+def linear_ref(m: mlpfuse.FusedLinear, x: torch.Tensor) -> torch.Tensor:
+    b = m.bias.double() if m.bias is not None else None
+    return F.gelu(F.linear(x.double(), m.weight.double(), b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_linear_plan_serves_layouts_and_sees_replaced_weights(backend):
+    m = linear(backend)
+    x = rand(5, 3, DIM)  # leading dimensions kept
+    with torch.no_grad():
+        for _ in range(2):
+            close(m(x), linear_ref(m, x))
+        assert len(m._plan.entries) == 1
+        m.weight.mul_(-0.5)  # in place: same entry, new values
+        close(m(x), linear_ref(m, x))
+        assert len(m._plan.entries) == 1
+        m.weight = torch.nn.Parameter(rand(HIDDEN, DIM, seed=9))  # replaced: another address, another entry
+        close(m(x), linear_ref(m, x))
+        xt = rand(DIM, 7, seed=4).t()  # strided x
+        close(m(xt), linear_ref(m, xt))
+    assert len(m._plan.entries) == 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_linear_plan_grad_switch_and_gradients(backend):
+    m = linear(backend)
+    x = rand(6, DIM, seed=5)
+    with torch.no_grad():
+        close(m(x), linear_ref(m, x))
+    xg = x.clone().requires_grad_()
+    y = m(xg)
+    dy = rand(*y.shape, seed=6)
+    y.backward(dy)
+    w64 = m.weight.detach().double().requires_grad_()
+    b64 = m.bias.detach().double().requires_grad_()
+    x64 = x.double().requires_grad_()
+    F.gelu(F.linear(x64, w64, b64)).backward(dy.double())
+    close(xg.grad, x64.grad)
+    close(m.weight.grad, w64.grad)
+    close(m.bias.grad, b64.grad)
+    assert len(m._plan.entries) == 2  # inference and training are separate entries
+
+
+def test_fused_linear_bad_input_after_a_good_call_gets_the_same_error():
+    m = linear("torch")
+    with torch.no_grad():
+        m(rand(4, DIM))
+        with pytest.raises(InputError, match=r"^x: "):
+            m(rand(4, DIM + 1))
+        with pytest.raises(InputError, match="dtype"):
+            m(rand(4, DIM, dtype=torch.float64))
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            assert m._plan(rand(4, DIM), m.weight, m.bias, "gelu", "") is None
+    assert len(copy.deepcopy(m)._plan.entries) == 0
+    assert len(pickle.loads(pickle.dumps(m))._plan.entries) == 0

@@ -22,7 +22,7 @@ from mlpfuse import activations
 from mlpfuse.errors import InputError
 from mlpfuse.ops import dispatch
 from mlpfuse.ops.gated_mlp import CallPlan, gated_mlp_call
-from mlpfuse.ops.linear_act import linear_act_call
+from mlpfuse.ops.linear_act import LinearActPlan, linear_act_call
 
 # Activation module classes (torch.nn and transformers' ACT2FN) mapped to our names. GELU (torch.nn) reads its
 # `approximate` attribute instead. Anything else (QuickGELU, ...) is not ours to guess: from_module asks for it.
@@ -198,11 +198,11 @@ def _weight_bias(linear: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
 
 
 @torch.jit.unused
-def _call_plan(module: nn.Module) -> CallPlan:
-    """The module's CallPlan (made here for a module unpickled from before it had one)."""
+def _plan_of(module: nn.Module, kind: type):
+    """The module's call plan (made here for a module unpickled from before it had one)."""
     plan = module.__dict__.get("_plan")
     if plan is None:
-        plan = module.__dict__["_plan"] = CallPlan()
+        plan = module.__dict__["_plan"] = kind()
     return plan
 
 
@@ -256,7 +256,7 @@ class GatedMLP(nn.Module):
             wd, bd = _weight_bias(mods["down_proj"])
             if _sharded(wg, wu, wd):
                 return self._sharded_forward(x)
-            y = _call_plan(self)(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend)
+            y = _plan_of(self, CallPlan)(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend)
             if y is not None:
                 return y
             return gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend)
@@ -377,7 +377,7 @@ class PackedGatedMLP(GatedMLP):
         if b is not None:
             gate_bias, up_bias = b[: self.hidden], b[self.hidden :]
         if not torch.jit.is_scripting():
-            y = _call_plan(self)(x, w[: self.hidden], w[self.hidden :], self.down_proj.weight, gate_bias, up_bias,
+            y = _plan_of(self, CallPlan)(x, w[: self.hidden], w[self.hidden :], self.down_proj.weight, gate_bias, up_bias,
                                  self.down_proj.bias, self.activation, self.backend)
             if y is not None:
                 return y
@@ -449,6 +449,7 @@ class FusedLinear(nn.Linear):
             (("in_features", in_features), ("out_features", out_features)), bias, device, dtype
         )
         self.in_features, self.out_features = in_features, out_features
+        self._plan = LinearActPlan()
         self.activation: str = activations.get(activation).name
         self.backend: str = dispatch.check_backend_name(backend)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
@@ -464,8 +465,13 @@ class FusedLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.jit.is_scripting():
-            if _sharded(self.weight):
+            params = self._parameters  # plain dict reads: the host time per call is the cost at small sizes
+            w, b = params["weight"], params["bias"]
+            if _sharded(w):
                 return self._sharded_forward(x)
+            y = _plan_of(self, LinearActPlan)(x, w, b, self.activation, self.backend)
+            if y is not None:
+                return y
         return linear_act_call(x, self.weight, self.bias, self.activation, self.backend)
 
     @torch.jit.unused

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mlpfuse import activations, csrc, reference
-from mlpfuse.ops import _checks, dispatch
+from mlpfuse.ops import _checks, _plan, dispatch
 from mlpfuse.ops._util import (
     autocast_dtype, cast_all, eager_tensor, leading, nothing, op_span, profiling, rows,
     wants_grad,
@@ -375,74 +375,43 @@ class _EagerTraining(torch.autograd.Function):
         return _backward(ctx, dy, empty, empty, empty, impl=functools.partial(_gradients, held=held, path=ctx.path))
 
 
-def _weights_key(w: Tensor) -> tuple:
-    return (w.data_ptr(), w.shape, w.stride(), w.dtype)
-
-
-def _bias_key(b: Optional[Tensor]):
-    return None if b is None else (b.data_ptr(), b.shape, b.dtype)
-
-
-class CallPlan:
+class CallPlan(_plan.Memo):
     """A module's memo of its eager calls: arguments checked and the path chosen once per layout, not per call.
 
     A module (or patched block) owns one and offers it every call. It serves plain tensors in eager execution, not
-    under autocast; the key of a call holds every property the checks and the path's choice read — x's shape,
-    strides, 16-byte alignment, dtype and device; each weight's and bias's address, shape and dtype (and the
-    weights' strides); the backend as resolved for this call; whether a gradient is needed and, then, whether a
-    CUDA graph is being captured; TF32 for fp32 — so an entry only ever serves the layout it was checked for
-    (a weight replaced, moved or re-allocated changes its address; a freed and reused address with another shape,
-    dtype or strides changes the key). A new key runs the op layer's checks and path choice (same errors, same
-    path) and is remembered. Per call on a hit: the key, then straight to the kernels — for the gated GEMM its
-    launch plan is held here, so the kernel wrapper's own key is not built again.
+    under autocast; the key of a call holds every property the checks and the path read — x's shape, strides,
+    16-byte alignment, dtype and device; each weight's and bias's address, shape and dtype (and the weights'
+    strides); the backend as resolved for this call; whether a gradient is needed and, then, whether a CUDA graph
+    is being captured; TF32 for fp32 (see ops._plan). A new key runs the op layer's checks and path choice (same
+    errors, same path) and is remembered. Per call on a hit: the key, then straight to the kernels — for the gated
+    GEMM its launch plan is held here, so the kernel wrapper's own key is not built again.
 
     Returns None for what it does not serve (tensor subclasses, compile / export / tracing, autocast, sharded
     weights are the module's business): the caller then takes `gated_mlp_call`.
     """
 
-    __slots__ = ("entries",)
-    MAX_ENTRIES = 16
-
-    def __init__(self):
-        self.entries: dict = {}
-
-    def __reduce__(self):
-        # Entries hold launch plans and the extension module, valid in this process only: a pickled or deep-copied
-        # module starts with an empty memo.
-        return (CallPlan, ())
+    __slots__ = ()
 
     def __call__(self, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str) -> Optional[Tensor]:
-        # is_compiling() before _is_tracing(): Dynamo cannot trace the latter (a torch.* call returning a bool).
-        if type(x) is not torch.Tensor or torch.compiler.is_compiling() or torch._C._is_tracing():
-            return None
-        cuda = x.is_cuda
-        if torch.is_autocast_enabled("cuda" if cuda else x.device.type):
+        if _plan.declines(x):
             return None
         grad = torch.is_grad_enabled() and (x.requires_grad or wg.requires_grad or wu.requires_grad
                                             or wd.requires_grad or (bg is not None and bg.requires_grad)
                                             or (bu is not None and bu.requires_grad)
                                             or (bd is not None and bd.requires_grad))
-        name = dispatch.resolve_backend(backend)
-        key = (name, x.shape, x.stride(), x.data_ptr() & 15, x.dtype, x.get_device(), _weights_key(wg),
-               _weights_key(wu), _weights_key(wd), _bias_key(bg), _bias_key(bu), _bias_key(bd), activation, grad,
-               grad and cuda and torch.cuda.is_current_stream_capturing(),
-               x.dtype is torch.float32 and dispatch.allow_tf32())
+        key = (dispatch.resolve_backend(backend), _plan.x_key(x), _plan.weight_key(wg), _plan.weight_key(wu),
+               _plan.weight_key(wd), _plan.bias_key(bg), _plan.bias_key(bu), _plan.bias_key(bd), activation, grad,
+               _plan.capturing(grad, x), x.dtype is torch.float32 and dispatch.allow_tf32())
         entry = self.entries.get(key)
         if entry is None:
-            entry = self._decide(key, x, wg, wu, wd, bg, bu, bd, activation, backend, grad)
+            _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
+            activations.get(activation)
+            path = dispatch.gated_mlp_path(backend, rows(x), wg.shape[0], grad)
+            entry = self.remember(key, _Entry(path, activation, backend, grad))
         if profiling():
             with op_span("mlpfuse::gated_mlp"):
                 return entry(x, wg, wu, wd, bg, bu, bd)
         return entry(x, wg, wu, wd, bg, bu, bd)
-
-    def _decide(self, key, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool):
-        _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
-        activations.get(activation)
-        entry = _Entry(dispatch.gated_mlp_path(backend, rows(x), wg.shape[0], grad), activation, backend, grad)
-        if len(self.entries) >= self.MAX_ENTRIES:
-            self.entries.clear()
-        self.entries[key] = entry
-        return entry
 
 
 class _Entry:

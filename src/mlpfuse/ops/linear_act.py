@@ -13,22 +13,22 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mlpfuse import activations, csrc, reference
-from mlpfuse.ops import _checks, dispatch
+from mlpfuse.ops import _checks, _plan, dispatch
 from mlpfuse.ops._util import (
     autocast_dtype, cast_all, eager_tensor, leading, nothing, op_span, profiling, rows,
     wants_grad,
 )
 
 
-def _forward(x, weight, bias, activation: str, backend: str, save: bool, checked: bool = False):
+def _forward(x, weight, bias, activation: str, backend: str, save: bool, checked: bool = False, path: str = ""):
     """(y [..., out], z) with z the 2-D pre-activation when `save` and an activation needs it, else None.
-    `checked`: the caller already validated the arguments."""
-    if not checked:
+    `checked`: the caller already validated the arguments; `path` given: and chose the path."""
+    if not checked and not path:
         _checks.linear_act_args(x, weight, bias)
     act = activations.get(activation)
     save = save and act.id != activations.IDENTITY
     x2 = rows(x)
-    path = dispatch.linear_act_path(backend, x2, weight.shape[0], act.id)
+    path = path or dispatch.linear_act_path(backend, x2, weight.shape[0], act.id)
     if path == "torch" or x2.shape[0] == 0:
         out = reference.linear_act_forward(x2, weight, bias, act, save_preact=save)
     elif path == "cuda":
@@ -152,6 +152,51 @@ class _EagerTraining(torch.autograd.Function):
             with op_span("mlpfuse::linear_act_backward"):
                 return _backward(ctx, dy, impl=_backward_impl)
         return _backward(ctx, dy, impl=_backward_impl)
+
+
+class LinearActPlan(_plan.Memo):
+    """A module's memo of its eager linear+activation calls, as ops.gated_mlp.CallPlan is for the gated MLP: the
+    arguments checked and the path chosen once per layout (the key: x's layout, the weight's and bias's address,
+    shape, dtype and the weight's strides, the resolved backend, the activation, grad mode, graph capture under
+    grad, TF32 for fp32). Returns None for what it does not serve (see ops._plan.declines): the caller then takes
+    `linear_act_call`."""
+
+    __slots__ = ()
+
+    def __call__(self, x, weight, bias, activation: str, backend: str) -> Optional[Tensor]:
+        if _plan.declines(x):
+            return None
+        grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                            or (bias is not None and bias.requires_grad))
+        key = (dispatch.resolve_backend(backend), _plan.x_key(x), _plan.weight_key(weight), _plan.bias_key(bias),
+               activation, grad, _plan.capturing(grad, x), x.dtype is torch.float32 and dispatch.allow_tf32())
+        entry = self.entries.get(key)
+        if entry is None:
+            _checks.linear_act_args(x, weight, bias)
+            act = activations.get(activation)
+            path = dispatch.linear_act_path(backend, rows(x), weight.shape[0], act.id)
+            entry = self.remember(key, _LinearActEntry(path, act, backend, grad))
+        if profiling():
+            with op_span("mlpfuse::linear_act"):
+                return entry(x, weight, bias)
+        return entry(x, weight, bias)
+
+
+class _LinearActEntry:
+    """One layout's call with its path chosen: eager's own ops on the torch path (under autograd when a gradient
+    is needed), else `_forward` on that path or `_EagerTraining` for a gradient."""
+
+    __slots__ = ("path", "act", "backend", "grad")
+
+    def __init__(self, path: str, act: activations.Activation, backend: str, grad: bool):
+        self.path, self.act, self.backend, self.grad = path, act, backend, grad
+
+    def __call__(self, x, weight, bias) -> Tensor:
+        if self.path == "torch":
+            return reference.linear_act_forward(x, weight, bias, self.act)
+        if self.grad:
+            return _EagerTraining.apply(x, weight, bias, self.act.name, self.backend)
+        return _forward(x, weight, bias, self.act.name, self.backend, False, path=self.path)[0]
 
 
 def linear_act_call(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> Tensor:

@@ -29,7 +29,7 @@ from torch import Tensor
 from mlpfuse.modules import _sharded, _weight_bias
 from mlpfuse.ops import dispatch
 from mlpfuse.ops.gated_mlp import CallPlan, gated_mlp_call
-from mlpfuse.ops.linear_act import linear_act_call
+from mlpfuse.ops.linear_act import LinearActPlan, linear_act_call
 
 
 class PatchedBlock(nn.Module):
@@ -125,6 +125,7 @@ class TwoLayerBlock(PatchedBlock):
         self.fused_linears = linears
         self.fused_transposed = transposed
         self.fused_dropout_after = dropout_after  # GPT-2's dropout after c_proj: outside the fusion, applied as is
+        self._fused_plan = LinearActPlan()
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         mods = self._modules
@@ -148,7 +149,9 @@ class TwoLayerBlock(PatchedBlock):
                 # as one op); backend="triton" forces the kernel's pointer-load path.
                 if dispatch.resolve_backend(backend) == "auto":
                     backend = "torch"
-            h = linear_act_call(hidden_states, w, b, self.fused_activation, backend)
+            h = self._fused_plan(hidden_states, w, b, self.fused_activation, backend)
+            if h is None:
+                h = linear_act_call(hidden_states, w, b, self.fused_activation, backend)
         y = proj(h)
         return mods[self.fused_dropout_after](y) if self.fused_dropout_after else y
 
@@ -159,6 +162,7 @@ class LinearActBlock(PatchedBlock):
     def __init__(self, source: nn.Module, family: str, linears: tuple[str], activation: str, backend: str):
         super().__init__(source, family, activation, backend)
         self.fused_linears = linears
+        self._fused_plan = LinearActPlan()
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         dense = self._modules[self.fused_linears[0]]
@@ -168,4 +172,6 @@ class LinearActBlock(PatchedBlock):
 
             return sharded.linear(dense, hidden_states, self.fused_activation, self.fused_backend,
                                   self.fused_linears[0], hooks=True)
-        return linear_act_call(hidden_states, w, b, self.fused_activation, self.fused_backend)
+        y = self._fused_plan(hidden_states, w, b, self.fused_activation, self.fused_backend)
+        return y if y is not None else linear_act_call(hidden_states, w, b, self.fused_activation,
+                                                       self.fused_backend)
