@@ -659,6 +659,15 @@ def test_auto_decode_cutover_depends_on_layer_size(monkeypatch):
     assert dispatch.gated_mlp_path("auto", *half, False) == dispatch.GATED
 
 
+def test_auto_fuses_linear_act_only_for_the_measured_activation(monkeypatch):
+    monkeypatch.setattr(dispatch, "_auto_may_use", lambda device, dtype, module: True)
+    x = torch.empty(8192, 768)
+    assert dispatch.linear_act_path("auto", x, 3072, activations.GELU_TANH) == "triton"
+    assert dispatch.linear_act_path("auto", x, 3072, activations.GELU) == "torch"  # erf GELU: addmm + GELU wins
+    assert dispatch.linear_act_path("auto", x, 3072, activations.IDENTITY) == "torch"
+    assert dispatch.linear_act_path("auto", torch.empty(128, 768), 3072, activations.GELU_TANH) == "torch"
+
+
 @pytest.mark.skipif(not (TRITON and torch.cuda.is_available()), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("bias", [False, True])
 def test_triton_training_step_replays_in_a_cuda_graph(bias):

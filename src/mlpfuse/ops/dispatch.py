@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from mlpfuse import activations
 from mlpfuse.errors import InputError
 
 BACKENDS = ("auto", "triton", "torch", "cuda")
@@ -48,6 +49,10 @@ GATED_MIN_M = 1024  # tokens, and ...
 GATED_MIN_WORK = 8e9  # ... M·hidden·dim multiply-adds from which the gated GEMM replaces 2 GEMMs + GELU·mul
 # gemm_act vs addmm + activation at 768→3072: M=2048 27.5 → 45.1 µs (eager wins), M=4096 49.1 → 45.7.
 LINEAR_ACT_MIN_WORK = 9e9  # M·out·in multiply-adds from which GEMM+bias+activation replaces addmm + activation
+# ... for the activation it was measured with (gelu_tanh). With the erf GELU (BERT's intermediate layer) the kernel
+# lost at every size tune_mid_m.py timed, as pure GPU time at 128 / 1024 / 2048 / 4096 × 768→3072: 43.1 / 44.5 /
+# 60.9 / 77.6 µs against addmm + GELU's 11.6 / 19.7 / 30.3 / 51.9 (benchmarks/results/nvidia-h200/auto-sweeps).
+LINEAR_ACT_ACTIVATIONS = (activations.GELU_TANH,)  # the activation ids `auto` may fuse
 # The GLU backward: "split" = cuBLAS dh = dy·Wd, then one Triton pass writing dg, du and fp32 bias sums;
 # "fused" = one Triton GEMM whose epilogue writes dg, du (and h). Same run: split 130.2 / 1694.2 µs, fused 199.6 /
 # 2083.5 µs at 8192×768×3072 / 8192×4096×14336 (cuBLAS dh + eager GLU backward: 179.3 / 1982.7). With the cheaper
@@ -275,7 +280,7 @@ def linear_act_path(backend: str, x: torch.Tensor, out_features: int, activation
         _require_triton(x, "gemm_act")
         return "triton"
     # Without an activation, cuBLAS's addmm already is one kernel with the bias in its epilogue.
-    if activation_id == 0 or not _auto_may_use(x.device, x.dtype, "gemm_act"):
+    if activation_id not in LINEAR_ACT_ACTIVATIONS or not _auto_may_use(x.device, x.dtype, "gemm_act"):
         return "torch"
     return "triton" if x.shape[0] * x.shape[1] * out_features >= LINEAR_ACT_MIN_WORK else "torch"
 
