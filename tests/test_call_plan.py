@@ -1,6 +1,7 @@
 """A module's per-layout call plan (ops.gated_mlp.CallPlan; FusedLinear's ops.linear_act.LinearActPlan at the
-end): a repeated call skips the checks and the path choice, and an entry never serves a call it was not made for — other strides, alignment, dtype, device, grad mode, backend, or
-weights replaced, re-pointed or freed and their memory reused.
+end): a repeated call skips the checks and the path choice, and an entry never serves a call it was not made for —
+other strides, alignment, dtype, device, grad mode, backend, or weights replaced, re-pointed or freed and their
+memory reused.
 
 Every result is checked against a float64 reference of the weights the module holds at that moment. On CPU the
 torch path runs everywhere and the Triton paths through the interpreter (fp32); on CUDA the same tests run the
