@@ -69,11 +69,15 @@ def test_compile_variants_and_a_masked_model(tmp_path):
     assert rows[("prefill", "mlpfuse-compile")]["rel_err"] < 1e-5
 
     code, data, _ = run_lab(tmp_path, "--model", "bert-base", "--mode", "prefill,decode", "--variants",
-                            "eager,mlpfuse")
+                            "eager,mlpfuse", "--backend", "torch")
     assert code == 0
     rows = rows_by(data)
     assert rows[("prefill", "mlpfuse")]["status"] == "ok" and rows[("prefill", "mlpfuse")]["patched"] == 2
     assert rows[("decode", "eager")]["error"] == "skipped: a masked LM does not generate"
+    # On `auto` the erf-GELU intermediate layers are left as they are, and the row says why.
+    code, data, _ = run_lab(tmp_path, "--model", "bert-base", "--mode", "prefill", "--variants", "eager,mlpfuse")
+    fused = rows_by(data)[("prefill", "mlpfuse")]
+    assert fused["status"] == "error" and "backend 'auto' keeps dense + gelu" in fused["error"]
 
 
 def test_bf16_error_is_measured_against_the_fp32_run(tmp_path):

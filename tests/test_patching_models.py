@@ -140,6 +140,16 @@ def test_unknown_activation_in_config_is_left():
     assert left == [("model.layers.0.mlp", "unknown activation QuickGELUActivation")]
 
 
+@pytest.mark.parametrize("name", ["bert", "roberta"])
+def test_auto_leaves_an_erf_gelu_intermediate_that_it_would_not_fuse(name):
+    model = H.FAMILIES[name].build().eval()
+    mlps = H.FAMILIES[name].mlps
+    report = mlpfuse.patch(model)  # backend="auto": the erf GELU is never fused, so the block would only cost host time
+    assert report.swapped == [] and len(report.left) == mlps
+    assert all("backend 'auto' keeps dense + gelu" in item.reason for item in report.left)
+    assert len(mlpfuse.patch(model, backend="torch").swapped) == mlps  # asked for: patched
+
+
 def test_model_on_the_meta_device_is_left_unchanged():
     cfg = H.FAMILIES["llama"].build().config
     with torch.device("meta"):

@@ -187,7 +187,8 @@ def prepare(variant: str, built: models.Built, case: LabCase, ids: torch.Tensor,
 
         report = mlpfuse.patch(module, backend=settings.backend)
         if not report.changed:
-            raise InputError(f"mlpfuse.patch swapped nothing: {report.summary()}")
+            reasons = "; ".join(sorted({item.reason for item in report.left})) or "no MLP block mlpfuse recognises"
+            raise InputError(f"mlpfuse.patch swapped nothing: {reasons}")
     compiled = variant.endswith("compile")
     kind = built.kind
     module.train(case.mode == "train")

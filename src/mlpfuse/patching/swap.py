@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
+from mlpfuse import activations
 from mlpfuse.errors import InputError
 from mlpfuse.modules import activation_name
 from mlpfuse.ops import dispatch
@@ -94,7 +95,7 @@ def _walk(parent: nn.Module, prefix: str, report: PatchReport, backend: str, ver
             if table.looks_like_mlp(child) and len(report.swapped) == before:
                 report.left.append(Left(path, type(child).__name__, "class not in mlpfuse's family table"))
             continue
-        reason = check(child, family)
+        reason = check(child, family) or _nothing_to_gain(child, family, backend)
         block = None
         if reason is None:
             block = build(child, family, backend)
@@ -154,6 +155,20 @@ def check(module: nn.Module, family: table.Family) -> Optional[str]:
     if family.multipliers:
         return _multipliers_problem(module, family, linears)
     return None
+
+
+def _nothing_to_gain(module: nn.Module, family: table.Family, backend: str) -> Optional[str]:
+    """Why a lone linear + activation is left as it is on backend="auto": where `auto` never fuses the activation,
+    the block would run eager's own two kernels behind more Python per call than nn.Linear + the activation module
+    (BERT-base measured 1.04-1.09x eager's prefill time patched so, benchmarks/results/nvidia-h200/model-lab-families).
+    """
+    if family.layout != table.LINEAR_ACT or backend != "auto":
+        return None
+    act = activations.get(activation_name(_activation_object(module, family)))
+    if act.id in dispatch.LINEAR_ACT_ACTIVATIONS:
+        return None
+    return (f"backend 'auto' keeps {family.linears[0]} + {act.name} as eager runs them (the fused kernel measured "
+            f"slower for {act.name}): the block would only add host time; patch with backend='triton' to fuse anyway")
 
 
 def _activation_object(module: nn.Module, family: table.Family):
