@@ -387,6 +387,17 @@ def test_benchmark_script_runs_small():
     assert "numerics: PASS" in run.stdout
 
 
+@gpu
+@pytest.mark.gpu
+def test_benchmark_variants_section_runs_small():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_backend_gpu.py"
+    env = dict(os.environ, PYTHONPATH=str(Path(mlpfuse.__file__).resolve().parents[1]))
+    run = subprocess.run(["python3", str(script), "--variants", "--quick"], capture_output=True, text=True, env=env,
+                         timeout=1200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "variants numerics: PASS" in run.stdout and "| GLU backward variant" in run.stdout
+
+
 def test_extension_argument_errors_become_one_input_error_line():
     # What the C++ checks raise (c10 ValueError: argument name first, maybe a C++ trace after) becomes one line;
     # a CUDA error is not an input error and propagates as it is.
