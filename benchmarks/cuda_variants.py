@@ -150,7 +150,7 @@ def decode_numerics(ext, quick: bool, skip=()) -> Checks:
     return checks
 
 
-PROBE_SECONDS = 180
+PROBE_SECONDS = 120
 
 
 def _probe_calls(ext, kind: str, v: int):
