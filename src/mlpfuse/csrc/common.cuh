@@ -43,10 +43,13 @@ __device__ __forceinline__ Raw<T, V> load_raw(const T* p) {
   if constexpr (sizeof(T) * V == 16) {
     const uint4 q = *reinterpret_cast<const uint4*>(p);
     r.w[0] = q.x, r.w[1] = q.y, r.w[2] = q.z, r.w[3] = q.w;
+  } else if constexpr (sizeof(T) * V == 8) {
+    const uint2 q = *reinterpret_cast<const uint2*>(p);
+    r.w[0] = q.x, r.w[1] = q.y;
   } else if constexpr (sizeof(T) * V == 4) {
     r.w[0] = *reinterpret_cast<const uint32_t*>(p);
   } else {
-    static_assert(sizeof(T) == 2 && V == 1, "16-byte vectors or single elements");
+    static_assert(sizeof(T) == 2 && V == 1, "16-, 8- or 4-byte vectors, or single elements");
     r.w[0] = *reinterpret_cast<const unsigned short*>(p);
   }
   return r;
@@ -56,6 +59,8 @@ template <typename T, int V>
 __device__ __forceinline__ void store_raw(T* p, const Raw<T, V>& r) {
   if constexpr (sizeof(T) * V == 16) {
     *reinterpret_cast<uint4*>(p) = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
+  } else if constexpr (sizeof(T) * V == 8) {
+    *reinterpret_cast<uint2*>(p) = make_uint2(r.w[0], r.w[1]);
   } else if constexpr (sizeof(T) * V == 4) {
     *reinterpret_cast<uint32_t*>(p) = r.w[0];
   } else {

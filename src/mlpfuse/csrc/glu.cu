@@ -17,60 +17,17 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "common.cuh"
+#include "glu.cuh"
 
 namespace mlpfuse {
 namespace {
 
-constexpr int kThreadsX = 32;
-constexpr int kThreadsY = 8;
 // Rows per thread, all loaded before any is used. The forward (≤ 64 registers: 4 blocks, 1024 threads, 128 KiB in
 // flight per SM) and the bias pass take 4. The backward takes 4 as well, capped at 128 registers (2 blocks, 512
 // threads, 96 KiB in flight per SM): 2 rows at 3 blocks per SM hold less in flight, and a tighter cap spills.
 constexpr int kFwdRows = 4;
 constexpr int kBwdRows = 4;
 constexpr int kBwdMinBlocks = 2;
-constexpr int64_t kMaxGridY = 65535;
-
-struct Grid {
-  dim3 blocks, threads;
-};
-
-// Callers return before this for an empty matrix: a grid dimension of 0 is a launch error.
-Grid strip_grid(int64_t rows, int64_t cols, int v, int rows_per_thread) {
-  const int64_t strips = (cols + kThreadsX * v - 1) / (kThreadsX * v);
-  const int64_t tile_rows = int64_t(kThreadsY) * rows_per_thread;
-  const int64_t tiles = std::min<int64_t>((rows + tile_rows - 1) / tile_rows, kMaxGridY);
-  return {dim3(static_cast<unsigned>(strips), static_cast<unsigned>(tiles)), dim3(kThreadsX, kThreadsY)};
-}
-
-// Whether every matrix can be read in 16-byte vectors of V elements: aligned base, row stride and width multiples
-// of V. Otherwise the same kernels run with V = 1 (correct for any layout, slower).
-bool vectorizable(int64_t cols, int v, std::initializer_list<Mat> mats) {
-  if (cols % v != 0) return false;
-  for (const Mat& m : mats) {
-    if (m.ptr != nullptr && (!aligned16(m.ptr) || m.ld % v != 0)) return false;
-  }
-  return true;
-}
-
-// The first row of each tile of R rows per thread: one tile per block unless rows exceed 65535 tiles (then
-// grid-stride).
-#define FOR_EACH_TILE(r0, rows, R) \
-  for (int64_t r0 = int64_t(blockIdx.y) * kThreadsY * (R); r0 < (rows); r0 += int64_t(gridDim.y) * kThreadsY * (R))
-
-// Row i of this thread in the tile starting at r0.
-__device__ __forceinline__ int64_t tile_row(int64_t r0, int i) { return r0 + threadIdx.y + int64_t(i) * kThreadsY; }
-
-template <typename T>
-__device__ __forceinline__ const T* at(Mat m, int64_t r, int64_t c) {
-  return static_cast<const T*>(m.ptr) + r * m.ld + c;
-}
-
-template <typename T>
-__device__ __forceinline__ T* at_mut(Mat m, int64_t r, int64_t c) {
-  return static_cast<T*>(m.ptr) + r * m.ld + c;
-}
 
 template <typename T, int V, int ACT>
 __global__ void __launch_bounds__(kThreadsX * kThreadsY) glu_forward_kernel(int64_t rows, int64_t cols, Mat g, Mat u,
@@ -97,92 +54,6 @@ __global__ void __launch_bounds__(kThreadsX * kThreadsY) glu_forward_kernel(int6
       store_raw<T, V>(at_mut<T>(h, r, c), ho);
     }
   }
-}
-
-// Adds a block's column sums (V consecutive columns from c) to out: one 16-byte atomic per 4 columns where the
-// vector allows it, which quarters the atomics that all blocks aim at the same few hundred cache lines.
-template <int V>
-__device__ __forceinline__ void add_column_sums(float* out, int64_t c, const float (&s)[V], bool vec4) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // the 16-byte float atomic is sm_90's
-  if constexpr (V % 4 == 0) {
-    if (vec4) {
-#pragma unroll
-      for (int i = 0; i < V; i += 4) {
-        atomicAdd(reinterpret_cast<float4*>(out + c + i), make_float4(s[i], s[i + 1], s[i + 2], s[i + 3]));
-      }
-      return;
-    }
-  }
-#endif
-#pragma unroll
-  for (int i = 0; i < V; ++i) atomicAdd(out + c + i, s[i]);
-}
-
-template <typename T, int V, int ACT>
-__global__ void __launch_bounds__(kThreadsX * kThreadsY, kBwdMinBlocks)
-    glu_backward_kernel(int64_t rows, int64_t cols, Mat dh, Mat g, Mat u, Mat dg, Mat du, Mat h, float* dbg,
-                        float* dbu, bool vec4) {
-  const int64_t c = (int64_t(blockIdx.x) * kThreadsX + threadIdx.x) * V;
-  const bool active = c < cols;  // no early return: the bias sums below meet at a barrier
-  const bool write_h = h.ptr != nullptr;
-  const bool sums = dbg != nullptr;
-  float sum_g[V] = {}, sum_u[V] = {};
-  if (active) {
-    FOR_EACH_TILE(r0, rows, kBwdRows) {
-      Raw<T, V> dr[kBwdRows], gr[kBwdRows], ur[kBwdRows];
-#pragma unroll
-      for (int i = 0; i < kBwdRows; ++i) {
-        const int64_t r = tile_row(r0, i);
-        if (r < rows) {
-          dr[i] = load_raw<T, V>(at<T>(dh, r, c));
-          gr[i] = load_raw<T, V>(at<T>(g, r, c));
-          ur[i] = load_raw<T, V>(at<T>(u, r, c));
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kBwdRows; ++i) {
-        const int64_t r = tile_row(r0, i);
-        if (r >= rows) break;
-        // Element by element from the raw vectors into raw outputs: 8 fp32 copies of each of 3 inputs and 3 outputs
-        // at once would double the registers and halve the threads per SM.
-        Raw<T, V> dgo = {}, duo = {}, ho = {};
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          const float d = get(dr[i], j), gj = get(gr[i], j), uj = get(ur[i], j);
-          float a, da;
-          act_fwd_grad<ACT>(gj, a, da);
-          const float dgj = d * uj * da, duj = d * a;
-          sum_g[j] += dgj;
-          sum_u[j] += duj;
-          set(dgo, j, dgj);
-          set(duo, j, duj);
-          set(ho, j, a * uj);  // h, only stored when asked for
-        }
-        store_raw<T, V>(at_mut<T>(dg, r, c), dgo);
-        store_raw<T, V>(at_mut<T>(du, r, c), duo);
-        if (write_h) store_raw<T, V>(at_mut<T>(h, r, c), ho);
-      }
-    }
-  }
-  if (!sums) return;  // uniform across the grid
-  // Column sums of the block: fold the 8 row-threads of each column in shared memory, then one atomic per column.
-  __shared__ float part[2][kThreadsY][kThreadsX * V];
-#pragma unroll
-  for (int i = 0; i < V; ++i) {
-    part[0][threadIdx.y][threadIdx.x * V + i] = sum_g[i];
-    part[1][threadIdx.y][threadIdx.x * V + i] = sum_u[i];
-  }
-  __syncthreads();
-  if (threadIdx.y >= 2 || !active) return;
-  // Row-thread 0 adds the dg sums and row-thread 1 the du sums: the two sets of atomics go out in parallel.
-  const int which = threadIdx.y;
-  float s[V];
-#pragma unroll
-  for (int i = 0; i < V; ++i) {
-    s[i] = 0.0f;
-    for (int y = 0; y < kThreadsY; ++y) s[i] += part[which][y][threadIdx.x * V + i];
-  }
-  add_column_sums<V>(which == 0 ? dbg : dbu, c, s, vec4);
 }
 
 template <typename T, int V, int ACT>
@@ -245,11 +116,11 @@ void glu_backward(DType dtype, int act, int64_t rows, int64_t cols, Mat dh, Mat 
       constexpr int ACT = decltype(a)::value;
       if (vectorizable(cols, kVec<T>, {dh, g, u, dg, du, h})) {
         const Grid grid = strip_grid(rows, cols, kVec<T>, kBwdRows);
-        glu_backward_kernel<T, kVec<T>, ACT>
+        glu_backward_kernel<T, kVec<T>, ACT, kBwdRows, kBwdMinBlocks, kIoPlain>
             <<<grid.blocks, grid.threads, 0, stream>>>(rows, cols, dh, g, u, dg, du, h, dbg, dbu, vec4);
       } else {
         const Grid grid = strip_grid(rows, cols, 1, kBwdRows);
-        glu_backward_kernel<T, 1, ACT>
+        glu_backward_kernel<T, 1, ACT, kBwdRows, kBwdMinBlocks, kIoPlain>
             <<<grid.blocks, grid.threads, 0, stream>>>(rows, cols, dh, g, u, dg, du, h, dbg, dbu, false);
       }
     });
