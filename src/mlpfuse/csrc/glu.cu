@@ -23,11 +23,19 @@ namespace mlpfuse {
 namespace {
 
 // Rows per thread, all loaded before any is used. The forward (≤ 64 registers: 4 blocks, 1024 threads, 128 KiB in
-// flight per SM) and the bias pass take 4. The backward takes 4 as well, capped at 128 registers (2 blocks, 512
-// threads, 96 KiB in flight per SM): 2 rows at 3 blocks per SM hold less in flight, and a tighter cap spills.
+// flight per SM) and the bias pass take 4.
 constexpr int kFwdRows = 4;
-constexpr int kBwdRows = 4;
-constexpr int kBwdMinBlocks = 2;
+// The backward keeps 96 bytes of its three inputs in flight per thread at 4 blocks per SM (≤ 64 registers), with one
+// store instruction per vector: vectors of 4 elements (16 bytes of fp32, 8 of a 16-bit type; a warp still reads 256
+// contiguous bytes of a row), 2 rows of them for fp32 and 4 for 16-bit types, whose 16-byte vectors' fp32 column
+// sums would spill at that cap. 4 blocks at different points of their short lives stay closer to the peak in
+// flight than 2 blocks of 4 rows of 16-byte vectors (128 registers) did: 68.7 µs against 75.7, 90.8 % of the copy
+// bandwidth against 82.4 %, at 8192×3072 bf16 with bias sums on an H200 (`cuda_backend_gpu.py --variants`,
+// benchmarks/results/nvidia-h200/cuda-backend/variants; glu_variants.cu keeps the other shapes measured).
+constexpr int kBwdVec = 4;
+template <typename T>
+constexpr int kBwdRows = sizeof(T) == 4 ? 2 : 4;
+constexpr int kBwdMinBlocks = 4;
 
 template <typename T, int V, int ACT>
 __global__ void __launch_bounds__(kThreadsX * kThreadsY) glu_forward_kernel(int64_t rows, int64_t cols, Mat g, Mat u,
@@ -114,13 +122,14 @@ void glu_backward(DType dtype, int act, int64_t rows, int64_t cols, Mat dh, Mat 
     using T = decltype(t);
     with_act(act, [&](auto a) {
       constexpr int ACT = decltype(a)::value;
-      if (vectorizable(cols, kVec<T>, {dh, g, u, dg, du, h})) {
-        const Grid grid = strip_grid(rows, cols, kVec<T>, kBwdRows);
-        glu_backward_kernel<T, kVec<T>, ACT, kBwdRows, kBwdMinBlocks, kIoPlain>
+      constexpr int R = kBwdRows<T>;
+      if (vectorizable(cols, kBwdVec, {dh, g, u, dg, du, h})) {
+        const Grid grid = strip_grid(rows, cols, kBwdVec, R);
+        glu_backward_kernel<T, kBwdVec, ACT, R, kBwdMinBlocks, kIoVector>
             <<<grid.blocks, grid.threads, 0, stream>>>(rows, cols, dh, g, u, dg, du, h, dbg, dbu, vec4);
       } else {
-        const Grid grid = strip_grid(rows, cols, 1, kBwdRows);
-        glu_backward_kernel<T, 1, ACT, kBwdRows, kBwdMinBlocks, kIoPlain>
+        const Grid grid = strip_grid(rows, cols, 1, R);
+        glu_backward_kernel<T, 1, ACT, R, kBwdMinBlocks, kIoVector>
             <<<grid.blocks, grid.threads, 0, stream>>>(rows, cols, dh, g, u, dg, du, h, dbg, dbu, false);
       }
     });

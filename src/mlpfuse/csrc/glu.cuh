@@ -205,8 +205,8 @@ __device__ __forceinline__ void flush_column_sums(SumPart<V>& part, const float 
 }
 
 // The backward with R rows per thread, all loaded before any is used, the register cap of MIN_BLOCKS blocks per SM
-// and vectors moved as IO says; one tile per block (grid-stride past 65535 tiles). glu.cu runs R = 4 at 2 blocks per
-// SM with kIoPlain; glu_variants.cu measures other shapes of the same kernel.
+// and vectors moved as IO says; one tile per block (grid-stride past 65535 tiles). glu.cu runs R = 4 at 4 blocks per
+// SM with kIoVector (R = 2 for fp32); glu_variants.cu measures other shapes of the same kernel.
 template <typename T, int V, int ACT, int R, int MIN_BLOCKS, int IO>
 __global__ void __launch_bounds__(kThreadsX * kThreadsY, MIN_BLOCKS)
     glu_backward_kernel(int64_t rows, int64_t cols, Mat dh, Mat g, Mat u, Mat dg, Mat du, Mat h, float* dbg,
