@@ -1,7 +1,6 @@
 """The CUDA backend (backend="cuda") on a GPU: numerics against fp64, then its kernels' bandwidth and its host cost.
 
     PYTHONPATH=src python3 benchmarks/cuda_backend_gpu.py [--quick] [--out FILE]
-    PYTHONPATH=src python3 benchmarks/cuda_backend_gpu.py --variants [--quick] [--out FILE]
 
 1. numerics: every op (gated_mlp forward at decode and GEMM sizes, its gradients, linear_act), every activation,
    bf16/fp16/fp32, against mlpfuse.reference in fp64 (fp32 with TF32 off). Prints `numerics: PASS` or the failures.
@@ -12,10 +11,6 @@
    against the copy bandwidth (target ≥ 90 %).
 4. Host µs per call at 64×768×3072 bf16 (small enough that the host decides): the cuda backend, triton, torch.
 GPU times: CUDA events, median of interleaved rounds after a clock warm-up. The short table comes last.
-
---variants runs instead (after the build and the copy bandwidth) the alternative GLU backward and decode kernels
-(cuda_variants.py): each probed in a child process, checked against fp64 and variant 0, timed in interleaved rounds;
-two short tables come last.
 """
 
 from __future__ import annotations
@@ -28,11 +23,6 @@ import time
 
 def _median_us(fns: dict, rounds: int, reps: int) -> dict:
     """Median GPU µs per call of each fn, timed interleaved (A B C A B C ...) so clock drift hits all alike."""
-    return {k: statistics.median(v) for k, v in _samples_us(fns, rounds, reps).items()}
-
-
-def _samples_us(fns: dict, rounds: int, reps: int) -> dict:
-    """GPU µs per call of each fn in each of `rounds` interleaved rounds of `reps` calls."""
     import torch
 
     times = {k: [] for k in fns}
@@ -48,7 +38,7 @@ def _samples_us(fns: dict, rounds: int, reps: int) -> dict:
             end.record()
             end.synchronize()
             times[k].append(start.elapsed_time(end) * 1e3 / reps)
-    return times
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _host_us(fn, calls: int, bursts: int) -> float:
@@ -126,8 +116,6 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="small numerics set and fewer timing rounds")
     p.add_argument("--rounds", type=int, default=10, help="interleaved timing rounds (default 10)")
     p.add_argument("--out", help="also write the final table (markdown) here")
-    p.add_argument("--variants", action="store_true",
-                   help="check and time the alternative GLU backward and decode kernels instead (cuda_variants.py)")
     args = p.parse_args(argv)
 
     import torch
@@ -141,9 +129,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     ext = csrc.extension()
     print(f"extension ready in {time.perf_counter() - t0:.1f} s ({csrc.build_dir()})")
-    failures = numerics(args.quick) if not args.variants else []
-    if not args.variants:
-        print("numerics: PASS" if not failures else "numerics: FAIL\n  " + "\n  ".join(failures))
+    failures = numerics(args.quick)
+    print("numerics: PASS" if not failures else "numerics: FAIL\n  " + "\n  ".join(failures))
     rounds = 3 if args.quick else args.rounds
     dev = torch.device("cuda")
     bf = torch.bfloat16
@@ -158,18 +145,6 @@ def main(argv=None) -> int:
     copy_gbs = 2 * src.numel() / copy_us / 1e3
     print(f"device copy: {copy_gbs:.0f} GB/s (read + write, 256 MiB)")
     rows = [("device copy", f"{copy_gbs:.0f} GB/s", "100 %", "")]
-    if args.variants:
-        import cuda_variants  # this folder is on sys.path when run
-
-        lines, failures = cuda_variants.run(ext, copy_gbs, _samples_us, rounds, args.quick)
-        print("variants numerics: PASS" if not failures else "variants numerics: FAIL\n  " + "\n  ".join(failures))
-        text = "\n".join(lines)
-        print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | {roofline.device_name(dev)} | "
-              f"device copy {copy_gbs:.0f} GB/s\n{text}")
-        if args.out:
-            with open(args.out, "w", encoding="utf-8") as f:
-                f.write(f"device copy {copy_gbs:.0f} GB/s\n\n{text}\n")
-        return 0 if not failures else 1
 
     m, n = 8192, 3072
     g, u, dh = (torch.randn(m, n, device=dev, dtype=bf) for _ in range(3))

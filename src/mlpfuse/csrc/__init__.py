@@ -21,8 +21,8 @@ import torch
 from mlpfuse._cache import cache_dir
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("mlpfuse_cuda.cpp", "glu.cu", "decode.cu", "glu_variants.cu", "decode_variants.cu")
-HEADERS = ("kernels.h", "common.cuh", "glu.cuh", "decode.cuh")
+SOURCES = ("mlpfuse_cuda.cpp", "glu.cu", "decode.cu")
+HEADERS = ("kernels.h", "common.cuh", "glu.cuh")
 # Flags added to torch.utils.cpp_extension's own (the compile test on CPU uses the same).
 EXTRA_CFLAGS = ("-O3",)
 EXTRA_CUDA_CFLAGS = ("-O3",)

@@ -3,10 +3,10 @@
 // They stream [rows, cols] matrices once, so what decides their speed is how many bytes each SM has in flight: HBM
 // answers a load after a microsecond or more under load, and a few tens of KiB per SM in flight only cover that
 // latency at full bandwidth if nothing else slows them. Each thread therefore issues every load of its tile first
-// (R = 4 rows × one 16-byte vector per input), and only then converts, computes and stores: 128 bytes (forward)
-// or 192 bytes (backward) per thread in flight, about 100 KiB per SM at the occupancy their registers allow. A
-// thread that loaded, computed and stored one row at a time kept 32 bytes in flight and reached a third of the
-// bandwidth.
+// (rows × one vector per input), and only then converts, computes and stores: 128 bytes (forward, 4 rows of 16-byte
+// vectors) or 96 bytes (backward, see kBwdVec) per thread in flight, about 100 KiB per SM at the occupancy their
+// registers allow. A thread that loaded, computed and stored one row at a time kept 32 bytes in flight and reached
+// a third of the bandwidth.
 //
 // Layout: a block of 32×8 threads owns a strip of 32·V columns (V elements of 16 bytes per thread) and a tile of
 // 8·R rows; thread (x, y) handles column vector x on rows y, y + 8, ... of the tile. A warp's access is 512
@@ -30,8 +30,9 @@ constexpr int kFwdRows = 4;
 // contiguous bytes of a row), 2 rows of them for fp32 and 4 for 16-bit types, whose 16-byte vectors' fp32 column
 // sums would spill at that cap. 4 blocks at different points of their short lives stay closer to the peak in
 // flight than 2 blocks of 4 rows of 16-byte vectors (128 registers) did: 68.7 µs against 75.7, 90.8 % of the copy
-// bandwidth against 82.4 %, at 8192×3072 bf16 with bias sums on an H200 (`cuda_backend_gpu.py --variants`,
-// benchmarks/results/nvidia-h200/cuda-backend/variants; glu_variants.cu keeps the other shapes measured).
+// bandwidth against 82.4 %, at 8192×3072 bf16 with bias sums on an H200; persistent blocks (the next tile loaded
+// before the math, or a bulk-copy ring in shared memory) and cache hints measured no faster
+// (benchmarks/results/nvidia-h200/cuda-backend/variants).
 constexpr int kBwdVec = 4;
 template <typename T>
 constexpr int kBwdRows = sizeof(T) == 4 ? 2 : 4;

@@ -1,6 +1,5 @@
-// The pointwise kernels' tiling and the GLU backward's building blocks, shared by glu.cu (the kernels in use) and
-// glu_variants.cu (alternative backward kernels, selectable for measurement only). glu.cu's opening comment explains
-// the layout: blocks of 32×8 threads, a thread on one 16-byte column vector and R rows of a tile.
+// The pointwise kernels' tiling and the GLU backward's building blocks, used by glu.cu (its opening comment explains
+// the layout): blocks of 32×8 threads, a thread on one 16-byte column vector and R rows of a tile.
 #pragma once
 
 #include <algorithm>
@@ -55,53 +54,23 @@ __device__ __forceinline__ T* at_mut(Mat m, int64_t r, int64_t c) {
   return static_cast<T*>(m.ptr) + r * m.ld + c;
 }
 
-// How the backward's kernels move their vectors (glu_variants.cu measures the alternatives):
+// How the backward's kernels move their vectors:
 //   kIoPlain: as C++ loads and stores. nvcc 13 emits each thread's 16-byte load as one instruction but splits its
 //     16-byte store into four 4-byte stores (st.global.u32 at +0, +4, +8, +12: four times the store instructions
 //     and L2 write requests of the outputs).
-//   kIoVector: one store instruction per vector (st.global.v4.u32, v2 for 8 bytes), written in PTX.
-//   kIoHints: kIoVector with cache hints: inputs read with L1::no_allocate (read once) and the L2 asked to fetch
-//     256-byte blocks (a warp reads 256 or 512 contiguous bytes of a row, so the rest of a block is always wanted),
-//     outputs written with .cs (evict first: nothing reads them again in this kernel, so they need not hold L2 lines
-//     that the inputs' fetches could use).
-// volatile keeps the PTX loads where they are written, all issued before the first use. Aliased outputs (dg over g,
-// h over dh) need no memory clobber: a thread's store to an element depends on its own load of that element, and no
-// other element it loads is one it stores.
-enum Io : int { kIoPlain = 0, kIoVector = 1, kIoHints = 2 };
-
-template <typename T, int V, int IO>
-__device__ __forceinline__ Raw<T, V> load_in(const T* p) {
-  if constexpr (IO == kIoHints && sizeof(T) * V == 16) {
-    Raw<T, V> r;
-    asm volatile("ld.global.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.w[0]), "=r"(r.w[1]), "=r"(r.w[2]), "=r"(r.w[3])
-                 : "l"(p));
-    return r;
-  } else if constexpr (IO == kIoHints && sizeof(T) * V == 8) {
-    Raw<T, V> r;
-    asm volatile("ld.global.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];" : "=r"(r.w[0]), "=r"(r.w[1]) : "l"(p));
-    return r;
-  } else {
-    return load_raw<T, V>(p);
-  }
-}
+//   kIoVector: one store instruction per vector (st.global.v4.u32, v2 for 8 bytes), written in PTX. Aliased outputs
+//     (dg over g, h over dh) need no memory clobber: a thread's store to an element depends on its own load of that
+//     element, and no other element it loads is one it stores.
+// (Cache hints — L1::no_allocate, 256-byte L2 fetches, evict-first stores — measured no faster on an H200.)
+enum Io : int { kIoPlain = 0, kIoVector = 1 };
 
 template <typename T, int V, int IO>
 __device__ __forceinline__ void store_out(T* p, const Raw<T, V>& r) {
-  if constexpr (IO != kIoPlain && sizeof(T) * V == 16) {
-    if constexpr (IO == kIoHints) {
-      asm volatile("st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(r.w[0]), "r"(r.w[1]), "r"(r.w[2]),
-                   "r"(r.w[3]));
-    } else {
-      asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(r.w[0]), "r"(r.w[1]), "r"(r.w[2]),
-                   "r"(r.w[3]));
-    }
-  } else if constexpr (IO != kIoPlain && sizeof(T) * V == 8) {
-    if constexpr (IO == kIoHints) {
-      asm volatile("st.global.cs.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(r.w[0]), "r"(r.w[1]));
-    } else {
-      asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(r.w[0]), "r"(r.w[1]));
-    }
+  if constexpr (IO == kIoVector && sizeof(T) * V == 16) {
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(r.w[0]), "r"(r.w[1]), "r"(r.w[2]),
+                 "r"(r.w[3]));
+  } else if constexpr (IO == kIoVector && sizeof(T) * V == 8) {
+    asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(r.w[0]), "r"(r.w[1]));
   } else {
     store_raw<T, V>(p, r);
   }
@@ -121,9 +90,9 @@ __device__ __forceinline__ void load_tile(BwdTile<T, V, R>& t, int64_t r0, int64
   for (int i = 0; i < R; ++i) {
     const int64_t r = tile_row(r0, i);
     if (r < rows) {
-      t.d[i] = load_in<T, V, IO>(at<T>(dh, r, c));
-      t.g[i] = load_in<T, V, IO>(at<T>(g, r, c));
-      t.u[i] = load_in<T, V, IO>(at<T>(u, r, c));
+      t.d[i] = load_raw<T, V>(at<T>(dh, r, c));
+      t.g[i] = load_raw<T, V>(at<T>(g, r, c));
+      t.u[i] = load_raw<T, V>(at<T>(u, r, c));
     }
   }
 }
@@ -205,8 +174,7 @@ __device__ __forceinline__ void flush_column_sums(SumPart<V>& part, const float 
 }
 
 // The backward with R rows per thread, all loaded before any is used, the register cap of MIN_BLOCKS blocks per SM
-// and vectors moved as IO says; one tile per block (grid-stride past 65535 tiles). glu.cu runs R = 4 at 4 blocks per
-// SM with kIoVector (R = 2 for fp32); glu_variants.cu measures other shapes of the same kernel.
+// and vectors moved as IO says; one tile per block (grid-stride past 65535 tiles). glu.cu's constants say which.
 template <typename T, int V, int ACT, int R, int MIN_BLOCKS, int IO>
 __global__ void __launch_bounds__(kThreadsX * kThreadsY, MIN_BLOCKS)
     glu_backward_kernel(int64_t rows, int64_t cols, Mat dh, Mat g, Mat u, Mat dg, Mat du, Mat h, float* dbg,

@@ -29,14 +29,6 @@ void glu_forward(DType dtype, int act, int64_t rows, int64_t cols, Mat g, Mat u,
 void glu_backward(DType dtype, int act, int64_t rows, int64_t cols, Mat dh, Mat g, Mat u, Mat dg, Mat du, Mat h,
                   float* dbg, float* dbu, cudaStream_t stream);
 
-// Alternative backward kernels, for measurement only (glu_variants.cu; benchmarks/cuda_backend_gpu.py --variants):
-// their names, index = variant, 0 = glu_backward itself. glu_backward_variant has glu_backward's contract and returns
-// false, launching nothing, for an unknown variant or one this device cannot run.
-extern const char* const kGluBackwardVariants[];
-extern const int kGluBackwardVariantCount;
-bool glu_backward_variant(int variant, DType dtype, int act, int64_t rows, int64_t cols, Mat dh, Mat g, Mat u, Mat dg,
-                          Mat du, Mat h, float* dbg, float* dbu, cudaStream_t stream);
-
 // y = act(z + bias) over [rows, cols]; bias (length cols) may be null; y may alias z.
 void bias_act(DType dtype, int act, int64_t rows, int64_t cols, Mat z, const void* bias, Mat y, cudaStream_t stream);
 
@@ -50,16 +42,5 @@ constexpr int64_t kDecodeMaxM = 16;
 // ([m, hidden], the input dtype, written here), then y = h·Wdᵀ + bd. Deterministic (no atomics).
 void decode_gated_mlp(DType dtype, int act, int64_t m, int64_t dim, int64_t hidden, Mat x, Mat wg, Mat wu, Mat wd,
                       const void* bg, const void* bu, const void* bd, Mat h, Mat y, cudaStream_t stream);
-
-// Alternative shapes of the decode MLP's kernel 2, for measurement only (decode_variants.cu): their names, index =
-// variant, 0 = decode_gated_mlp itself. decode_variant_runnable says whether this device runs the variant for that
-// dtype; decode_gated_mlp_variant has decode_gated_mlp's contract (the caller checks decode_supported) and returns
-// false where the variant cannot run or its launch was refused.
-extern const char* const kDecodeVariants[];
-extern const int kDecodeVariantCount;
-bool decode_variant_runnable(int variant, DType dtype);
-bool decode_gated_mlp_variant(int variant, DType dtype, int act, int64_t m, int64_t dim, int64_t hidden, Mat x,
-                              Mat wg, Mat wu, Mat wd, const void* bg, const void* bu, const void* bd, Mat h, Mat y,
-                              cudaStream_t stream);
 
 }  // namespace mlpfuse

@@ -103,22 +103,16 @@ void check_gated(const Tensor& x, const Tensor& wg, const Tensor& wu, const Tens
   check_opt("down_bias", bd, x, dim);
 }
 
-// Whether the decode kernels take these (checked) tensors: a few tokens and 16-byte aligned rows.
-bool decode_applies(const Tensor& x, const Tensor& wg, const Tensor& wu, const Tensor& wd) {
-  const int64_t m = x.size(0), dim = x.size(1), hidden = wg.size(0);
-  if (m < 1 || m > kDecodeMaxM) return false;
-  if (x.stride(1) != 1 || wg.stride(1) != 1 || wu.stride(1) != 1 || wd.stride(1) != 1) return false;
-  const void* ptrs[] = {x.data_ptr(), wg.data_ptr(), wu.data_ptr(), wd.data_ptr()};
-  const int64_t lds[] = {mat(x).ld, wg.stride(0), wu.stride(0), wd.stride(0)};
-  return decode_supported(dtype_of(x), m, dim, hidden, ptrs, 4, lds, 4);
-}
-
-// The decode kernels, when they apply. They sum in a fixed order, so deterministic mode needs no fallback. Two
-// allocations (h, y) from the caching allocator and two launches.
+// The decode kernels, when they apply: a few tokens and 16-byte aligned rows. They sum in a fixed order, so
+// deterministic mode needs no fallback. Two allocations (h, y) from the caching allocator and two launches.
 Tensor try_decode(const Tensor& x, const Tensor& wg, const Tensor& wu, const Tensor& wd, const OptTensor& bg,
                   const OptTensor& bu, const OptTensor& bd, int64_t act) {
-  if (!decode_applies(x, wg, wu, wd)) return Tensor();
   const int64_t m = x.size(0), dim = x.size(1), hidden = wg.size(0);
+  if (m < 1 || m > kDecodeMaxM) return Tensor();
+  if (x.stride(1) != 1 || wg.stride(1) != 1 || wu.stride(1) != 1 || wd.stride(1) != 1) return Tensor();
+  const void* ptrs[] = {x.data_ptr(), wg.data_ptr(), wu.data_ptr(), wd.data_ptr()};
+  const int64_t lds[] = {mat(x).ld, wg.stride(0), wu.stride(0), wd.stride(0)};
+  if (!decode_supported(dtype_of(x), m, dim, hidden, ptrs, 4, lds, 4)) return Tensor();
   Tensor h = at::empty({m, hidden}, x.options());
   Tensor y = at::empty({m, dim}, x.options());
   decode_gated_mlp(dtype_of(x), static_cast<int>(act), m, dim, hidden, mat(x), mat(wg), mat(wu), mat(wd),
@@ -238,12 +232,9 @@ Tensor glu_forward_op(const Tensor& g, const Tensor& u, int64_t act) {
   return h;
 }
 
-namespace {
-
-// The GLU backward alone: [dg, du, h (want_h), dbg, dbu (bias_sums, fp32)]. variant < 0: the kernel in use
-// (glu_backward); else that variant of glu_variants.cu.
-std::vector<Tensor> run_glu_backward(const Tensor& dh, const Tensor& g, const Tensor& u, int64_t act, bool want_h,
-                                     bool bias_sums, int64_t variant) {
+// [dg, du, h (want_h), dbg, dbu (bias_sums, fp32)].
+std::vector<Tensor> glu_backward_op(const Tensor& dh, const Tensor& g, const Tensor& u, int64_t act, bool want_h,
+                                    bool bias_sums) {
   check_lead("dh", dh, 2);
   check_like("g", g, dh, {dh.size(0), dh.size(1)});
   check_like("u", u, dh, {dh.size(0), dh.size(1)});
@@ -253,73 +244,12 @@ std::vector<Tensor> run_glu_backward(const Tensor& dh, const Tensor& g, const Te
   Tensor dg = at::empty(dh.sizes(), dh.options()), du = at::empty(dh.sizes(), dh.options());
   Tensor h = want_h ? at::empty(dh.sizes(), dh.options()) : Tensor();
   Tensor sums = bias_sums ? at::zeros({2, dh.size(1)}, dh.options().dtype(at::kFloat)) : Tensor();
-  float* dbg = bias_sums ? sums[0].data_ptr<float>() : nullptr;
-  float* dbu = bias_sums ? sums[1].data_ptr<float>() : nullptr;
-  const Mat hm = want_h ? mat(h) : Mat{nullptr, 0};
-  if (variant < 0) {
-    glu_backward(dtype_of(dh), static_cast<int>(act), dh.size(0), dh.size(1), mat(dhc), mat(gc), mat(uc), mat(dg),
-                 mat(du), hm, dbg, dbu, stream());
-  } else {
-    const bool ran = glu_backward_variant(static_cast<int>(variant), dtype_of(dh), static_cast<int>(act),
-                                          dh.size(0), dh.size(1), mat(dhc), mat(gc), mat(uc), mat(dg), mat(du), hm,
-                                          dbg, dbu, stream());
-    TORCH_CHECK_VALUE(ran, "variant: GLU backward variant ", variant, " cannot run on this device");
-  }
+  glu_backward(dtype_of(dh), static_cast<int>(act), dh.size(0), dh.size(1), mat(dhc), mat(gc), mat(uc), mat(dg),
+               mat(du), want_h ? mat(h) : Mat{nullptr, 0}, bias_sums ? sums[0].data_ptr<float>() : nullptr,
+               bias_sums ? sums[1].data_ptr<float>() : nullptr, stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {dg, du, h, bias_sums ? sums[0] : Tensor(), bias_sums ? sums[1] : Tensor()};
 }
-
-void check_variant(int64_t variant, int count, const char* what) {
-  TORCH_CHECK_VALUE(variant >= 0 && variant < count, "variant: expected a ", what, " variant in [0, ", count,
-                    "), got ", variant);
-}
-
-std::vector<std::string> names(const char* const* list, int count) { return {list, list + count}; }
-
-}  // namespace
-
-std::vector<Tensor> glu_backward_op(const Tensor& dh, const Tensor& g, const Tensor& u, int64_t act, bool want_h,
-                                    bool bias_sums) {
-  return run_glu_backward(dh, g, u, act, want_h, bias_sums, -1);
-}
-
-// Private entries for measurement (benchmarks/cuda_backend_gpu.py --variants): the alternative kernels of
-// glu_variants.cu and decode_variants.cu by number, 0 being the kernel in use, behind the public entries' checks.
-std::vector<Tensor> glu_backward_variant_op(const Tensor& dh, const Tensor& g, const Tensor& u, int64_t act,
-                                            int64_t variant, bool want_h, bool bias_sums) {
-  check_variant(variant, kGluBackwardVariantCount, "GLU backward");
-  return run_glu_backward(dh, g, u, act, want_h, bias_sums, variant);
-}
-
-// The decode path's y (whole gated MLP) with kernel 2 as `variant` shapes it; a layout the decode kernels do not take
-// is an error here (the public entry falls back to GEMMs).
-Tensor decode_variant_op(const Tensor& x, const Tensor& wg, const Tensor& wu, const Tensor& wd, const OptTensor& bg,
-                         const OptTensor& bu, const OptTensor& bd, int64_t act, int64_t variant) {
-  check_gated(x, wg, wu, wd, bg, bu, bd);
-  check_act(act);
-  check_variant(variant, kDecodeVariantCount, "decode");
-  TORCH_CHECK_VALUE(decode_variant_runnable(static_cast<int>(variant), dtype_of(x)), "variant: decode variant ",
-                    variant, " cannot run on this device");
-  const c10::cuda::CUDAGuard guard(x.device());
-  TORCH_CHECK_VALUE(decode_applies(x, wg, wu, wd), "x: the decode kernels take 1 to ", kDecodeMaxM,
-                    " tokens and 16-byte aligned rows, got shape ", shape_str(x));
-  const int64_t m = x.size(0), dim = x.size(1), hidden = wg.size(0);
-  Tensor h = at::empty({m, hidden}, x.options());
-  Tensor y = at::empty({m, dim}, x.options());
-  const bool ran = decode_gated_mlp_variant(static_cast<int>(variant), dtype_of(x), static_cast<int>(act), m, dim,
-                                            hidden, mat(x), mat(wg), mat(wu), mat(wd), ptr_or_null(bg),
-                                            ptr_or_null(bu), ptr_or_null(bd), Mat{h.data_ptr(), hidden}, mat(y),
-                                            stream());
-  TORCH_CHECK_VALUE(ran, "variant: decode variant ", variant, ": the runtime refused its launch");
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return y;
-}
-
-std::vector<std::string> glu_backward_variant_names() {
-  return names(kGluBackwardVariants, kGluBackwardVariantCount);
-}
-
-std::vector<std::string> decode_variant_names() { return names(kDecodeVariants, kDecodeVariantCount); }
 
 }  // namespace mlpfuse
 
@@ -330,9 +260,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_act_forward", &mlpfuse::linear_act_forward);
   m.def("glu_forward", &mlpfuse::glu_forward_op);
   m.def("glu_backward", &mlpfuse::glu_backward_op);
-  m.def("_glu_backward_variant", &mlpfuse::glu_backward_variant_op);
-  m.def("_glu_backward_variants", &mlpfuse::glu_backward_variant_names);
-  m.def("_decode_variant", &mlpfuse::decode_variant_op);
-  m.def("_decode_variants", &mlpfuse::decode_variant_names);
   m.attr("decode_max_m") = mlpfuse::kDecodeMaxM;
 }
