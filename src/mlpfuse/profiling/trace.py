@@ -1,6 +1,7 @@
 """Load any Chrome / Kineto trace (.json or .json.gz) into a small event model.
 
-Only the standard library: `mlpfuse analyze` must start fast and run where torch is not installed.
+Only the standard library (and msgspec, which parses faster, where it is installed): `mlpfuse analyze` must start
+fast and run where torch is not installed.
 Every way a file can fail to be a trace ends in one `InputError` line naming the file.
 
 A trace file is untrusted input: only regular files are read, at most a set number of bytes read or inflated,
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 from mlpfuse.errors import InputError
+from mlpfuse.profiling import jsondecode
 
 # Normalised categories.
 CPU_OP = "cpu_op"
@@ -267,7 +269,7 @@ def no_gc():
 
 def _decode(raw: bytes, path: str) -> Any:
     try:
-        return json.loads(raw)
+        return jsondecode.loads(raw)
     except UnicodeDecodeError:
         raise InputError(f"TRACE {path}: not text JSON (binary data), expected a Chrome trace") from None
     except json.JSONDecodeError as exc:
@@ -532,10 +534,22 @@ def from_json(data: Any, path: str = "<trace>") -> Trace:
     return _build(_extract(events), len(events), metadata, path)
 
 
+def _from_own_json(data: Any, path: str) -> Trace:
+    """`from_json` of a document parsed here, which nothing else holds: once read, its events are freed in the
+    order the parser made them. A list frees its items last to first, so it is reversed first: a million parsed
+    events then take 0.3 s to free instead of 0.5 (measured; memory is walked forwards, as it was filled)."""
+    try:
+        return from_json(data, path)
+    finally:
+        events = data.get("traceEvents") if isinstance(data, dict) else data
+        if isinstance(events, list):
+            events.reverse()
+
+
 def load(path: str | os.PathLike, max_bytes: int | str | None = None) -> Trace:
     path = os.fspath(path)
     with no_gc():
-        return from_json(load_json(path, max_bytes), path)
+        return _from_own_json(load_json(path, max_bytes), path)
 
 
 def load_trace_or_json(path: str | os.PathLike, max_bytes: int | str | None = None) -> Trace | dict:
@@ -546,4 +560,4 @@ def load_trace_or_json(path: str | os.PathLike, max_bytes: int | str | None = No
     refuse_execution_trace(data, path)
     if isinstance(data, dict) and "schema" in data and "traceEvents" not in data:
         return data
-    return from_json(data, path)
+    return _from_own_json(data, path)

@@ -1,0 +1,50 @@
+"""JSON text -> Python objects, through msgspec when it is installed (twice as fast on large traces), with the
+standard library's `json.loads` deciding everything msgspec does not read exactly as it would.
+
+msgspec agrees with `json.loads` on every document it accepts (tests/test_trace_json.py checks edge cases and
+fuzzed documents), and refuses what `json` reads differently or not at all: NaN and Infinity, numbers beyond a
+float's range, lone surrogates, a byte order mark, UTF-16/32, malformed UTF-8. What it refuses goes to `json`,
+so the accepted documents, the results and every error stay those of the standard library. Nesting is the one
+thing msgspec would accept further than `json` (whose limit is the interpreter's recursion depth): its decoder
+here takes documents nested at most `FAST_DEPTH` containers deep, far deeper than any profiler trace, and leaves
+deeper ones to `json`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, Callable, Union
+
+FAST_DEPTH = 9  # containers inside containers; Kineto traces reach 7 (an event's args holding lists of shapes)
+
+
+@functools.cache
+def _fast() -> Callable[[bytes], Any] | None:
+    """msgspec's decoder of JSON values nested at most FAST_DEPTH deep, or None where msgspec is not installed."""
+    try:
+        import msgspec
+    except ImportError:
+        return None
+    # A recursive alias would allow any depth; unrolled, the type ends at FAST_DEPTH. It doubles per level (list and
+    # dict each hold the level below), which bounds FAST_DEPTH: this one takes ~20 ms to make.
+    value = Union[None, bool, int, float, str]
+    for _ in range(FAST_DEPTH):
+        value = Union[None, bool, int, float, str, list[value], dict[str, value]]
+    return msgspec.json.Decoder(value).decode
+
+
+def available() -> bool:
+    """Whether the fast decoder is installed (msgspec)."""
+    return _fast() is not None
+
+
+def loads(raw: bytes, fast: bool = True) -> Any:
+    """`json.loads(raw)`'s result or exception, faster where msgspec is installed; `fast=False`: json alone."""
+    decode = _fast() if fast else None
+    if decode is not None:
+        try:
+            return decode(raw)
+        except Exception:  # anything msgspec cannot read exactly as json does: json reads it, or says why not
+            pass
+    return json.loads(raw)
