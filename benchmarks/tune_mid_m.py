@@ -2,8 +2,8 @@
 
     PYTHONPATH=src python3 benchmarks/tune_mid_m.py [--rounds 15] [--out DIR]
 
-At 512–2048 tokens × 768×3072 the size-class table gives the gated kernel the tiles tuned at 8192 tokens, and
-`auto` keeps eager's kernels there because the fused kernel lost on GPU time. This times, per shape, h = act(x·Wgᵀ)·
+At 128–4096 tokens the size-class table gives the gated kernel the tiles tuned at 8192 tokens; these runs decided
+`auto`'s inference threshold (ops/dispatch.py) and its GEMM+activation rule. This times, per shape, h = act(x·Wgᵀ)·
 (x·Wuᵀ) by eager's three kernels (two cuBLAS GEMMs + GELU·mul), by cuBLAS on the packed [2·hidden, dim] weight
 (+ GELU·mul), and by the gated kernel under each candidate config. Each call alone, L2 flushed before it and
 bracketed by CUDA events, twice: as `mlpfuse bench` times it (the GPU waits for the host's launches: host time
@@ -27,8 +27,8 @@ from mlpfuse.kernels.configs import KernelConfig as K
 from mlpfuse.kernels.gated_gemm import gated_gemm
 from mlpfuse.kernels.gemm_act import gemm_act
 
-SHAPES = ((128, 768, 3072), (256, 768, 3072), (512, 768, 3072), (1024, 768, 3072), (2048, 768, 3072), (4096, 768, 3072), (512, 4096, 14336),
-          (1024, 4096, 14336))
+SHAPES = ((128, 768, 3072), (256, 768, 3072), (512, 768, 3072), (1024, 768, 3072), (2048, 768, 3072),
+          (4096, 768, 3072), (512, 4096, 14336), (1024, 4096, 14336))
 CANDIDATES = {
     "128x64x64 s3w4 x2 flatten (table)": K(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2, flatten=True),
     "128x64x64 s4w4 x2 flatten": K(128, 64, 64, num_stages=4, num_warps=4, programs_per_sm=2, flatten=True),

@@ -377,8 +377,8 @@ class PackedGatedMLP(GatedMLP):
         if b is not None:
             gate_bias, up_bias = b[: self.hidden], b[self.hidden :]
         if not torch.jit.is_scripting():
-            y = _plan_of(self, CallPlan)(x, w[: self.hidden], w[self.hidden :], self.down_proj.weight, gate_bias, up_bias,
-                                 self.down_proj.bias, self.activation, self.backend)
+            y = _plan_of(self, CallPlan)(x, w[: self.hidden], w[self.hidden :], self.down_proj.weight, gate_bias,
+                                         up_bias, self.down_proj.bias, self.activation, self.backend)
             if y is not None:
                 return y
         return gated_mlp_call(
