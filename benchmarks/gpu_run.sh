@@ -3,10 +3,10 @@
 # of everything they wrote and a short summary printed last.
 #   bash benchmarks/gpu_run.sh OUTDIR STEP[:SECONDS] ...
 # Steps: numerics, tests, gpu-tests (the files whose path changes on CUDA), plan-tests, walkthrough, model-lab,
-#        model-prefill-32, model-gpt2, model-bert,
+#        model-prefill-32, model-decode-32, decode-step, model-gpt2, model-bert,
 #        bench-blog, bench-linear, bench-large, bench-large-train, bench-train-mid,
 #        bench-decode, bench-small,
-#        bench-sweep, bench-sweep-mid, bench-sweep-mid-large, bench-sweep-train, bench-sweep-large, bench-sweep-large-train, kernels, tune-mid-m, tune-linear, tune-blog, tune-llama, decode, decode-sweep, host,
+#        bench-sweep, bench-sweep-small, bench-sweep-small-large, bench-sweep-mid, bench-sweep-mid-large, bench-sweep-train, bench-sweep-large, bench-sweep-large-train, kernels, tune-mid-m, tune-small-m, tune-linear, tune-blog, tune-llama, decode, decode-sweep, host,
 #        host-paths, host-floor, host-profile, host-breakdown, memory, one-launch, profile-train, cuda-backend,
 #        multi-gpu, multi-gpu-sp (every visible GPU, tensor parallel; NCCL with NVLink multicast off).
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
@@ -47,6 +47,9 @@ for spec in "$@"; do
             --mode prefill,decode,train --variants eager,liger,mlpfuse --out "$W/model-lab" ;;
         model-prefill-32) run_step model-prefill-32 "$secs" python3 -m mlpfuse bench --model llama3-8b --tokens 1x8192 \
             --mode prefill --variants eager,mlpfuse --out "$W/model-prefill-32" ;;
+        model-decode-32) run_step model-decode-32 "$secs" python3 -m mlpfuse bench --model llama3-8b --tokens 1x128 \
+            --mode decode --variants eager,compile,mlpfuse,mlpfuse-compile --out "$W/model-decode-32" ;;
+        decode-step) run_step decode-step "$secs" python3 benchmarks/decode_step.py --out "$W/decode-step" ;;
         model-gpt2) run_step model-gpt2 "$secs" python3 -m mlpfuse bench --model gpt2 --tokens 1x128,8x128 \
             --mode prefill,decode,train --variants eager,mlpfuse --out "$W/model-gpt2" ;;
         model-bert) run_step model-bert "$secs" python3 -m mlpfuse bench --model bert-base --tokens 1x128,8x128 \
@@ -60,10 +63,14 @@ for spec in "$@"; do
         bench-small) run_step bench-small "$secs" python3 -m mlpfuse bench --preset small --workload geglu --out "$W/bench-small" ;;
         bench-sweep) run_step bench-sweep "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 768 --hidden 3072 --workload geglu,swiglu --mode fwd --variants eager,compile,liger,eager-cudagraph,mlpfuse --out "$W/bench-sweep" ;;
         bench-sweep-mid) run_step bench-sweep-mid "$secs" python3 -m mlpfuse bench --tokens 128,256,512,1024,2048 --dim 768 --hidden 3072 --workload geglu,swiglu --mode fwd --variants eager,compile,liger,eager-cudagraph,mlpfuse --out "$W/bench-sweep-mid" ;;
+        bench-sweep-small-large) run_step bench-sweep-small-large "$secs" python3 -m mlpfuse bench --tokens 16,32,48,64,96 --dim 4096 --hidden 14336 --workload geglu,swiglu --mode fwd --variants eager,compile,liger,mlpfuse --out "$W/bench-sweep-small-large" ;;
+        bench-sweep-small) run_step bench-sweep-small "$secs" python3 -m mlpfuse bench --tokens 64,96 --dim 768 --hidden 3072 --workload geglu,swiglu --mode fwd --variants eager,compile,liger,mlpfuse --out "$W/bench-sweep-small" ;;
         bench-sweep-mid-large) run_step bench-sweep-mid-large "$secs" python3 -m mlpfuse bench --tokens 128,256,512 --dim 4096 --hidden 14336 --workload geglu,swiglu --mode fwd --variants eager,compile,liger,mlpfuse --out "$W/bench-sweep-mid-large" ;;
         bench-sweep-train) run_step bench-sweep-train "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 768 --hidden 3072 --workload geglu,swiglu --mode fwd+bwd --variants eager,compile,liger,eager-cudagraph,mlpfuse --out "$W/bench-sweep-train" ;;
         kernels) run_step kernels "$secs" python3 benchmarks/tune_kernels.py --out "$W/kernels" ;;
         tune-mid-m) run_step tune-mid-m "$secs" python3 benchmarks/tune_mid_m.py --out "$W/tune-mid-m" ;;
+        tune-small-m) run_step tune-small-m "$secs" python3 benchmarks/tune_mid_m.py --compile --out "$W/tune-small-m" \
+            --shapes 16x4096x14336,24x4096x14336,32x4096x14336,48x4096x14336,64x4096x14336,80x4096x14336,96x4096x14336,128x4096x14336,64x768x3072,96x768x3072,128x768x3072 ;;
         tune-linear) run_step tune-linear "$secs" python3 benchmarks/tune_kernels.py --skip-numerics --only linear --out "$W" ;;
         tune-llama) run_step tune-llama "$secs" python3 benchmarks/tune_kernels.py --skip-numerics --only llama --out "$W" ;;
         tune-blog) run_step tune-blog "$secs" python3 benchmarks/tune_kernels.py --skip-numerics --only blog --out "$W" ;;

@@ -8,7 +8,8 @@ enter: what a host-bound step pays. Wall µs: calls back to back with one synchr
 when the GPU's work and the host's overlap (max of the two). Each figure is the median over rounds, with min and
 max. Variants are timed interleaved (A B C A B C …) after a clock spin-up.
 
-Paths (bf16): decode (no_grad, 1–64 tokens), gated forward (no_grad, 1024–8192 tokens), training forward+backward
+Paths (bf16): decode (no_grad, 1 and 16 tokens), few tokens (no_grad, 64 and 128: the decode kernels, the gated GEMM
+or cuBLAS around the GLU pass, by layer size), gated forward (no_grad, 1024–8192 tokens), training forward+backward
 (`.backward()` into the parameters' .grad, as a training loop does), each at 768×3072 and 4096×14336, GeGLU.
 """
 
@@ -91,7 +92,8 @@ def main():
         eager = Eager(d, hdim).to(dev, dt)
         fused = {"auto": mlpfuse.GatedMLP.from_module(eager, activation="gelu_tanh"),
                  "triton": mlpfuse.GatedMLP.from_module(eager, activation="gelu_tanh", backend="triton")}
-        paths = [("decode", m, False) for m in (1, 16, 64)] + [("forward", m, False) for m in (1024, 8192)]
+        paths = [("decode", m, False) for m in (1, 16)] + [("few tokens", m, False) for m in (64, 128)]
+        paths += [("forward", m, False) for m in (1024, 8192)]
         paths += [("train", m, True) for m in ((1024, 8192) if not args.quick else (8192,))]
         for path, m, train in paths:
             x = torch.randn(m, d, device=dev, dtype=dt, requires_grad=train)
@@ -117,7 +119,7 @@ def main():
                     "host_vs_eager": r["host"]["median"] / base["host"]["median"],
                     "wall_vs_eager": r["wall"]["median"] / base["wall"]["median"]}
                 rows.append(row)
-                print(f"{row['shape']:>16s} {path:8s} {name:15s} host {row['host_median']:8.1f} "
+                print(f"{row['shape']:>16s} {path:10s} {name:15s} host {row['host_median']:8.1f} "
                       f"[{row['host_min']:.1f}, {row['host_max']:.1f}] ({row['host_vs_eager']:.2f}x)  wall "
                       f"{row['wall_median']:8.1f} [{row['wall_min']:.1f}, {row['wall_max']:.1f}] "
                       f"({row['wall_vs_eager']:.2f}x)", flush=True)

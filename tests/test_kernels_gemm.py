@@ -261,6 +261,40 @@ def test_glu_backward_split(act_name, dtype):
     assert glu_backward_split(dh, g, u, activation=act.id)[2:] == (None, None, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("act_name", ACTS)
+def test_glu_forward(act_name, dtype):
+    # h = act(g)·u for row-strided g and u (the column halves of one buffer), into a poisoned caller-owned h, and
+    # for fresh outputs at a row count past one program per row block.
+    from mlpfuse.kernels.glu import glu_forward
+
+    gen = torch.Generator().manual_seed(11 + ACTS.index(act_name))
+    act = A.get(act_name)
+    M, N = 7, 37
+    gu = randn(M, 2 * N + 3, dtype=dtype, gen=gen)
+    g, u = gu[:, :N], gu[:, N + 3:]
+    out = poisoned(M, N, dtype=dtype, n=1)[0]
+    h = glu_forward(g, u, activation=act.id, out=out)
+    assert h is out
+    assert_close(h, act.forward(g.double()) * u.double(), dtype, "h")
+    g2, u2 = randn(130, 19, dtype=dtype, gen=gen), randn(130, 19, dtype=dtype, gen=gen)
+    assert_close(glu_forward(g2, u2, activation=act.id), act.forward(g2.double()) * u2.double(), dtype, "h (fresh)")
+
+
+def test_glu_forward_bad_input_and_empty():
+    from mlpfuse.errors import InputError
+    from mlpfuse.kernels.glu import glu_forward
+
+    g = torch.randn(4, 6, device=DEVICE)
+    with pytest.raises(InputError, match="^u: expected shape"):
+        glu_forward(g, torch.randn(4, 5, device=DEVICE), activation=A.SILU)
+    with pytest.raises(InputError, match="^g: expected unit column stride"):
+        glu_forward(torch.randn(6, 4, device=DEVICE).T, g, activation=A.SILU)
+    with pytest.raises(InputError, match="^u: expected"):
+        glu_forward(g, g.half(), activation=A.SILU)
+    assert glu_forward(g[:0], g[:0], activation=A.SILU).shape == (0, 6)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the cached direct launch runs on CUDA only")
 def test_cached_launch_reuses_kernels_across_m_and_respecializes_on_alignment():
     # The second call with the same layout launches the cached compiled kernel directly: it must be right for any M

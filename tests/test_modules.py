@@ -351,9 +351,9 @@ def test_module_call_plan_on_gpu_matches_the_reference():
     from mlpfuse.ops import dispatch
 
     if dispatch.decode_max_m() and torch.cuda.get_device_capability()[0] >= dispatch.MIN_ARCH:
-        paths = {key[1][:-1]: entry.path for key, entry in m._plan.entries.items()}
+        paths = {tuple(key[1][0][:-1]): entry.path for key, entry in m._plan.entries.items()}  # x's leading dims
         assert paths[(1,)] == paths[(64,)] == dispatch.DECODE  # this layer takes the decode path up to its limit
-        assert paths[(300,)] != dispatch.DECODE
+        assert paths[(65,)] == paths[(300,)] == dispatch.GATED  # and the gated GEMM past it (a small layer)
     # With autograd on, the training path runs (no decode kernel), with gradients.
     x = torch.randn(4, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     m(x).sum().backward()

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from mlpfuse import activations, kernels, ops
 from mlpfuse.bench.variants import graphed
 from mlpfuse.errors import InputError
+from mlpfuse.modules import GatedMLP
 from mlpfuse.ops import dispatch
 from oracle import PLAIN
 
@@ -248,6 +249,33 @@ def test_gated_mlp_triton_inference_small_batches(m, kernel_calls):
         check_gated("triton", "gelu_tanh", (m,), 24, 40, torch.float32, m % 2 == 1, grad=False)
     if dispatch.decode_max_m() >= m:
         assert kernel_calls == ["decode_mlp"]
+
+
+@needs_triton
+@pytest.mark.parametrize("bias", [False, True])
+def test_auto_split_path_between_decode_and_gated_sizes(monkeypatch, kernel_calls, bias):
+    # A large layer past the decode sizes and below GATED_LARGE_MIN_M: cuBLAS's GEMMs around the Triton GLU pass,
+    # against fp64; the module's call plan takes the same path.
+    monkeypatch.setattr(dispatch, "_auto_may_use", lambda device, dtype, module: True)
+    monkeypatch.setattr(dispatch, "DECODE_LARGE_LAYER", 1)
+    m = dispatch.DECODE_LARGE_MAX_M + 7
+    with torch.no_grad():
+        check_gated("auto", "silu", (m,), 16, 24, torch.float32, bias, grad=False, seed=5)
+    assert kernel_calls == ["glu"]
+    kernel_calls.clear()
+    block = GatedMLP(16, 24, "silu", bias=bias).to(DEVICE)
+    x = torch.randn(1, m, 16, device=DEVICE)
+    with torch.no_grad():
+        first = block(x)
+        y = block(x)  # through the GLU pass's launch plan, held by the module's call plan
+    assert set(kernel_calls) == {"glu"}
+    (entry,) = block._plan.entries.values()
+    assert entry.path == dispatch.SPLIT and entry.held
+    torch.testing.assert_close(y, first, rtol=0, atol=0)
+    want = plain_gated("silu", x.double(), *(t.double() if t is not None else None for t in (
+        block.gate_proj.weight, block.up_proj.weight, block.down_proj.weight, block.gate_proj.bias,
+        block.up_proj.bias, block.down_proj.bias)))
+    assert rel(y, want) < TOL[torch.float32]
 
 
 @needs_triton
@@ -633,8 +661,15 @@ def test_auto_decode_cutover_depends_on_layer_size(monkeypatch):
     monkeypatch.setattr(dispatch, "_auto_may_use", lambda device, dtype, module: True)
     monkeypatch.setattr(dispatch, "decode_max_m", lambda: 64)
     big, small = 4096 * 14336 // 4096, 3072
-    assert dispatch.gated_mlp_path("auto", torch.empty(32, 4096), big, False) == dispatch.DECODE
-    assert dispatch.gated_mlp_path("auto", torch.empty(64, 4096), big, False) == dispatch.TORCH
+    at_most = dispatch.DECODE_LARGE_MAX_M
+    assert dispatch.gated_mlp_path("auto", torch.empty(at_most, 4096), big, False) == dispatch.DECODE
+    # Past the decode sizes on a large layer: cuBLAS + the GLU pass until the gated GEMM wins there.
+    assert dispatch.gated_mlp_path("auto", torch.empty(at_most + 1, 4096), big, False) == dispatch.SPLIT
+    assert dispatch.gated_mlp_path("auto", torch.empty(dispatch.GATED_LARGE_MIN_M - 1, 4096), big, False) \
+        == dispatch.SPLIT
+    assert dispatch.gated_mlp_path("auto", torch.empty(dispatch.GATED_LARGE_MIN_M, 4096), big, False) \
+        == dispatch.GATED
+    assert dispatch.gated_mlp_path("auto", torch.empty(64, 4096), big, True) == dispatch.TORCH
     assert dispatch.gated_mlp_path("auto", torch.empty(64, 768), small, False) == dispatch.DECODE
     assert dispatch.gated_mlp_path("auto", torch.empty(64, 768), small, True) == dispatch.TORCH
     # Training: the fused path where its GPU time outgrows its host time (Llama-8B's MLP), or under CUDA-graph
@@ -645,12 +680,10 @@ def test_auto_decode_cutover_depends_on_layer_size(monkeypatch):
     assert dispatch.gated_mlp_path("auto", *blog, True) == dispatch.GATED
     assert dispatch.gated_mlp_path("auto", *llama, True) == dispatch.GATED
     assert dispatch.gated_mlp_path("auto", *half, False) == dispatch.GATED  # inference is not host-bound there
-    # Inference: the gated GEMM from GATED_INFERENCE_MIN_M tokens above the decode sizes, captured or not (it wins on
-    # GPU time there as well); training keeps cuBLAS below GATED_MIN_M tokens, captured or not.
-    mid = (torch.empty(dispatch.GATED_INFERENCE_MIN_M, 768), 3072)
-    below = (torch.empty(dispatch.GATED_INFERENCE_MIN_M - 1, 768), 3072)
+    # Inference on a small layer: the gated GEMM right above the decode sizes, captured or not (it wins on GPU time
+    # there as well); training keeps cuBLAS below GATED_MIN_M tokens, captured or not.
+    mid = (torch.empty(65, 768), 3072)
     assert dispatch.gated_mlp_path("auto", *mid, False) == dispatch.GATED
-    assert dispatch.gated_mlp_path("auto", *below, False) == dispatch.TORCH
     assert dispatch.gated_mlp_path("auto", *mid, True) == dispatch.TORCH
     monkeypatch.setattr(dispatch, "_graph_capture", lambda x: True)
     assert dispatch.gated_mlp_path("auto", *half, True) == dispatch.GATED

@@ -438,15 +438,18 @@ def _run_case(built, case, variants, rows, ref, settings, device, progress) -> N
         return
     progress(f"{case.label}: timing {len(prepared)} variants in {settings.rounds} rounds")
     steps = {key: step for p in prepared.values() for key, step in p.steps.items()}
+    # Decode: wall time only (generate synchronizes every token), and at least 3 generate calls per round, whose
+    # mean is the round's figure: a single call per round left the host's noise in (±50–70 % on a busy host).
+    decode = case.mode == "decode"
     gpu, wall, errors = timing.interleaved(steps, device, rounds=settings.rounds, target_ms=settings.target_ms,
-                                           reps_bounds=(1, 50))
+                                           reps_bounds=(3, 50) if decode else (1, 50), gpu_clock=not decode)
     for v, p in prepared.items():
         row = rows[v]
         failed = [errors[k] for k in p.steps if k in errors]
         if failed:
             row.update(status="error", error=failed[0])
             continue
-        if case.mode == "decode":
+        if decode:
             # Per round: the two generate calls of that round, so a slow round cancels in the difference.
             k1, kn = list(p.steps)
             per_token = [(long - short) / settings.new_tokens / 1e3

@@ -219,7 +219,7 @@ def _run_case(state: _Case, variants, settings: Settings, peaks, progress) -> No
         if cuda:
             roofline.spin_up(device, 0.2)
         gpu, wall, errors = timing.interleaved(
-            state.steps, device, rounds=settings.rounds, target_ms=settings.target_ms
+            state.steps, device, rounds=settings.rounds, target_ms=settings.target_ms, queue_ahead=True
         )
         for name, message in errors.items():
             state.fail(name, "error", message)
@@ -308,7 +308,8 @@ def environment(device: torch.device, peaks: roofline.Peaks, settings: Settings,
             "warmup": settings.warmup,
             "profile": settings.profile,
             "seed": settings.seed,
-            "gpu_time": "CUDA events per call, L2 flushed before each, median per round, median over rounds",
+            "gpu_time": "CUDA events per call, L2 flushed before each and the call queued ahead of the GPU (no "
+                        "launch gaps), median per round, median over rounds",
             "wall_time": "N calls back to back between synchronizes, per call, median over rounds",
         },
     }

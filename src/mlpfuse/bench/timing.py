@@ -1,10 +1,13 @@
 """Clocks: GPU time from CUDA events and host wall time per call, both taken in interleaved rounds.
 
 GPU time: each repetition is bracketed by its own pair of CUDA events, after a write to a buffer twice the L2's
-size, so every call starts with cold caches (as the next layer of a model would) and the GPU is still busy
-flushing while the host queues the call: launch gaps do not leak into the number. Wall time: N calls back to
-back between two synchronizes, divided by N: what the host pays per call, dispatch included; this is the number
-that matters when the GPU work is smaller than the Python and launch overhead.
+size, so every call starts with cold caches (as the next layer of a model would). With `queue_ahead` (the block
+benchmarks) a GPU sleep longer than the call's host time follows the flush, so the host has queued the whole call
+before its start event runs: the number is the GPU's own time, launch gaps and the host's noise kept out of it (on
+a busy host, timing the call as its launches arrive gave ±50–200 % spreads at a few dozen tokens). Without it (the
+model lab) the GPU waits for the host's launches inside the events, as an eager-mode step does. Wall time: N calls
+back to back between two synchronizes, divided by N: what the host pays per call, dispatch included; this is the
+number that matters when the GPU work is smaller than the Python and launch overhead.
 
 Rounds: on the H200 two identical variants timed one after the other differed by 5 % (clock ramp, neighbours), and
 agreed within 0.1 % when interleaved A B C A B C …; so each round times every variant once, and a variant's
@@ -50,13 +53,33 @@ class L2Flusher:
         self.buf.zero_()
 
 
-def gpu_times_us(step, reps: int, flush: L2Flusher | None) -> list[float]:
-    """Per-repetition GPU time of `step` in µs, each from its own event pair."""
+class HostAhead:
+    """A GPU sleep of a given length in µs, so the host can queue a whole call before the GPU reaches it."""
+
+    def __init__(self, device: torch.device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cycles = 20_000_000
+        torch.cuda._sleep(cycles // 10)  # the clock up first
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        self.cycles_per_us = cycles / max(start.elapsed_time(end) * 1e3, 1.0)
+
+    def __call__(self, us: float) -> None:
+        torch.cuda._sleep(int(us * self.cycles_per_us))
+
+
+def gpu_times_us(step, reps: int, flush: L2Flusher | None, ahead: HostAhead | None = None,
+                 ahead_us: float = 0.0) -> list[float]:
+    """Per-repetition GPU time of `step` in µs, each from its own event pair (after `ahead(ahead_us)` when given)."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for start, end in zip(starts, ends):
         if flush is not None:
             flush()
+        if ahead is not None:
+            ahead(ahead_us)
         start.record()
         step()
         end.record()
@@ -97,14 +120,20 @@ def interleaved(
     target_ms: float,
     on_round=None,
     reps_bounds: tuple[int, int] | None = None,
+    gpu_clock: bool = True,
+    queue_ahead: bool = False,
 ) -> tuple[dict[str, Stat | None], dict[str, Stat], dict[str, str]]:
-    """Time every step in rounds (A B C A B C …); returns GPU stats (None on CPU), wall stats, and errors.
+    """Time every step in rounds (A B C A B C …); returns GPU stats (None on CPU or without `gpu_clock`), wall
+    stats, and errors.
 
     A step that raises while being timed is dropped from later rounds and reported in `errors`. `reps_bounds`: the
-    fewest and most repetitions per round (default 5–200 on a GPU, 2–50 on a CPU).
+    fewest and most repetitions per round (default 5–200 on a GPU, 2–50 on a CPU). `gpu_clock=False` times wall
+    only (steps that synchronize the host themselves, such as generate). `queue_ahead`: GPU time without the
+    host's launch gaps (see the module's docstring); the sleep before each call is twice its first wall time.
     """
     cuda = device.type == "cuda"
-    flush = L2Flusher(device) if cuda else None
+    timed_on_gpu = cuda and gpu_clock
+    flush = L2Flusher(device) if timed_on_gpu else None
     errors: dict[str, str] = {}
     # One timed call each as the size estimate for the repetition counts (after the caller's warm-up).
     estimate = {}
@@ -113,6 +142,7 @@ def interleaved(
             estimate[name] = wall_us_per_call(step, 1, device)
         except Exception as exc:  # noqa: BLE001 - a failing variant must not stop the others
             errors[name] = one_line(exc)
+    ahead = HostAhead(device) if timed_on_gpu and queue_ahead else None
     lo, hi = reps_bounds or ((5, 200) if cuda else (2, 50))
     reps = {n: reps_for(e, target_ms, lo, hi) for n, e in estimate.items()}
     gpu_rounds: dict[str, list[float]] = {n: [] for n in estimate}
@@ -122,8 +152,9 @@ def interleaved(
             if name in errors:
                 continue
             try:
-                if cuda:
-                    gpu_rounds[name].append(statistics.median(gpu_times_us(step, reps[name], flush)))
+                if timed_on_gpu:
+                    times = gpu_times_us(step, reps[name], flush, ahead, min(2 * estimate[name], 100_000.0))
+                    gpu_rounds[name].append(statistics.median(times))
                 wall_rounds[name].append(wall_us_per_call(step, reps[name], device))
             except Exception as exc:  # noqa: BLE001
                 errors[name] = one_line(exc)

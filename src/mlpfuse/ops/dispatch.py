@@ -42,9 +42,18 @@ SAVE_PREACT = True
 # gated GEMM against eager's two GEMMs + GELU·mul, as pure GPU time (the host queued ahead) at 128 / 256 / 512 / 1024
 # / 2048 / 4096 × 768×3072: 12.7 / 12.8 / 14.6 / 23.0 / 32.8 / 60.7 µs vs 19.5 / 21.2 / 24.8 / 35.1 / 54.7 / 103.1
 # (0.59–0.66×), and 192.4 vs 211.6 / 329.9 vs 359.3 at 512 / 1024 × 4096×14336 (0.91×), the same with the host's
-# launch gaps in. So inference takes it from GATED_INFERENCE_MIN_M tokens (the decode path covers fewer), in eager
-# mode and in graphs alike; training keeps the rule below (its backward was measured on its own).
-GATED_INFERENCE_MIN_M = 128  # tokens
+# launch gaps in. Below 128 tokens the whole block was timed (`tune_mid_m.py --compile --shapes ...`,
+# benchmarks/results/nvidia-h200/small-m), as pure GPU time against eager's four kernels: at 768×3072 the gated GEMM
+# + cuBLAS down ran 0.77 / 0.75 / 0.74× eager at 64 / 96 / 128 tokens (the decode kernels 0.76 / 0.99 / 0.94×,
+# torch.compile 0.87×); at 4096×14336 it lost below 96 tokens (1.19 / 1.19 / 1.06 / 0.98× at 32 / 48 / 64 / 80, then
+# 0.93 / 0.90× at 96 / 128) and so did the decode kernels from 24 tokens (1.01 / 1.12 / 1.06× at 24 / 48 / 64), where
+# torch.compile's kernels — cuBLAS's GEMMs with GELU·mul fused into one pass — ran 0.95–0.96×, and the same GEMMs
+# around mlpfuse's GLU pass 0.96–0.97× (within 1.2 % of compile at 16–80 tokens). So inference takes, past the decode
+# sizes, the gated GEMM on small layers and from GATED_LARGE_MIN_M tokens on large ones (dim·hidden >=
+# DECODE_LARGE_LAYER); in between, on large layers, that SPLIT path: cuBLAS's gate and up GEMMs, one Triton GLU pass,
+# cuBLAS's down GEMM.
+# In eager mode and in graphs alike; training keeps the rule below (its backward was measured on its own).
+GATED_LARGE_MIN_M = 96  # tokens
 GATED_MIN_M = 1024  # tokens, and ...
 GATED_MIN_WORK = 8e9  # ... M·hidden·dim multiply-adds from which the gated GEMM replaces 2 GEMMs + GELU·mul
 # gemm_act vs addmm + activation at 768→3072: M=2048 27.5 → 45.1 µs (eager wins), M=4096 49.1 → 45.7.
@@ -59,10 +68,12 @@ LINEAR_ACT_ACTIVATIONS = (activations.GELU_TANH,)  # the activation ids `auto` m
 # activation math the fused form came to 161.1 µs at 8192×768×3072, the split one to 65.2 + 68.5
 # (`tune_kernels.py --only blog`, benchmarks/results/tune-h200.md).
 GLU_BACKWARD = "split"
-# The decode path (M <= decode_mlp.DECODE_MAX_M, no autograd) on large layers: at 4096×14336 it won at 1–32 tokens
-# (32: 106.6 vs eager 108.9 µs per call) and lost at 64 (119.1 vs 116.5), benchmarks/results/nvidia-h200/decode.
+# The decode path (M <= decode_mlp.DECODE_MAX_M, no autograd) on large layers: at 4096×14336 it beat eager at 1–32
+# tokens (32: 106.6 vs eager 108.9 µs per call) and lost at 64 (119.1 vs 116.5), benchmarks/results/nvidia-h200/decode;
+# against the SPLIT path (pure GPU time, small-m/): 103.0 vs 110.0 µs at 16 tokens, 115.0 vs 109.7 at 24, 113.7 vs
+# 111.6 at 32.
 DECODE_LARGE_LAYER = 1 << 24  # dim·hidden from which ...
-DECODE_LARGE_MAX_M = 32  # ... the decode path stops at this many tokens
+DECODE_LARGE_MAX_M = 16  # ... the decode path stops at this many tokens (the SPLIT path takes over)
 # Under autograd `auto` takes the Triton path (gated forward kernel saving h, g and u; cuBLAS dh; one GLU-backward pass
 # into one [M, 2·hidden] buffer; dWg and dWu as one GEMM) on the same shapes as the forward, with one more condition
 # outside CUDA-graph capture. Its kernels do less GPU work than eager's: in CUDA graphs, `mlpfuse bench --preset blog
@@ -85,8 +96,9 @@ FAST_DTYPES = (torch.bfloat16, torch.float16)
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Paths a gated MLP call can take. CUDA: the C++ extension's op, which picks its own decode kernel.
-TORCH, GATED, DECODE, CUDA = "torch", "gated", "decode", "cuda"
+# Paths a gated MLP call can take. CUDA: the C++ extension's op, which picks its own decode kernel. SPLIT (inference
+# under `auto` only): cuBLAS gate and up GEMMs, the Triton GLU pass (kernels/glu.py), cuBLAS down GEMM.
+TORCH, GATED, DECODE, CUDA, SPLIT = "torch", "gated", "decode", "cuda", "split"
 
 
 def resolve_backend(backend: str) -> str:
@@ -245,7 +257,8 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
         cuda_extension(x)
         return CUDA
     use_decode = not training and 0 < m <= decode_max_m()
-    if use_decode and name == "auto" and m > DECODE_LARGE_MAX_M and x.shape[1] * hidden >= DECODE_LARGE_LAYER:
+    large = x.shape[1] * hidden >= DECODE_LARGE_LAYER
+    if use_decode and name == "auto" and m > DECODE_LARGE_MAX_M and large:
         use_decode = False
     if name == "triton":
         _require_triton(x, "gated_gemm")
@@ -259,7 +272,9 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
     if not _auto_may_use(x.device, x.dtype, "gated_gemm"):
         return TORCH
     if not training:
-        return GATED if m >= GATED_INFERENCE_MIN_M else TORCH
+        if large and m < GATED_LARGE_MIN_M:
+            return SPLIT if _auto_may_use(x.device, x.dtype, "glu") else TORCH
+        return GATED
     work = m * x.shape[1] * hidden
     if m < GATED_MIN_M or work < GATED_MIN_WORK:
         return TORCH

@@ -42,6 +42,12 @@ def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int) -> Tensor:
     )
 
 
+def _split(x2, wg, wu, wd, bg, bu, bd, act_id: int) -> Tensor:
+    """cuBLAS's gate and up GEMMs, the Triton GLU pass between them and the down projection, cuBLAS's down GEMM."""
+    h = dispatch.kernel("glu").glu_forward(F.linear(x2, wg, bg), F.linear(x2, wu, bu), activation=act_id)
+    return F.linear(h, wd, bd)
+
+
 def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training: bool, save: bool, path: str = ""):
     """(y [..., dim], h, g, u): with `save`, g and u the 2-D pre-activations and h = act(g)·u; else all None.
     `path` given: the caller already checked the arguments and chose the path."""
@@ -56,6 +62,8 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training:
         y, h, g, u = out if save else (out, None, None, None)
     elif path == dispatch.DECODE:
         y = _decode(x2, wg, wu, wd, bg, bu, bd, act.id)
+    elif path == dispatch.SPLIT:  # inference only (the path's choice): nothing is saved
+        y = _split(x2, wg, wu, wd, bg, bu, bd, act.id)
     elif path == dispatch.CUDA:
         # The extension's decode kernel keeps no g and u, so only inference may take it.
         ext = csrc.extension()  # the path's choice checked x2 for it
@@ -417,37 +425,44 @@ class CallPlan(_plan.Memo):
 class _Entry:
     """One layout's call with its path chosen: on the torch path eager PyTorch's own ops in eager's order (under
     autograd when a gradient is needed), else `_forward` on that path, or `_EagerTraining` for a gradient. For
-    inference on the gated path the GEMM's launch plan, looked up after the first call, is held here and run
-    directly."""
+    inference on the gated path the GEMM's launch plan, and on the split path the GLU pass's, looked up after the
+    first call, is held here and run directly."""
 
-    __slots__ = ("path", "activation", "act", "backend", "grad", "gated")
+    __slots__ = ("path", "activation", "act", "backend", "grad", "held")
 
     def __init__(self, path: str, activation: str, backend: str, grad: bool):
         self.path, self.activation, self.backend, self.grad = path, activation, backend, grad
         self.act = activations.get(activation)
-        self.gated = None  # the gated GEMM's plan; False once known there is none to hold
+        self.held = None  # the kernel's launch plan; False once known there is none to hold
 
     def __call__(self, x, wg, wu, wd, bg, bu, bd) -> Tensor:
         if self.path == dispatch.TORCH:  # eager's kernels, under autograd when a gradient is needed
             return reference.gated_mlp_forward(x, wg, wu, wd, bg, bu, bd, self.act)
         if self.grad:
             return _EagerTraining.apply(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, self.path)
-        plan = self.gated
+        plan = self.held
         if plan:
-            y = F.linear(plan.run(rows(x), wg, wu, bg, bu), wd, bd)
+            x2 = rows(x)
+            if self.path == dispatch.SPLIT:
+                h = plan.run(F.linear(x2, wg, bg), F.linear(x2, wu, bu))
+            else:
+                h = plan.run(x2, wg, wu, bg, bu)
+            y = F.linear(h, wd, bd)
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], wd.shape[0])
         y = _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, self.grad, False, self.path)[0]
         if plan is None:
-            self.gated = self._gated_plan(x, wg, wu, bg, bu) or False
+            self.held = self._held_plan(x, wg, wu, bg, bu) or False
         return y
 
-    def _gated_plan(self, x, wg, wu, bg, bu):
+    def _held_plan(self, x, wg, wu, bg, bu):
         """The launch plan the call just made (the same arguments `_forward` passed), where there is one."""
-        if self.grad or self.path != dispatch.GATED:
-            return None
-        return dispatch.kernel("gated_gemm").cached_plan(rows(x), wg, wu, bg, bu,
-                                                         activation=activations.get(self.activation).id,
-                                                         allow_tf32=dispatch.allow_tf32())
+        if self.path == dispatch.GATED:
+            return dispatch.kernel("gated_gemm").cached_plan(rows(x), wg, wu, bg, bu, activation=self.act.id,
+                                                             allow_tf32=dispatch.allow_tf32())
+        if self.path == dispatch.SPLIT:  # g and u come fresh from cuBLAS: contiguous, aligned
+            return dispatch.kernel("glu").cached_plan(rows(x).shape[0], wg.shape[0], x.dtype, x.device,
+                                                      activation=self.act.id)
+        return None
 
 
 def gated_mlp_call(
