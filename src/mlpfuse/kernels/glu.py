@@ -50,7 +50,8 @@ def glu_forward(g: torch.Tensor, u: torch.Tensor, *, activation: int, out: torch
             raise InputError(f"{name}: expected unit column stride, got strides {tuple(t.stride())}")
     if g.shape[0] == 0 or g.shape[1] == 0:
         return h
-    key = _plan_key(g, u, h.stride(0), h.data_ptr() & 15, activation)
+    key = _plan_key(g.shape, g.dtype, g.device, (g.stride(0), u.stride(0), h.stride(0)),
+                    (g.data_ptr() & 15, u.data_ptr() & 15, h.data_ptr() & 15), activation)
     plan = _plans.get(key)
     if plan is None:
         plan = _Plan(g, u, h, activation)
@@ -63,12 +64,13 @@ def cached_plan(rows: int, cols: int, dtype: torch.dtype, device: torch.device, 
     """The plan an earlier `glu_forward` call made for contiguous [rows, cols] g and u (fresh from a GEMM, so
     16-byte aligned) and a fresh h, or None. A caller whose own memo fixes that layout may call `plan.run(g, u)` and
     skip the checks and this key per call."""
-    return _plans.get(((rows, cols), dtype, device, cols, cols, cols, 0, 0, 0, activation))
+    return _plans.get(_plan_key((rows, cols), dtype, device, (cols, cols, cols), (0, 0, 0), activation))
 
 
-def _plan_key(g, u, h_row_stride, h_align, activation):
-    return (tuple(g.shape), g.dtype, g.device, g.stride(0), u.stride(0), h_row_stride, g.data_ptr() & 15,
-            u.data_ptr() & 15, h_align, activation)
+def _plan_key(shape, dtype, device, row_strides, aligns, activation) -> tuple:
+    """The layout a plan serves: g's shape, dtype and device; g's, u's and h's row strides and their addresses
+    modulo 16 bytes; the activation."""
+    return (tuple(shape), dtype, device, row_strides, aligns, activation)
 
 
 class _Plan:
