@@ -1,6 +1,6 @@
 """The CUDA backend (backend="cuda") on a GPU: numerics against fp64, then its kernels' bandwidth and its host cost.
 
-    PYTHONPATH=src python3 benchmarks/cuda_backend_gpu.py [--quick] [--out FILE]
+    PYTHONPATH=src python3 benchmarks/cuda_backend_gpu.py [--quick] [--only decode] [--out FILE]
 
 1. numerics: every op (gated_mlp forward at decode and GEMM sizes, its gradients, linear_act), every activation,
    bf16/fp16/fp32, against mlpfuse.reference in fp64 (fp32 with TF32 off). Prints `numerics: PASS` or the failures.
@@ -8,7 +8,9 @@
    walkthrough's 8192×3072 bf16, as GB/s against this GPU's measured device copy (target ≥ 90 %); Liger's GELU·mul
    kernel beside them where liger-kernel is importable.
 3. The decode kernel (whole MLP) at 1, 2, 4, 8, 16 tokens × 4096 × 14336 bf16: weight bytes streamed per second
-   against the copy bandwidth (target ≥ 90 %).
+   against the copy bandwidth (target ≥ 90 %); then each of its two kernels alone, from a profiler trace (gate/up:
+   2·hidden·dim weights, down: dim·hidden; the down kernel starts early as a programmatic dependent launch, so its
+   span includes its wait for the first kernel's tail). `--only decode` runs this section alone.
 4. Host µs per call at 64×768×3072 bf16 (small enough that the host decides): the cuda backend, triton, torch.
 GPU times: CUDA events, median of interleaved rounds after a clock warm-up. The short table comes last.
 """
@@ -116,6 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="small numerics set and fewer timing rounds")
     p.add_argument("--rounds", type=int, default=10, help="interleaved timing rounds (default 10)")
     p.add_argument("--out", help="also write the final table (markdown) here")
+    p.add_argument("--only", choices=("decode",), help="only the decode section (after the copy bandwidth)")
     args = p.parse_args(argv)
 
     import torch
@@ -129,8 +132,9 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     ext = csrc.extension()
     print(f"extension ready in {time.perf_counter() - t0:.1f} s ({csrc.build_dir()})")
-    failures = numerics(args.quick)
-    print("numerics: PASS" if not failures else "numerics: FAIL\n  " + "\n  ".join(failures))
+    failures = numerics(args.quick) if not args.only else []
+    if not args.only:
+        print("numerics: PASS" if not failures else "numerics: FAIL\n  " + "\n  ".join(failures))
     rounds = 3 if args.quick else args.rounds
     dev = torch.device("cuda")
     bf = torch.bfloat16
@@ -146,9 +150,29 @@ def main(argv=None) -> int:
     print(f"device copy: {copy_gbs:.0f} GB/s (read + write, 256 MiB)")
     rows = [("device copy", f"{copy_gbs:.0f} GB/s", "100 %", "")]
 
+    gelu = activations.get("gelu_tanh").id
+    if not args.only:
+        rows += glu_rows(ext, gelu, copy_gbs, rounds)
+    rows += decode_rows(ext, gelu, copy_gbs, rounds)
+    if not args.only:
+        rows += host_rows(ext, ops, gelu)
+
+    table = ["| what | measured | of copy bandwidth | note |", "|---|---|---|---|"]
+    table += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    text = "\n".join(table)
+    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | {roofline.device_name(dev)}\n{text}")
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    return 0 if not failures else 1
+
+
+def glu_rows(ext, gelu, copy_gbs, rounds):
+    import torch
+
+    dev, bf, rows = torch.device("cuda"), torch.bfloat16, []
     m, n = 8192, 3072
     g, u, dh = (torch.randn(m, n, device=dev, dtype=bf) for _ in range(3))
-    gelu = activations.get("gelu_tanh").id
     fns = {
         "cuda glu fwd": lambda: ext.glu_forward(g, u, gelu),
         "cuda glu bwd": lambda: ext.glu_backward(dh, g, u, gelu, False, True),
@@ -177,7 +201,13 @@ def main(argv=None) -> int:
         gbs = moved[k] * m * n * 2 / t / 1e3
         rows.append((f"{k} {m}x{n} bf16", f"{t:.1f} µs, {gbs:.0f} GB/s", f"{100 * gbs / copy_gbs:.0f} %",
                      "target ≥ 90 %" if k.startswith("cuda") else ""))
+    return rows
 
+
+def decode_rows(ext, gelu, copy_gbs, rounds):
+    import torch
+
+    dev, bf, rows = torch.device("cuda"), torch.bfloat16, []
     dim, hidden = 4096, 14336
     w = [torch.randn(*s, device=dev, dtype=bf) / 64 for s in ((hidden, dim), (hidden, dim), (dim, hidden))]
     for tokens in (1, 2, 4, 8, 16):
@@ -192,7 +222,39 @@ def main(argv=None) -> int:
         gbs = 3 * hidden * dim * 2 / us["cuda"] / 1e3
         rows.append((f"decode {tokens}x{dim}x{hidden} bf16", f"{us['cuda']:.1f} µs (eager {us['eager']:.1f}), "
                      f"{gbs:.0f} GB/s", f"{100 * gbs / copy_gbs:.0f} %", "target ≥ 90 %"))
+        for name, (n, mean_us) in sorted(_kernel_spans(fns["cuda"], 20).items()):
+            weights = (2 if name == "gate/up" else 1) * hidden * dim * 2
+            gbs = weights / mean_us / 1e3
+            rows.append((f"  decode {tokens} tokens: {name} kernel alone", f"{mean_us:.1f} µs ({n} calls), "
+                         f"{gbs:.0f} GB/s", f"{100 * gbs / copy_gbs:.0f} %", ""))
+    return rows
 
+
+def _kernel_spans(fn, reps):
+    """{"gate/up" | "down": (calls, mean µs)} of the decode kernels from a profiler trace of `reps` calls of fn."""
+    import re
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    spans = {}
+    for e in prof.key_averages():
+        found = re.search(r"decode_gemv_mma_kernel<[^,>]+,\s*(\d+)", e.key)
+        if found and e.count:
+            name = "gate/up" if found.group(1) == "2" else "down"
+            n, total = spans.get(name, (0, 0.0))
+            spans[name] = (n + e.count, total + e.device_time_total)
+    return {k: (n, total / n) for k, (n, total) in spans.items()}
+
+
+def host_rows(ext, ops, gelu):
+    import torch
+
+    dev, bf, rows = torch.device("cuda"), torch.bfloat16, []
     x = torch.randn(64, 768, device=dev, dtype=bf)
     ws = [torch.randn(*s, device=dev, dtype=bf) / 30 for s in ((3072, 768), (3072, 768), (768, 3072))]
     with torch.no_grad():
@@ -206,15 +268,7 @@ def main(argv=None) -> int:
             rows.append((f"host µs/call 64x768x3072 {backend}", f"{host:.1f} µs", "", ""))
         direct = _host_us(lambda: ext.gated_mlp_forward(x, *ws, None, None, None, gelu, False, True), 20, 50)
         rows.append(("host µs/call 64x768x3072 cuda entry alone", f"{direct:.1f} µs", "", "C++ checks + launches"))
-
-    table = ["| what | measured | of copy bandwidth | note |", "|---|---|---|---|"]
-    table += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
-    text = "\n".join(table)
-    print(f"\n{torch.cuda.get_device_name()} | torch {torch.__version__} | {roofline.device_name(dev)}\n{text}")
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-    return 0 if not failures else 1
+    return rows
 
 
 if __name__ == "__main__":

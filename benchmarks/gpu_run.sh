@@ -7,7 +7,7 @@
 #        bench-blog, bench-linear, bench-large, bench-large-train, bench-train-mid,
 #        bench-decode, bench-small,
 #        bench-sweep, bench-sweep-small, bench-sweep-small-large, bench-sweep-mid, bench-sweep-mid-large, bench-sweep-train, bench-sweep-large, bench-sweep-large-train, kernels, tune-mid-m, tune-small-m, tune-linear, tune-blog, tune-llama, decode, decode-sweep, host,
-#        host-paths, host-floor, host-profile, host-breakdown, memory, one-launch, profile-train, cuda-backend,
+#        host-paths, host-paths-train, host-floor, host-profile, host-breakdown, memory, one-launch, profile-train, cuda-backend, decode-kernels,
 #        multi-gpu, multi-gpu-sp (every visible GPU, tensor parallel; NCCL with NVLink multicast off).
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
@@ -78,6 +78,7 @@ for spec in "$@"; do
         decode-sweep) run_step decode-sweep "$secs" python3 benchmarks/bench_decode.py --sweep --out "$W/decode" ;;
         host) run_step host "$secs" python3 benchmarks/host_overhead.py --out "$W/host" ;;
         host-paths) run_step host-paths "$secs" python3 benchmarks/host_paths.py --out "$W/host-paths" ;;
+        host-paths-train) run_step host-paths-train "$secs" python3 benchmarks/host_paths.py --only train --out "$W/host-paths-train" ;;
         host-floor) run_step host-floor "$secs" python3 benchmarks/host_floor.py --out "$W/host-floor" ;;
         host-profile) run_step host-profile "$secs" python3 benchmarks/host_profile.py --out "$W/host-profile" ;;
         host-breakdown) run_step host-breakdown "$secs" python3 benchmarks/host_breakdown.py --out "$W/host_breakdown.json" ;;
@@ -89,6 +90,7 @@ for spec in "$@"; do
         multi-gpu-sp) run_step multi-gpu-sp "$secs" python3 benchmarks/multi_gpu.py --sequence-parallel --out "$W/multi-gpu-sp" ;;
         profile-train) run_step profile-train "$secs" python3 benchmarks/profile_training.py --out "$W/profile-train" ;;
         cuda-backend) MLPFUSE_CACHE_DIR=$W/cache run_step cuda-backend "$secs" python3 benchmarks/cuda_backend_gpu.py --out "$W/cuda-backend.md" ;;
+        decode-kernels) MLPFUSE_CACHE_DIR=/tmp/mlpfuse-cache run_step decode-kernels "$secs" python3 benchmarks/cuda_backend_gpu.py --only decode --out "$W/decode-kernels.md" ;;
         *) echo "unknown step $step" >> "$SUMMARY" ;;
     esac
 done

@@ -1,6 +1,6 @@
 """Host time per call on every path a module call can take, mlpfuse against the eager module (CUDA GPU).
 
-    PYTHONPATH=src python3 benchmarks/host_paths.py [--out DIR] [--quick]
+    PYTHONPATH=src python3 benchmarks/host_paths.py [--out DIR] [--quick] [--only train ...]
 
 Host µs: the CPU time to issue one call, measured over short bursts of back-to-back calls started on an idle GPU
 (a synchronize before each burst, none inside it), so the launch queue never fills and the GPU's speed does not
@@ -10,7 +10,8 @@ max. Variants are timed interleaved (A B C A B C …) after a clock spin-up.
 
 Paths (bf16): decode (no_grad, 1 and 16 tokens), few tokens (no_grad, 64 and 128: the decode kernels, the gated GEMM
 or cuBLAS around the GLU pass, by layer size), gated forward (no_grad, 1024–8192 tokens), training forward+backward
-(`.backward()` into the parameters' .grad, as a training loop does), each at 768×3072 and 4096×14336, GeGLU.
+(`.backward()` into the parameters' .grad, as a training loop does; 64 tokens and 1024 on the SPLIT path under `auto`,
+8192 on the gated GEMM), each at 768×3072 and 4096×14336, GeGLU.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="fewer rounds and sizes")
+    ap.add_argument("--only", action="append", choices=("decode", "few tokens", "forward", "train"),
+                    help="time only these paths (repeatable)")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
@@ -94,7 +97,8 @@ def main():
                  "triton": mlpfuse.GatedMLP.from_module(eager, activation="gelu_tanh", backend="triton")}
         paths = [("decode", m, False) for m in (1, 16)] + [("few tokens", m, False) for m in (64, 128)]
         paths += [("forward", m, False) for m in (1024, 8192)]
-        paths += [("train", m, True) for m in ((1024, 8192) if not args.quick else (8192,))]
+        paths += [("train", m, True) for m in ((64, 1024, 8192) if not args.quick else (64, 8192))]
+        paths = [p for p in paths if not args.only or p[0] in args.only]
         for path, m, train in paths:
             x = torch.randn(m, d, device=dev, dtype=dt, requires_grad=train)
             dy = torch.randn(m, d, device=dev, dtype=dt)

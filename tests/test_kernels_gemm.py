@@ -261,6 +261,43 @@ def test_glu_backward_split(act_name, dtype):
     assert glu_backward_split(dh, g, u, activation=act.id)[2:] == (None, None, None)
 
 
+@pytest.mark.parametrize("rows", [64, 16, "small"])
+def test_glu_backward_split_gpu_tiles(rows):
+    # The tiles a GPU picks by row count (kernels/glu_backward._pointwise_tile), run through the interpreter: full
+    # and partial row blocks, strips past N, bias sums from several programs.
+    from mlpfuse.kernels import glu_backward as GB
+
+    bm, bn, _, warps = GB._POINTWISE_TILE
+    tile = GB._POINTWISE_TILE_SMALL if rows == "small" else (bm, bn, rows, warps)
+    gen = torch.Generator().manual_seed(17)
+    act = A.get("silu")
+    M, N = 83, 300
+    dh, g, u = (randn(M, N, dtype=torch.float32, gen=gen) for _ in range(3))
+    dg, du, h, dbg, dbu = GB.glu_backward_split(dh, g, u, activation=act.id, want_h=True, bias_sums=True,
+                                                out=poisoned(M, N, dtype=torch.float32, n=2), tile=tile)
+    dhd, gd, ud = dh.double(), g.double(), u.double()
+    dg_ref, du_ref = dhd * ud * act.grad(gd), dhd * act.forward(gd)
+    for got, want, what in ((dg, dg_ref, "dg"), (du, du_ref, "du"), (h, act.forward(gd) * ud, "h"),
+                            (dbg, dg_ref.sum(0), "dgate_bias"), (dbu, du_ref.sum(0), "dup_bias")):
+        assert_close(got, want, torch.float32, what)
+
+
+def test_glu_backward_pointwise_tile_fills_the_gpu():
+    # Large passes keep the measured tile; fewer rows shrink the row block until the grid covers the SMs twice, then
+    # narrow the strips; every pick divides into whole steps (ROWS a multiple of BM).
+    from mlpfuse.kernels import glu_backward as GB
+
+    sms = 132
+    assert GB._pointwise_tile(8192, 3072, sms) == GB._POINTWISE_TILE
+    for m, n in ((4096, 3072), (1024, 3072), (512, 3072), (64, 3072), (1, 3072), (64, 14336), (17, 14336)):
+        bm, bn, rows, warps = tile = GB._pointwise_tile(m, n, sms)
+        programs = -(-m // rows) * -(-n // bn)
+        assert rows % bm == 0 and (programs >= 2 * sms or tile == GB._POINTWISE_TILE_SMALL), (m, n, tile)
+        if tile != GB._POINTWISE_TILE_SMALL and rows < GB._POINTWISE_TILE[2]:
+            assert -(-m // (2 * rows)) * -(-n // bn) < 2 * sms  # the largest row block that fills the grid
+    assert GB._pointwise_tile(64, 3072, sms) == GB._POINTWISE_TILE_SMALL
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("act_name", ACTS)
 def test_glu_forward(act_name, dtype):

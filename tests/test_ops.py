@@ -279,6 +279,42 @@ def test_auto_split_path_between_decode_and_gated_sizes(monkeypatch, kernel_call
 
 
 @needs_triton
+@pytest.mark.parametrize("bias", [False, True])
+def test_auto_trains_on_the_split_path_below_the_fused_sizes(monkeypatch, kernel_calls, bias):
+    # Training below the fused path's sizes: cuBLAS's GEMMs around the Triton GLU pass and the Triton GLU-backward
+    # pass, against fp64; the module's call plan takes the same path, holds the GLU pass's launch plan after the
+    # first step and gives the same bits on the next.
+    monkeypatch.setattr(dispatch, "_auto_may_use", lambda device, dtype, module: True)
+    check_gated("auto", "gelu_tanh", (2, 21), 16, 24, torch.float32, bias, seed=9)
+    assert kernel_calls == ["glu", "glu_backward"]
+    block = GatedMLP(16, 24, "gelu_tanh", bias=bias).to(DEVICE)
+    x = torch.randn(3, 7, 16, device=DEVICE, requires_grad=True)
+    dy = seeded_like(torch.empty(3, 7, 16), 10).to(DEVICE)
+    steps = []
+    for _ in range(2):
+        for t in (x, *block.parameters()):
+            t.grad = None
+        y = block(x)
+        assert type(y.grad_fn).__name__ == "_EagerTrainingBackward"
+        y.backward(dy)
+        steps.append([y.detach(), x.grad, *(p.grad for p in block.parameters())])
+    (entry,) = block._plan.entries.values()
+    assert entry.path == dispatch.SPLIT and entry.grad and entry.held
+    for first, second in zip(*steps):
+        torch.testing.assert_close(second, first, rtol=0, atol=0)
+    params64 = [p.detach().double().requires_grad_() for p in block.parameters()]
+    x64 = x.detach().double().requires_grad_()
+    named = dict(zip((n for n, _ in block.named_parameters()), params64))
+    want = plain_gated("gelu_tanh", x64, named["gate_proj.weight"], named["up_proj.weight"],
+                       named["down_proj.weight"], named.get("gate_proj.bias"), named.get("up_proj.bias"),
+                       named.get("down_proj.bias"))
+    want.backward(dy.double())
+    assert rel(steps[1][0], want) < TOL[torch.float32]
+    for got, t64 in zip(steps[1][1:], [x64, *params64]):
+        assert rel(got, t64.grad) < TOL[torch.float32]
+
+
+@needs_triton
 def test_gated_mlp_triton_inference_large_batch(kernel_calls):
     with torch.no_grad():
         check_gated("triton", "relu2", (2, 41), 20, 24, torch.float16, True, grad=False)
@@ -557,16 +593,27 @@ def test_eager_training_skips_the_custom_op_machinery_with_identical_gradients()
     assert type(z.grad_fn).__name__ == "_EagerTrainingBackward"
 
 
+def _fused_training_backend(monkeypatch, path):
+    """The backend argument that trains a small problem on `path`: "triton" (the gated GEMM), or "auto" with the
+    kernels allowed (the SPLIT path)."""
+    if path == dispatch.SPLIT:
+        monkeypatch.setattr(dispatch, "_auto_may_use", lambda device, dtype, module: True)
+        return "auto"
+    return "triton"
+
+
 @needs_triton
+@pytest.mark.parametrize("path", [dispatch.GATED, dispatch.SPLIT])
 @pytest.mark.parametrize("bias", [False, True])
-def test_eager_training_overwrites_saved_preact_and_a_second_backward_recomputes(bias):
+def test_eager_training_overwrites_saved_preact_and_a_second_backward_recomputes(monkeypatch, bias, path):
     # The first backward writes dg and du over the saved g and u and releases them before it returns (no reference
     # survives it: weakrefs die); a second backward through the same graph (retain_graph=True) must not read them as
     # g and u: it recomputes, and both give the fp64 gradients.
+    backend = _fused_training_backend(monkeypatch, path)
     ts = gated_inputs((9, 2), 12, 20, torch.float32, bias, seed=13)
     leaves = [t.clone().requires_grad_() if t is not None else None for t in ts]
     leaves64 = [t.detach().double().requires_grad_() if t is not None else None for t in leaves]
-    y = ops.gated_mlp(leaves[0], *leaves[1:4], "silu", *leaves[4:], backend="triton")
+    y = ops.gated_mlp(leaves[0], *leaves[1:4], "silu", *leaves[4:], backend=backend)
     assert type(y.grad_fn).__name__ == "_EagerTrainingBackward"
     x64, wg64, wu64, wd64, bg64, bu64, bd64 = leaves64
     g64, u64 = F.linear(x64, wg64, bg64), F.linear(x64, wu64, bu64)
@@ -603,9 +650,11 @@ def test_eager_training_overwrites_saved_preact_and_a_second_backward_recomputes
 
 
 @needs_triton
-def test_eager_training_backward_releases_h_and_du_after_their_last_reader(monkeypatch):
+@pytest.mark.parametrize("path", [dispatch.GATED, dispatch.SPLIT])
+def test_eager_training_backward_releases_h_and_du_after_their_last_reader(monkeypatch, path):
     # The backward's peak is set by what is still alive during its last GEMMs: h (rebuilt over dh) must be gone once
     # dWd = dyᵀ·h ran, du once dWu ran. The real kernels run; spies record which buffers are alive at each GEMM.
+    backend = _fused_training_backend(monkeypatch, path)
     ts = gated_inputs((16,), 12, 20, torch.float32, False, seed=21)
     leaves = [t.clone().requires_grad_() if t is not None else None for t in ts]
     split = dispatch.kernel("glu_backward").glu_backward_split
@@ -623,7 +672,8 @@ def test_eager_training_backward_releases_h_and_du_after_their_last_reader(monke
         events.append({k: r() is not None for k, r in alive.items()})
         return mm(a, b)
 
-    y = ops.gated_mlp(leaves[0], *leaves[1:4], "silu", *leaves[4:], backend="triton")
+    y = ops.gated_mlp(leaves[0], *leaves[1:4], "silu", *leaves[4:], backend=backend)
+    assert type(y.grad_fn).__name__ == "_EagerTrainingBackward"
     dy = seeded_like(y, 3)
     monkeypatch.setattr(dispatch.kernel("glu_backward"), "glu_backward_split", split_spy)
     monkeypatch.setattr(torch.Tensor, "mm", mm_spy)
@@ -669,25 +719,30 @@ def test_auto_decode_cutover_depends_on_layer_size(monkeypatch):
         == dispatch.SPLIT
     assert dispatch.gated_mlp_path("auto", torch.empty(dispatch.GATED_LARGE_MIN_M, 4096), big, False) \
         == dispatch.GATED
-    assert dispatch.gated_mlp_path("auto", torch.empty(64, 4096), big, True) == dispatch.TORCH
+    assert dispatch.gated_mlp_path("auto", torch.empty(64, 4096), big, True) == dispatch.SPLIT
     assert dispatch.gated_mlp_path("auto", torch.empty(64, 768), small, False) == dispatch.DECODE
-    assert dispatch.gated_mlp_path("auto", torch.empty(64, 768), small, True) == dispatch.TORCH
+    assert dispatch.gated_mlp_path("auto", torch.empty(64, 768), small, True) == dispatch.SPLIT
     # Training: the fused path where its GPU time outgrows its host time (Llama-8B's MLP), or under CUDA-graph
-    # capture (no host time per step) from the forward's sizes on; eager mode at half the blog shape keeps eager's
-    # path (host-bound); small batches stay on cuBLAS either way.
+    # capture (no host time per step) from the forward's sizes on; eager mode at half the blog shape, and smaller
+    # batches either way, train on the SPLIT path (cuBLAS's GEMMs around the two Triton GLU passes).
     half, blog, llama = (torch.empty(4096, 768), 3072), (torch.empty(8192, 768), 3072), (torch.empty(8192, 4096), 14336)
-    assert dispatch.gated_mlp_path("auto", *half, True) == dispatch.TORCH
+    assert dispatch.gated_mlp_path("auto", *half, True) == dispatch.SPLIT
     assert dispatch.gated_mlp_path("auto", *blog, True) == dispatch.GATED
     assert dispatch.gated_mlp_path("auto", *llama, True) == dispatch.GATED
+    assert dispatch.gated_mlp_path("auto", torch.empty(dispatch.GATED_MIN_M - 1, 4096), big, True) == dispatch.SPLIT
     assert dispatch.gated_mlp_path("auto", *half, False) == dispatch.GATED  # inference is not host-bound there
     # Inference on a small layer: the gated GEMM right above the decode sizes, captured or not (it wins on GPU time
-    # there as well); training keeps cuBLAS below GATED_MIN_M tokens, captured or not.
+    # there as well); training takes the SPLIT path below GATED_MIN_M tokens, captured or not.
     mid = (torch.empty(65, 768), 3072)
     assert dispatch.gated_mlp_path("auto", *mid, False) == dispatch.GATED
+    assert dispatch.gated_mlp_path("auto", *mid, True) == dispatch.SPLIT
+    monkeypatch.setattr(dispatch, "SPLIT_TRAINING", False)  # the switch off: eager's kernels, as before
     assert dispatch.gated_mlp_path("auto", *mid, True) == dispatch.TORCH
+    assert dispatch.gated_mlp_path("auto", *half, True) == dispatch.TORCH
+    monkeypatch.setattr(dispatch, "SPLIT_TRAINING", True)
     monkeypatch.setattr(dispatch, "_graph_capture", lambda x: True)
     assert dispatch.gated_mlp_path("auto", *half, True) == dispatch.GATED
-    assert dispatch.gated_mlp_path("auto", torch.empty(512, 768), 3072, True) == dispatch.TORCH
+    assert dispatch.gated_mlp_path("auto", torch.empty(512, 768), 3072, True) == dispatch.SPLIT
     assert dispatch.gated_mlp_path("auto", *mid, False) == dispatch.GATED
     assert dispatch.gated_mlp_path("auto", *half, False) == dispatch.GATED
 
@@ -730,9 +785,9 @@ def test_triton_training_step_replays_in_a_cuda_graph(bias):
 
 @pytest.mark.skipif(not (TRITON and torch.cuda.is_available()), reason="CUDA graphs need a GPU")
 def test_auto_training_is_fused_only_when_captured_and_compiles_inside_the_capture(kernel_calls):
-    # At a host-bound size `auto` trains on eager's path in eager mode and on the fused kernels under CUDA-graph
-    # capture. A graph user warms up in eager mode, so the fused kernels are first built and loaded inside the
-    # capture: that must work (their in-process caches are cleared first to make sure it happens here).
+    # At a host-bound size `auto` trains on the SPLIT path in eager mode and on the gated GEMM under CUDA-graph
+    # capture. A graph user warms up in eager mode, so the gated GEMM is first built and loaded inside the capture:
+    # that must work (its in-process caches are cleared first to make sure it happens here).
     from mlpfuse.kernels import gated_gemm, glu_backward
 
     for launcher in (gated_gemm._launch, glu_backward._launch_pointwise_kernel):
@@ -754,7 +809,8 @@ def test_auto_training_is_fused_only_when_captured_and_compiles_inside_the_captu
         for _ in range(2):
             want = step()
     torch.cuda.current_stream().wait_stream(side)
-    assert "gated_gemm" not in kernel_calls
+    assert "gated_gemm" not in kernel_calls and {"glu", "glu_backward"} <= set(kernel_calls)
+    kernel_calls.clear()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static = step()

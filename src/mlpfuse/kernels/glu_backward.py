@@ -235,7 +235,22 @@ _launch_pointwise_kernel = C.Launcher(mlpfuse_glu_backward_pointwise_kernel)
 # (BM, BN, ROWS, warps) of the pointwise pass: a program walks ROWS rows of a BN-wide strip, BM rows per step.
 # At 8192×3072 bf16 on an H200: 68.5 µs, vs 72.2 for (8, 256, 64, 4) (`tune_kernels.py --only blog`).
 _POINTWISE_TILE = (16, 256, 64, 4)
+# Fewer rows (the SPLIT training path's few tokens): ROWS halves down to BM until the grid fills the SMs twice,
+# and below that the strips narrow to this tile (64 threads, 16 elements each), rather than leave most SMs idle
+# (64×3072 in 64-row programs: 12 programs on 132 SMs).
+_POINTWISE_TILE_SMALL = (8, 128, 8, 2)
 _POINTWISE_TILE_INTERPRET = (4, 16, 8, 4)
+
+
+def _pointwise_tile(M: int, N: int, sms: int) -> tuple[int, int, int, int]:
+    """(BM, BN, ROWS, warps) for an [M, N] pass on a GPU of `sms` SMs."""
+    bm, bn, rows, warps = _POINTWISE_TILE
+    programs = lambda r, n: -(-M // r) * -(-N // n)  # noqa: E731
+    while rows > bm and programs(rows, bn) < 2 * sms:
+        rows //= 2
+    if programs(rows, bn) >= 2 * sms:
+        return bm, bn, rows, warps
+    return _POINTWISE_TILE_SMALL
 
 
 def _launch_pointwise(dh, g, u, dg, du, h, dbg, dbu, activation, tile=None):
@@ -251,7 +266,10 @@ def _launch_pointwise(dh, g, u, dg, du, h, dbg, dbu, activation, tile=None):
                 h is not None, dbg is not None, tile)
     launch = _pointwise_launches.get(memo_key)
     if launch is None:
-        BM, BN, rows, warps = tile or (_POINTWISE_TILE if dh.device.type == "cuda" else _POINTWISE_TILE_INTERPRET)
+        if tile is None:
+            cuda = dh.device.type == "cuda"
+            tile = _pointwise_tile(M, N, C.num_sms(dh.device)) if cuda else _POINTWISE_TILE_INTERPRET
+        BM, BN, rows, warps = tile
         consts = (activation, h is not None, dbg is not None, BM, BN, rows, C.needs_i64(*tensors[:6]))
         # What the compiled kernel is specialized on (all but M): see C.Launcher.
         key = (consts, warps, dh.dtype, N, strides, tuple(C.align16(t) for t in tensors))

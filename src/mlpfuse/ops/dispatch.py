@@ -7,7 +7,7 @@ string means "not given": the environment variable MLPFUSE_BACKEND, else "auto".
 
 `auto` picks a Triton kernel only on CUDA, only where that kernel was measured to beat eager PyTorch; everywhere
 else it runs the torch backend. The decode kernels (the whole MLP in one or two launches) never run when a gradient is
-needed: the training path stays the same whatever the batch size.
+needed: they keep no g and u for a backward.
 """
 
 from __future__ import annotations
@@ -91,13 +91,21 @@ DECODE_LARGE_MAX_M = 16  # ... the decode path stops at this many tokens (the SP
 # benchmarks/results/nvidia-h200/call-plan).
 GATED_TRAINING = True
 GATED_TRAINING_EAGER_MIN_WORK = 1.5e10
+# Below those sizes `auto` trains on the SPLIT path (SPLIT_TRAINING), not on eager's kernels: cuBLAS's gate, up and
+# down GEMMs around the Triton GLU pass, the backward's cuBLAS GEMMs around one Triton GLU-backward pass that writes
+# dg and du over the saved g and u — the kernels torch.compile generates for the block, with its fused elementwise
+# work in both passes. `mlpfuse bench --mode fwd+bwd` (pure GPU time, benchmarks/results/nvidia-h200/small-m
+# run4) had measured eager's kernels at 1.19–1.42× compile's GPU time at 64–4096 × 768×3072 and 1.03–1.10× at
+# 64–512 × 4096×14336.
+SPLIT_TRAINING = True
 MIN_ARCH = 9  # Hopper: the kernels' fast mainloop (TMA, persistent grid) needs sm90
 FAST_DTYPES = (torch.bfloat16, torch.float16)
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# Paths a gated MLP call can take. CUDA: the C++ extension's op, which picks its own decode kernel. SPLIT (inference
-# under `auto` only): cuBLAS gate and up GEMMs, the Triton GLU pass (kernels/glu.py), cuBLAS down GEMM.
+# Paths a gated MLP call can take. CUDA: the C++ extension's op, which picks its own decode kernel. SPLIT (`auto`
+# only): cuBLAS gate and up GEMMs, the Triton GLU pass (kernels/glu.py), cuBLAS down GEMM; under autograd the
+# backward's Triton pass is kernels/glu_backward.glu_backward_split.
 TORCH, GATED, DECODE, CUDA, SPLIT = "torch", "gated", "decode", "cuda", "split"
 
 
@@ -276,11 +284,11 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
             return SPLIT if _auto_may_use(x.device, x.dtype, "glu") else TORCH
         return GATED
     work = m * x.shape[1] * hidden
-    if m < GATED_MIN_M or work < GATED_MIN_WORK:
-        return TORCH
-    if work < GATED_TRAINING_EAGER_MIN_WORK and not _graph_capture(x):
-        return TORCH  # host-bound outside a CUDA graph: eager's path costs less host time
-    return GATED
+    # The fused training path where its GPU time wins and, outside a CUDA graph, outweighs its host time.
+    if m >= GATED_MIN_M and work >= GATED_MIN_WORK and (work >= GATED_TRAINING_EAGER_MIN_WORK or _graph_capture(x)):
+        return GATED
+    may_split = _auto_may_use(x.device, x.dtype, "glu") and _auto_may_use(x.device, x.dtype, "glu_backward")
+    return SPLIT if SPLIT_TRAINING and may_split else TORCH
 
 
 def linear_act_path(backend: str, x: torch.Tensor, out_features: int, activation_id: int) -> str:

@@ -42,15 +42,21 @@ def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int) -> Tensor:
     )
 
 
-def _split(x2, wg, wu, wd, bg, bu, bd, act_id: int) -> Tensor:
-    """cuBLAS's gate and up GEMMs, the Triton GLU pass between them and the down projection, cuBLAS's down GEMM."""
-    h = dispatch.kernel("glu").glu_forward(F.linear(x2, wg, bg), F.linear(x2, wu, bu), activation=act_id)
-    return F.linear(h, wd, bd)
+def _split(x2, wg, wu, wd, bg, bu, bd, act_id: int, save: bool = False, plan=None):
+    """(y, h, g, u): cuBLAS's gate and up GEMMs, the Triton GLU pass between them and the down projection, cuBLAS's
+    down GEMM; h, g and u None unless `save`. `plan`: the GLU pass's launch plan held for this layout (kernels/glu.py
+    `cached_plan`), which skips the pass's checks."""
+    g, u = F.linear(x2, wg, bg), F.linear(x2, wu, bu)
+    h = plan.run(g, u) if plan else dispatch.kernel("glu").glu_forward(g, u, activation=act_id)
+    y = F.linear(h, wd, bd)
+    return (y, h, g, u) if save else (y, None, None, None)
 
 
-def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training: bool, save: bool, path: str = ""):
+def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training: bool, save: bool, path: str = "",
+             plan=None):
     """(y [..., dim], h, g, u): with `save`, g and u the 2-D pre-activations and h = act(g)·u; else all None.
-    `path` given: the caller already checked the arguments and chose the path."""
+    `path` given: the caller already checked the arguments and chose the path. `plan`: on the SPLIT path, the GLU
+    pass's held launch plan (see `_split`)."""
     if not path:
         _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
     act = activations.get(activation)
@@ -62,8 +68,8 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training:
         y, h, g, u = out if save else (out, None, None, None)
     elif path == dispatch.DECODE:
         y = _decode(x2, wg, wu, wd, bg, bu, bd, act.id)
-    elif path == dispatch.SPLIT:  # inference only (the path's choice): nothing is saved
-        y = _split(x2, wg, wu, wd, bg, bu, bd, act.id)
+    elif path == dispatch.SPLIT:
+        y, h, g, u = _split(x2, wg, wu, wd, bg, bu, bd, act.id, save, plan)
     elif path == dispatch.CUDA:
         # The extension's decode kernel keeps no g and u, so only inference may take it.
         ext = csrc.extension()  # the path's choice checked x2 for it
@@ -196,7 +202,7 @@ def _gradients(
         return _cuda_backward(dy2, x, x2, gate_weight, up_weight, down_weight, gate_bias, up_bias, g, u, h, act.id,
                               recompute, consume, need_dx, need_dw, need_dgate_bias, need_dup_bias, need_ddown_bias)
     if recompute:
-        if triton:
+        if path == dispatch.GATED:
             tf32 = dispatch.allow_tf32()
             gg = dispatch.kernel("gated_gemm").gated_gemm
             h, g, u = gg(x2, gate_weight, up_weight, gate_bias, up_bias, activation=act.id, save_preact=True,
@@ -361,9 +367,10 @@ class _EagerTraining(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, path: str):
-        y, _, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, dispatch.SAVE_PREACT, path)
-        ctx.activation, ctx.backend, ctx.extra_inputs, ctx.path = activation, backend, 1, path
+    def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, path: str, plan=None):
+        y, _, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, dispatch.SAVE_PREACT, path,
+                              plan)
+        ctx.activation, ctx.backend, ctx.extra_inputs, ctx.path = activation, backend, 2, path  # extras: path, plan
         ctx.held = None if g is None else [g, u]
         ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd)
         return y
@@ -425,8 +432,8 @@ class CallPlan(_plan.Memo):
 class _Entry:
     """One layout's call with its path chosen: on the torch path eager PyTorch's own ops in eager's order (under
     autograd when a gradient is needed), else `_forward` on that path, or `_EagerTraining` for a gradient. For
-    inference on the gated path the GEMM's launch plan, and on the split path the GLU pass's, looked up after the
-    first call, is held here and run directly."""
+    inference on the gated path the GEMM's launch plan, and on the split path (inference and training) the GLU
+    pass's, looked up after the first call, is held here and run directly."""
 
     __slots__ = ("path", "activation", "act", "backend", "grad", "held")
 
@@ -438,25 +445,26 @@ class _Entry:
     def __call__(self, x, wg, wu, wd, bg, bu, bd) -> Tensor:
         if self.path == dispatch.TORCH:  # eager's kernels, under autograd when a gradient is needed
             return reference.gated_mlp_forward(x, wg, wu, wd, bg, bu, bd, self.act)
-        if self.grad:
-            return _EagerTraining.apply(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, self.path)
         plan = self.held
-        if plan:
+        if self.grad:
+            y = _EagerTraining.apply(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, self.path, plan or None)
+        elif plan:
             x2 = rows(x)
             if self.path == dispatch.SPLIT:
-                h = plan.run(F.linear(x2, wg, bg), F.linear(x2, wu, bu))
+                y = _split(x2, wg, wu, wd, bg, bu, bd, self.act.id, False, plan)[0]
             else:
-                h = plan.run(x2, wg, wu, bg, bu)
-            y = F.linear(h, wd, bd)
+                y = F.linear(plan.run(x2, wg, wu, bg, bu), wd, bd)
             return y if x.dim() == 2 else y.reshape(*x.shape[:-1], wd.shape[0])
-        y = _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, self.grad, False, self.path)[0]
+        else:
+            y = _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, False, False, self.path)[0]
         if plan is None:
             self.held = self._held_plan(x, wg, wu, bg, bu) or False
         return y
 
     def _held_plan(self, x, wg, wu, bg, bu):
-        """The launch plan the call just made (the same arguments `_forward` passed), where there is one."""
-        if self.path == dispatch.GATED:
+        """The launch plan the call just made (the same arguments `_forward` passed), where there is one. Under
+        autograd only the SPLIT path's forward has one (the gated GEMM's training launch is not held)."""
+        if self.path == dispatch.GATED and not self.grad:
             return dispatch.kernel("gated_gemm").cached_plan(rows(x), wg, wu, bg, bu, activation=self.act.id,
                                                              allow_tf32=dispatch.allow_tf32())
         if self.path == dispatch.SPLIT:  # g and u come fresh from cuBLAS: contiguous, aligned
