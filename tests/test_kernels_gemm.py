@@ -282,6 +282,36 @@ def test_glu_backward_split_gpu_tiles(rows):
         assert_close(got, want, torch.float32, what)
 
 
+def test_glu_backward_cached_plan_serves_only_the_layout_it_was_made_for():
+    # cached_plan hands out the plan of contiguous, aligned operands with the given flags once glu_backward_split made
+    # it, nothing before or for other flags; the plan's run gives the function's bits, writing over g and u.
+    from mlpfuse.kernels import glu_backward as GB
+
+    gen = torch.Generator().manual_seed(23)
+    act = A.get("gelu_tanh")
+    M, N = 21, 40
+    dh, g, u = (randn(M, N, dtype=torch.float32, gen=gen) for _ in range(3))
+    GB._pointwise_plans.clear()
+    args = dict(activation=act.id, want_h=True, bias_sums=True)
+    assert GB.cached_plan(M, N, torch.float32, dh.device, **args) is None
+    want = GB.glu_backward_split(dh, g, u, **args)
+    plan = GB.cached_plan(M, N, torch.float32, dh.device, **args)
+    assert plan is not None
+    assert GB.cached_plan(M, N, torch.float32, dh.device, activation=act.id, want_h=False, bias_sums=True) is None
+    assert GB.cached_plan(M, N + 8, torch.float32, dh.device, **args) is None
+    assert GB.cached_plan(M, N, torch.float16, dh.device, **args) is None
+    # A strided layout makes its own plan, not the contiguous one.
+    wide = randn(M, 2 * N, dtype=torch.float32, gen=gen)
+    GB.glu_backward_split(dh, wide[:, :N], wide[:, N:], **args)
+    assert GB.cached_plan(M, N, torch.float32, dh.device, **args) is plan and len(GB._pointwise_plans) == 2
+    g2, u2, dh2 = g.clone(), u.clone(), dh.clone()
+    dbg, dbu = plan.run(dh2, g2, u2, g2, u2, dh2)
+    for got, ref in zip((g2, u2, dh2), want):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    for got, ref in zip((dbg, dbu), want[3:]):  # fp32 atomics: the summation order may vary on a GPU
+        torch.testing.assert_close(got, ref)
+
+
 def test_glu_backward_pointwise_tile_fills_the_gpu():
     # Large passes keep the measured tile; fewer rows shrink the row block until the grid covers the SMs twice, then
     # narrow the strips; every pick divides into whole steps (ROWS a multiple of BM).

@@ -255,31 +255,75 @@ def _pointwise_tile(M: int, N: int, sms: int) -> tuple[int, int, int, int]:
 
 def _launch_pointwise(dh, g, u, dg, du, h, dbg, dbu, activation, tile=None):
     M, N = dh.shape
-    hh = h if h is not None else dg  # a placeholder the kernel never touches (WRITE_H is off)
-    bg_arg = dbg if dbg is not None else dg
-    bu_arg = dbu if dbu is not None else dg
-    tensors = (dh, g, u, dg, du, hh, bg_arg, bu_arg)
-    strides = (dh.stride(), g.stride(), u.stride(), dg.stride(), du.stride(), hh.stride())
+    # Placeholders for what the kernel never touches (WRITE_H, BIAS_SUMS off).
+    tensors = (dh, g, u, dg, du, h if h is not None else dg, dbg if dbg is not None else dg,
+               dbu if dbu is not None else dg)
     # Everything the launch decides from shapes, strides, alignments and flags, decided once per layout (a training
     # step repeats the same one): the int64 test alone walks six tensors' shapes and strides.
-    memo_key = (M, N, dh.dtype, dh.device.type, strides, tuple(t.data_ptr() & 15 for t in tensors), activation,
-                h is not None, dbg is not None, tile)
-    launch = _pointwise_launches.get(memo_key)
-    if launch is None:
+    memo_key = (M, N, dh.dtype, dh.device, tuple(t.stride() for t in tensors[:6]),
+                tuple(t.data_ptr() & 15 for t in tensors), activation, h is not None, dbg is not None, tile)
+    plan = _pointwise_plans.get(memo_key)
+    if plan is None:
+        plan = _PointwisePlan(tensors, activation, h is not None, dbg is not None, tile)
+        C.keep_plan(_pointwise_plans, memo_key, plan)
+    plan.launch(tensors)
+
+
+def cached_plan(rows: int, cols: int, dtype: torch.dtype, device: torch.device, *, activation: int, want_h: bool,
+                bias_sums: bool) -> "_PointwisePlan | None":
+    """The plan an earlier `glu_backward_split` call made for contiguous [rows, cols] dh, g, u, dg, du (and h) at
+    16-byte aligned addresses (fresh from a GEMM or the allocator) with these flags, or None. A caller whose own memo
+    fixes that layout may call `plan.run(...)` and skip the checks and this key per call."""
+    contiguous = ((cols, 1),) * 6
+    return _pointwise_plans.get((rows, cols, dtype, device, contiguous, (0,) * 8, activation, want_h, bias_sums, None))
+
+
+class _PointwisePlan:
+    """One layout's launch of the pointwise pass: tile, grid, integer arguments and constexprs decided once; after
+    the first launch the compiled kernel's C launcher (C.Raw) is called with plain pointers. Holds no tensor."""
+
+    __slots__ = ("key", "grid", "ints", "consts", "warps", "index", "raw", "cols", "sums", "device")
+
+    def __init__(self, tensors, activation: int, want_h: bool, sums: bool, tile):
+        dh = tensors[0]
+        M, N = dh.shape
         if tile is None:
             cuda = dh.device.type == "cuda"
             tile = _pointwise_tile(M, N, C.num_sms(dh.device)) if cuda else _POINTWISE_TILE_INTERPRET
-        BM, BN, rows, warps = tile
-        consts = (activation, h is not None, dbg is not None, BM, BN, rows, C.needs_i64(*tensors[:6]))
+        BM, BN, rows, self.warps = tile
+        strides = tuple(t.stride() for t in tensors[:6])
+        self.consts = (activation, want_h, sums, BM, BN, rows, C.needs_i64(*tensors[:6]))
         # What the compiled kernel is specialized on (all but M): see C.Launcher.
-        key = (consts, warps, dh.dtype, N, strides, tuple(C.align16(t) for t in tensors))
-        launch = (key, (-(-M // rows), -(-N // BN)), tuple(n for st in strides for n in st), consts, warps)
-        C.keep_plan(_pointwise_launches, memo_key, launch)
-    key, grid, flat_strides, consts, warps = launch
-    _launch_pointwise_kernel(key, grid, (*tensors, M, N, *flat_strides), consts, num_warps=warps, num_stages=3)
+        self.key = (self.consts, self.warps, dh.dtype, N, strides, tuple(C.align16(t) for t in tensors))
+        self.grid = (-(-M // rows), -(-N // BN))
+        self.ints = (M, N, *(n for st in strides for n in st))
+        self.index, self.raw = C.device_index(dh.device), None
+        self.cols, self.sums, self.device = N, sums, dh.device
+
+    def launch(self, tensors) -> None:
+        raw = self.raw
+        if raw is not None and not C.launch_hooks_set():
+            raw(self.grid, torch._C._cuda_getCurrentRawStream(self.index),
+                (*[t.data_ptr() for t in tensors], *self.ints, *self.consts))
+            return
+        _launch_pointwise_kernel(self.key, self.grid, (*tensors, *self.ints), self.consts, num_warps=self.warps,
+                                 num_stages=3)
+        if self.index >= 0:
+            self.raw = _launch_pointwise_kernel.raw(self.key, self.index)
+
+    def run(self, dh, g, u, dg, du, h=None):
+        """(dgate_bias, dup_bias), both None unless the plan sums biases, for tensors of this plan's layout; h
+        (dh itself allowed) only with a plan that writes it."""
+        dbg = dbu = None
+        if self.sums:
+            dbg = torch.zeros(self.cols, device=self.device, dtype=torch.float32)
+            dbu = torch.zeros(self.cols, device=self.device, dtype=torch.float32)
+        self.launch((dh, g, u, dg, du, h if h is not None else dg, dbg if dbg is not None else dg,
+                     dbu if dbu is not None else dg))
+        return dbg, dbu
 
 
-_pointwise_launches: dict = {}
+_pointwise_plans: dict = {}
 
 
 def glu_backward_pointwise(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *, activation: int, out=None):

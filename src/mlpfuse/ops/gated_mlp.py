@@ -241,8 +241,10 @@ def _cuda_backward(dy2, x, x2, wg, wu, wd, bg, bu, g, u, h, act_id: int, recompu
 
 
 def _triton_backward(dy2, x2, wg, wu, wd, held: list, h, act_id: int, need_dx: bool, need_dw: bool, bias_grads,
-                     consume: bool):
-    """The Triton path's gradients from the saved (or recomputed) g and u, taken out of `held`, and h.
+                     consume: bool, entry: "Optional[_Entry]" = None):
+    """The Triton path's gradients from the saved (or recomputed) g and u, taken out of `held`, and h (None or empty:
+    not saved, rebuilt here). `entry`: the module call plan's entry of a SPLIT-path step, which holds the GLU-backward
+    pass's launch plan (g, u fresh from cuBLAS and dh from this function: contiguous, aligned).
 
     The order keeps the peak low, as eager autograd's node-by-node release does: dh = dy·Wd; one pass writes dg and
     du (and h, when not saved, over dh); dWd = dyᵀ·h, after which h is released; dx; dWu = duᵀ·x, after which du
@@ -259,19 +261,27 @@ def _triton_backward(dy2, x2, wg, wu, wd, held: list, h, act_id: int, need_dx: b
     if dispatch.GLU_BACKWARD == "fused":
         rebuilt = kernels.matmul_glu_backward(dy2, wd, g, u, activation=act_id, allow_tf32=tf32,
                                               out=(dg, du, torch.empty_like(g)))[2]
-        h = rebuilt if h.numel() == 0 else h
+        h = rebuilt if h is None or h.numel() == 0 else h
         del rebuilt
     else:
         dh = dy2.mm(wd)
         # Without a saved h (eager training keeps only g and u), the pass writes h over dh, each element after
         # reading it.
-        rebuild_h = h.numel() == 0 and need_dw
-        # Only the bias sums are taken from the result: binding its other entries (even to `_`) would keep h
-        # alive until the function returns, past its last reader.
-        dbg, dbu = kernels.glu_backward_split(
-            dh, g, u, activation=act_id, bias_sums=bias_grads[0] or bias_grads[1], out=(dg, du), want_h=rebuild_h,
-            out_h=dh if rebuild_h else None,
-        )[3:]
+        rebuild_h = (h is None or h.numel() == 0) and need_dw
+        sums = bias_grads[0] or bias_grads[1]
+        plan = entry.held_backward if entry is not None else None
+        if plan and plan.consts[1:3] == (rebuild_h, sums) and consume:
+            dbg, dbu = plan.run(dh, g, u, dg, du, dh if rebuild_h else None)
+        else:
+            # Only the bias sums are taken from the result: binding its other entries (even to `_`) would keep h
+            # alive until the function returns, past its last reader.
+            dbg, dbu = kernels.glu_backward_split(
+                dh, g, u, activation=act_id, bias_sums=sums, out=(dg, du), want_h=rebuild_h,
+                out_h=dh if rebuild_h else None,
+            )[3:]
+            if entry is not None and plan is None and consume:
+                entry.held_backward = kernels.cached_plan(dh.shape[0], dh.shape[1], dh.dtype, dh.device,
+                                                          activation=act_id, want_h=rebuild_h, bias_sums=sums) or False
         if rebuild_h:
             h = dh
         del dh
@@ -364,13 +374,19 @@ class _EagerTraining(torch.autograd.Function):
     reader ran (`_triton_backward`); a later backward through the same graph (retain_graph=True) finds none and
     recomputes them from x. h is not kept: the backward rebuilds it over dh, so the step's activations are g and u
     alone, as with Liger and compile.
+
+    `entry`: the module call plan's entry (None for a direct op call); on the SPLIT path it holds the GLU pass's and
+    the GLU-backward pass's launch plans. The first backward on the Triton paths goes straight to
+    `_triton_backward` (a host-bound step pays for every Python layer); the rest takes the ops' general route.
     """
 
     @staticmethod
-    def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, path: str, plan=None):
+    def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, path: str, entry=None):
+        plan = entry.held if entry is not None and path == dispatch.SPLIT else None
         y, _, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, dispatch.SAVE_PREACT, path,
-                              plan)
-        ctx.activation, ctx.backend, ctx.extra_inputs, ctx.path = activation, backend, 2, path  # extras: path, plan
+                              plan or None)
+        ctx.activation, ctx.backend, ctx.extra_inputs, ctx.path = activation, backend, 2, path  # extras: path, entry
+        ctx.entry = entry if path == dispatch.SPLIT else None
         ctx.held = None if g is None else [g, u]
         ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd)
         return y
@@ -385,9 +401,23 @@ class _EagerTraining(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, dy):
         held, ctx.held = ctx.held, None
-        ctx.recompute = held is None
-        empty = nothing(dy)
-        return _backward(ctx, dy, empty, empty, empty, impl=functools.partial(_gradients, held=held, path=ctx.path))
+        if held is None or ctx.path not in (dispatch.GATED, dispatch.SPLIT):
+            ctx.recompute = held is None
+            empty = nothing(dy)
+            return _backward(ctx, dy, empty, empty, empty,
+                             impl=functools.partial(_gradients, held=held, path=ctx.path))
+        x, wg, wu, wd, bg, bu, bd = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        bias_grads = (bg is not None and need[4], bu is not None and need[5], bd is not None and need[6])
+        if dy.dtype != x.dtype:
+            dy = dy.to(x.dtype)
+        grads = _triton_backward(rows(dy), rows(x), wg, wu, wd, held, None, activations.get(ctx.activation).id,
+                                 need[0], need[1] or need[2] or need[3], bias_grads, True, ctx.entry)
+        del held
+        dx = grads[0]
+        if dx is not None and x.dim() != 2:
+            dx = dx.reshape(x.shape)
+        return (dx, *(t if need[i] else None for i, t in enumerate(grads[1:], 1)), None, None, None, None)
 
 
 class CallPlan(_plan.Memo):
@@ -435,19 +465,20 @@ class _Entry:
     inference on the gated path the GEMM's launch plan, and on the split path (inference and training) the GLU
     pass's, looked up after the first call, is held here and run directly."""
 
-    __slots__ = ("path", "activation", "act", "backend", "grad", "held")
+    __slots__ = ("path", "activation", "act", "backend", "grad", "held", "held_backward")
 
     def __init__(self, path: str, activation: str, backend: str, grad: bool):
         self.path, self.activation, self.backend, self.grad = path, activation, backend, grad
         self.act = activations.get(activation)
         self.held = None  # the kernel's launch plan; False once known there is none to hold
+        self.held_backward = None  # the same for the GLU-backward pass (SPLIT path, training; _triton_backward)
 
     def __call__(self, x, wg, wu, wd, bg, bu, bd) -> Tensor:
         if self.path == dispatch.TORCH:  # eager's kernels, under autograd when a gradient is needed
             return reference.gated_mlp_forward(x, wg, wu, wd, bg, bu, bd, self.act)
         plan = self.held
         if self.grad:
-            y = _EagerTraining.apply(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, self.path, plan or None)
+            y = _EagerTraining.apply(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, self.path, self)
         elif plan:
             x2 = rows(x)
             if self.path == dispatch.SPLIT:
