@@ -280,11 +280,12 @@ def test_auto_split_path_between_decode_and_gated_sizes(monkeypatch, kernel_call
 
 @needs_triton
 @pytest.mark.parametrize("bias", [False, True])
-def test_auto_trains_on_the_split_path_below_the_fused_sizes(monkeypatch, kernel_calls, bias):
-    # Training below the fused path's sizes: cuBLAS's GEMMs around the Triton GLU pass and the Triton GLU-backward
-    # pass, against fp64; the module's call plan takes the same path, holds the GLU pass's launch plan after the
-    # first step and gives the same bits on the next.
+def test_auto_trains_large_layers_on_the_split_path_at_few_tokens(monkeypatch, kernel_calls, bias):
+    # Training a large layer below GATED_LARGE_MIN_M tokens: cuBLAS's GEMMs around the Triton GLU pass and the Triton
+    # GLU-backward pass, against fp64; the module's call plan takes the same path, holds both passes' launch plans
+    # after the first step and gives the same bits on the next.
     monkeypatch.setattr(dispatch, "_auto_may_use", lambda device, dtype, module: True)
+    monkeypatch.setattr(dispatch, "DECODE_LARGE_LAYER", 1)
     check_gated("auto", "gelu_tanh", (2, 21), 16, 24, torch.float32, bias, seed=9)
     assert kernel_calls == ["glu", "glu_backward"]
     block = GatedMLP(16, 24, "gelu_tanh", bias=bias).to(DEVICE)
@@ -598,9 +599,10 @@ def test_eager_training_skips_the_custom_op_machinery_with_identical_gradients()
 
 def _fused_training_backend(monkeypatch, path):
     """The backend argument that trains a small problem on `path`: "triton" (the gated GEMM), or "auto" with the
-    kernels allowed (the SPLIT path)."""
+    kernels allowed and every layer counted large (the SPLIT path)."""
     if path == dispatch.SPLIT:
         monkeypatch.setattr(dispatch, "_auto_may_use", lambda device, dtype, module: True)
+        monkeypatch.setattr(dispatch, "DECODE_LARGE_LAYER", 1)
         return "auto"
     return "triton"
 
@@ -722,32 +724,20 @@ def test_auto_decode_cutover_depends_on_layer_size(monkeypatch):
         == dispatch.SPLIT
     assert dispatch.gated_mlp_path("auto", torch.empty(dispatch.GATED_LARGE_MIN_M, 4096), big, False) \
         == dispatch.GATED
-    assert dispatch.gated_mlp_path("auto", torch.empty(64, 4096), big, True) == dispatch.SPLIT
     assert dispatch.gated_mlp_path("auto", torch.empty(64, 768), small, False) == dispatch.DECODE
-    assert dispatch.gated_mlp_path("auto", torch.empty(64, 768), small, True) == dispatch.SPLIT
-    # Training: the fused path where its GPU time outgrows its host time (Llama-8B's MLP), or under CUDA-graph
-    # capture (no host time per step) from the forward's sizes on; eager mode at half the blog shape, and smaller
-    # batches either way, train on the SPLIT path (cuBLAS's GEMMs around the two Triton GLU passes).
-    half, blog, llama = (torch.empty(4096, 768), 3072), (torch.empty(8192, 768), 3072), (torch.empty(8192, 4096), 14336)
-    assert dispatch.gated_mlp_path("auto", *half, True) == dispatch.SPLIT
-    assert dispatch.gated_mlp_path("auto", *blog, True) == dispatch.GATED
-    assert dispatch.gated_mlp_path("auto", *llama, True) == dispatch.GATED
-    assert dispatch.gated_mlp_path("auto", torch.empty(dispatch.GATED_MIN_M - 1, 4096), big, True) == dispatch.SPLIT
-    assert dispatch.gated_mlp_path("auto", *half, False) == dispatch.GATED  # inference is not host-bound there
-    # Inference on a small layer: the gated GEMM right above the decode sizes, captured or not (it wins on GPU time
-    # there as well); training takes the SPLIT path below GATED_MIN_M tokens, captured or not.
-    mid = (torch.empty(65, 768), 3072)
-    assert dispatch.gated_mlp_path("auto", *mid, False) == dispatch.GATED
-    assert dispatch.gated_mlp_path("auto", *mid, True) == dispatch.SPLIT
-    monkeypatch.setattr(dispatch, "SPLIT_TRAINING", False)  # the switch off: eager's kernels, as before
-    assert dispatch.gated_mlp_path("auto", *mid, True) == dispatch.TORCH
-    assert dispatch.gated_mlp_path("auto", *half, True) == dispatch.TORCH
-    monkeypatch.setattr(dispatch, "SPLIT_TRAINING", True)
-    monkeypatch.setattr(dispatch, "_graph_capture", lambda x: True)
-    assert dispatch.gated_mlp_path("auto", *half, True) == dispatch.GATED
-    assert dispatch.gated_mlp_path("auto", torch.empty(512, 768), 3072, True) == dispatch.SPLIT
-    assert dispatch.gated_mlp_path("auto", *mid, False) == dispatch.GATED
-    assert dispatch.gated_mlp_path("auto", *half, False) == dispatch.GATED
+    assert dispatch.gated_mlp_path("auto", torch.empty(65, 768), small, False) == dispatch.GATED
+    # Training takes the forward's path without the decode kernels: on large layers the SPLIT path below
+    # GATED_LARGE_MIN_M tokens, the gated GEMM from there, and on small layers the gated GEMM at any size.
+    for m in (1, at_most + 1, dispatch.GATED_LARGE_MIN_M - 1):
+        assert dispatch.gated_mlp_path("auto", torch.empty(m, 4096), big, True) == dispatch.SPLIT
+    for m in (dispatch.GATED_LARGE_MIN_M, 8192):
+        assert dispatch.gated_mlp_path("auto", torch.empty(m, 4096), big, True) == dispatch.GATED
+    for m in (1, 64, 65, 4096, 8192):
+        assert dispatch.gated_mlp_path("auto", torch.empty(m, 768), small, True) == dispatch.GATED
+    monkeypatch.setattr(dispatch, "GATED_TRAINING", False)  # the switch off: training on eager's kernels
+    assert dispatch.gated_mlp_path("auto", torch.empty(64, 768), small, True) == dispatch.TORCH
+    assert dispatch.gated_mlp_path("auto", torch.empty(64, 4096), big, True) == dispatch.TORCH
+    assert dispatch.gated_mlp_path("auto", torch.empty(64, 4096), big, False) == dispatch.SPLIT
 
 
 def test_auto_fuses_linear_act_only_for_the_measured_activation(monkeypatch):
@@ -787,37 +777,38 @@ def test_triton_training_step_replays_in_a_cuda_graph(bias):
 
 
 @pytest.mark.skipif(not (TRITON and torch.cuda.is_available()), reason="CUDA graphs need a GPU")
-def test_auto_training_is_fused_only_when_captured_and_compiles_inside_the_capture(kernel_calls):
-    # At a host-bound size `auto` trains on the SPLIT path in eager mode and on the gated GEMM under CUDA-graph
-    # capture. A graph user warms up in eager mode, so the gated GEMM is first built and loaded inside the capture:
-    # that must work (its in-process caches are cleared first to make sure it happens here).
-    from mlpfuse.kernels import gated_gemm, glu_backward
+def test_auto_split_training_step_replays_in_a_cuda_graph_with_its_passes_built_inside(kernel_calls):
+    # `auto` trains a large layer at a few dozen tokens on the SPLIT path, in eager mode and under capture alike. The
+    # GLU passes' compiled kernels and launch plans are dropped after the warm-up, so they are built and loaded inside
+    # the capture; the replay on new data gives the eager step's values and gradients.
+    from mlpfuse.kernels import glu, glu_backward
 
-    for launcher in (gated_gemm._launch, glu_backward._launch_pointwise_kernel):
-        launcher.clear()
-        launcher.kernel.device_caches.clear()
-    ts = gated_inputs((4096,), 776, 3088, torch.bfloat16, False, seed=41)
-    leaves = [t.clone().requires_grad_() for t in ts[:4]]
-    dy = seeded_like(torch.empty(4096, 776), 42).to(DEVICE, torch.bfloat16)
+    ts = gated_inputs((48,), 4096, 4096, torch.bfloat16, True, seed=41)
+    leaves = [t.clone().requires_grad_() for t in ts]
+    dy = seeded_like(torch.empty(48, 4096), 42).to(DEVICE, torch.bfloat16)
 
     def step():
-        y = ops.gated_mlp(*leaves, "gelu_tanh")
+        y = ops.gated_mlp(leaves[0], *leaves[1:4], "silu", *leaves[4:])
         return (y, *torch.autograd.grad(y, leaves, dy))
 
-    # Warm-up and capture by hand, not with `graphed`: the eager-mode check must come between them, and every
-    # step before the capture must run on the side stream (a backward on the legacy stream breaks the capture).
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            want = step()
+            step()
     torch.cuda.current_stream().wait_stream(side)
-    assert "gated_gemm" not in kernel_calls and {"glu", "glu_backward"} <= set(kernel_calls)
-    kernel_calls.clear()
+    assert kernel_calls == ["glu", "glu_backward"] * 2
+    for launcher in (glu._launch_kernel, glu_backward._launch_pointwise_kernel):
+        launcher.clear()
+        launcher.kernel.device_caches.clear()
+    glu._plans.clear()
+    glu_backward._pointwise_plans.clear()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static = step()
-    assert "gated_gemm" in kernel_calls and "glu_backward" in kernel_calls
+    with torch.no_grad():
+        leaves[0].copy_(seeded_like(leaves[0], 43))
     graph.replay()
+    want = step()
     for got, ref in zip(static, want):
         assert rel(got, ref) < TOL[torch.bfloat16]

@@ -34,11 +34,6 @@ def bias_key(b: Optional[Tensor]):
     return None if b is None else (b.data_ptr(), b.shape, b.dtype)
 
 
-def capturing(grad: bool, x: Tensor) -> bool:
-    """Graph capture matters to the path only under autograd."""
-    return grad and x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 class Memo:
     """The entries of one plan: at most MAX_ENTRIES layouts, cleared when full. Pickled or deep-copied it starts
     empty (entries hold launch plans and extension handles valid in this process only)."""

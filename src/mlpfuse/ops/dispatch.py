@@ -52,10 +52,8 @@ SAVE_PREACT = True
 # sizes, the gated GEMM on small layers and from GATED_LARGE_MIN_M tokens on large ones (dim·hidden >=
 # DECODE_LARGE_LAYER); in between, on large layers, that SPLIT path: cuBLAS's gate and up GEMMs, one Triton GLU pass,
 # cuBLAS's down GEMM.
-# In eager mode and in graphs alike; training keeps the rule below (its backward was measured on its own).
+# In eager mode and in graphs alike; training makes the same choice (GATED_TRAINING below).
 GATED_LARGE_MIN_M = 96  # tokens
-GATED_MIN_M = 1024  # tokens, and ...
-GATED_MIN_WORK = 8e9  # ... M·hidden·dim multiply-adds from which the gated GEMM replaces 2 GEMMs + GELU·mul
 # gemm_act vs addmm + activation at 768→3072: M=2048 27.5 → 45.1 µs (eager wins), M=4096 49.1 → 45.7.
 LINEAR_ACT_MIN_WORK = 9e9  # M·out·in multiply-adds from which GEMM+bias+activation replaces addmm + activation
 # ... for the activation it was measured with (gelu_tanh). With the erf GELU (BERT's intermediate layer) the kernel
@@ -74,30 +72,23 @@ GLU_BACKWARD = "split"
 # 111.6 at 32.
 DECODE_LARGE_LAYER = 1 << 24  # dim·hidden from which ...
 DECODE_LARGE_MAX_M = 16  # ... the decode path stops at this many tokens (the SPLIT path takes over)
-# Under autograd `auto` takes the Triton path (gated forward kernel saving h, g and u; cuBLAS dh; one GLU-backward pass
-# into one [M, 2·hidden] buffer; dWg and dWu as one GEMM) on the same shapes as the forward, with one more condition
-# outside CUDA-graph capture. Its kernels do less GPU work than eager's: in CUDA graphs, `mlpfuse bench --preset blog
-# --mode fwd+bwd` on an H200 measured 573.5 / 577.3 / 590.9 µs per step against eager's graph 693.3 / 690.5 / 700.4
-# (three runs). But its host side costs more than eager's (Python around 8 launches against autograd's C++ nodes),
-# and at that size (1.9e10 multiply-adds, M·dim·hidden) the host decides an eager-mode step: 812 / 1076 / 862 µs
-# against eager's 808 / 804 / 830 in the same runs. At twice the tokens (3.9e10) the GPU time wins: 1195 vs eager
-# 1527 µs, and at 32768 tokens 2390 vs 2959 (`mlpfuse bench --tokens 16384,32768 --dim 768 --hidden 3072 --mode
-# fwd+bwd`, benchmarks/results/nvidia-h200/train-mid). Since plans launch through the compiled kernel's C entry and
-# the backward releases its buffers early, the fused step at 8192×768×3072 costs about eager's time and much less
-# memory: `benchmarks/host_paths.py` wall per step 720.6 µs (min 626.0, max 860.5) against eager's 743.6 (694.9–
-# 774.4), and `benchmarks/train_anatomy.py --parts memory` peak 160.5 MiB against eager's 304.5 (compile and Liger
-# 208.5), H200. So outside graph capture the fused training path starts from that size's work (1.9e10). With the
-# module's call plan the step measured 0.86-0.88x eager's wall time there (host_paths.py, train_step_do_bench.py,
-# benchmarks/results/nvidia-h200/call-plan).
+# Under autograd `auto` trains on the path the forward would take without the decode kernels (which keep no g and
+# u): the gated GEMM saving g and u, or on large layers below GATED_LARGE_MIN_M tokens the SPLIT path saving the
+# cuBLAS GEMMs' g and u; then the same backward (cuBLAS dh = dy·Wd, one Triton GLU-backward pass writing dg and du
+# over g and u and h over dh, cuBLAS for dWd, dx, dWu, dWg). Measured as pure GPU time (`mlpfuse bench --mode
+# fwd+bwd --variants eager,compile,eager-cudagraph,mlpfuse,mlpfuse-triton`, benchmarks/results/nvidia-h200/
+# train-small), µs per step, gated / SPLIT / eager / torch.compile / eager in a CUDA graph:
+#   768×3072 at 64 / 512 / 1024 / 4096 / 8192 tokens: 63.1 / 83.5 / 117.3 / 326.7 / 605.9 gated, 64.5 / 88.5 / 120.6
+#     / 339.6 / 606.3 SPLIT, against 94.0 / 118.9 / 156.5 / 399.8 / 720.1 eager, 67.4 / 92.9 / 125.1 / 337.8 / 615.9
+#     compile, 63.1 / 86.1 / 123.8 / 365.5 / 685.2 eager's graph;
+#   4096×14336 at 64 / 512 / 1024 tokens: 365.9 / 821.7 / 1486.9 gated, 350.8 / 825.2 / 1484.5 SPLIT, against
+#     371.1 / 852.6 / 1536.8 eager, 345.4 / 822.4 / 1480.2 compile.
+# Host time: an earlier version paid ~1.1–1.3× eager's host per step for its Python layers, and `auto` then trained on
+# eager's kernels below 1.5e10 multiply-adds outside CUDA graphs. With the module's call plan holding both GLU passes'
+# launch plans and the first backward going straight to its kernels, `benchmarks/host_paths.py --only train` measured
+# the fused step's host time at 0.81–1.04× eager's (gated) and 0.95–1.09× (SPLIT) at 64–1024 tokens, ±20 % noise on
+# that host (same folder), so the GPU time decides. GATED_TRAINING False: training on eager's kernels.
 GATED_TRAINING = True
-GATED_TRAINING_EAGER_MIN_WORK = 1.5e10
-# Below those sizes `auto` trains on the SPLIT path (SPLIT_TRAINING), not on eager's kernels: cuBLAS's gate, up and
-# down GEMMs around the Triton GLU pass, the backward's cuBLAS GEMMs around one Triton GLU-backward pass that writes
-# dg and du over the saved g and u — the kernels torch.compile generates for the block, with its fused elementwise
-# work in both passes. `mlpfuse bench --mode fwd+bwd` (pure GPU time, benchmarks/results/nvidia-h200/small-m
-# run4) had measured eager's kernels at 1.19–1.42× compile's GPU time at 64–4096 × 768×3072 and 1.03–1.10× at
-# 64–512 × 4096×14336.
-SPLIT_TRAINING = True
 MIN_ARCH = 9  # Hopper: the kernels' fast mainloop (TMA, persistent grid) needs sm90
 FAST_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -249,11 +240,6 @@ def cuda_call(fn, *args):
 _ARG_ERROR = re.compile(r"^[a-z_]+: ")
 
 
-def _graph_capture(x: torch.Tensor) -> bool:
-    """Whether this call is being recorded into a CUDA graph (then host time is paid once, not per step)."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -> str:
     """TORCH, GATED or DECODE for a gated MLP call on 2-D x [M, dim] with `hidden` units. `backend` is an argument
     as given ('' = default)."""
@@ -279,16 +265,11 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
         return DECODE
     if not _auto_may_use(x.device, x.dtype, "gated_gemm"):
         return TORCH
-    if not training:
-        if large and m < GATED_LARGE_MIN_M:
-            return SPLIT if _auto_may_use(x.device, x.dtype, "glu") else TORCH
-        return GATED
-    work = m * x.shape[1] * hidden
-    # The fused training path where its GPU time wins and, outside a CUDA graph, outweighs its host time.
-    if m >= GATED_MIN_M and work >= GATED_MIN_WORK and (work >= GATED_TRAINING_EAGER_MIN_WORK or _graph_capture(x)):
-        return GATED
-    may_split = _auto_may_use(x.device, x.dtype, "glu") and _auto_may_use(x.device, x.dtype, "glu_backward")
-    return SPLIT if SPLIT_TRAINING and may_split else TORCH
+    if training and not _auto_may_use(x.device, x.dtype, "glu_backward"):
+        return TORCH
+    if large and m < GATED_LARGE_MIN_M:
+        return SPLIT if _auto_may_use(x.device, x.dtype, "glu") else TORCH
+    return GATED
 
 
 def linear_act_path(backend: str, x: torch.Tensor, out_features: int, activation_id: int) -> str:

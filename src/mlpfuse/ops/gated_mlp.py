@@ -426,10 +426,10 @@ class CallPlan(_plan.Memo):
     A module (or patched block) owns one and offers it every call. It serves plain tensors in eager execution, not
     under autocast; the key of a call holds every property the checks and the path read — x's shape, strides,
     16-byte alignment, dtype and device; each weight's and bias's address, shape and dtype (and the weights'
-    strides); the backend as resolved for this call; whether a gradient is needed and, then, whether a CUDA graph
-    is being captured; TF32 for fp32 (see ops._plan). A new key runs the op layer's checks and path choice (same
+    strides); the backend as resolved for this call; whether a gradient is needed; TF32 for fp32 (see ops._plan). A new key runs the op layer's checks and path choice (same
     errors, same path) and is remembered. Per call on a hit: the key, then straight to the kernels — for the gated
-    GEMM its launch plan is held here, so the kernel wrapper's own key is not built again.
+    GEMM its launch plan is held here (on the split path the GLU passes'), so the kernel wrapper's own key is not
+    built again.
 
     Returns None for what it does not serve (tensor subclasses, compile / export / tracing, autocast, sharded
     weights are the module's business): the caller then takes `gated_mlp_call`.
@@ -446,7 +446,7 @@ class CallPlan(_plan.Memo):
                                             or (bd is not None and bd.requires_grad))
         key = (dispatch.resolve_backend(backend), _plan.x_key(x), _plan.weight_key(wg), _plan.weight_key(wu),
                _plan.weight_key(wd), _plan.bias_key(bg), _plan.bias_key(bu), _plan.bias_key(bd), activation, grad,
-               _plan.capturing(grad, x), x.dtype is torch.float32 and dispatch.allow_tf32())
+               x.dtype is torch.float32 and dispatch.allow_tf32())
         entry = self.entries.get(key)
         if entry is None:
             _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)

@@ -157,8 +157,7 @@ class _EagerTraining(torch.autograd.Function):
 class LinearActPlan(_plan.Memo):
     """A module's memo of its eager linear+activation calls, as ops.gated_mlp.CallPlan is for the gated MLP: the
     arguments checked and the path chosen once per layout (the key: x's layout, the weight's and bias's address,
-    shape, dtype and the weight's strides, the resolved backend, the activation, grad mode, graph capture under
-    grad, TF32 for fp32). Returns None for what it does not serve (see ops._plan.declines): the caller then takes
+    shape, dtype and the weight's strides, the resolved backend, the activation, grad mode, TF32 for fp32). Returns None for what it does not serve (see ops._plan.declines): the caller then takes
     `linear_act_call`."""
 
     __slots__ = ()
@@ -169,7 +168,7 @@ class LinearActPlan(_plan.Memo):
         grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                             or (bias is not None and bias.requires_grad))
         key = (dispatch.resolve_backend(backend), _plan.x_key(x), _plan.weight_key(weight), _plan.bias_key(bias),
-               activation, grad, _plan.capturing(grad, x), x.dtype is torch.float32 and dispatch.allow_tf32())
+               activation, grad, x.dtype is torch.float32 and dispatch.allow_tf32())
         entry = self.entries.get(key)
         if entry is None:
             _checks.linear_act_args(x, weight, bias)
