@@ -86,8 +86,10 @@ DECODE_LARGE_MAX_M = 16  # ... the decode path stops at this many tokens (the SP
 # Host time: an earlier version paid ~1.1–1.3× eager's host per step for its Python layers, and `auto` then trained on
 # eager's kernels below 1.5e10 multiply-adds outside CUDA graphs. With the module's call plan holding both GLU passes'
 # launch plans and the first backward going straight to its kernels, `benchmarks/host_paths.py --only train` measured
-# the fused step's host time at 0.81–1.04× eager's (gated) and 0.95–1.09× (SPLIT) at 64–1024 tokens, ±20 % noise on
-# that host (same folder), so the GPU time decides. GATED_TRAINING False: training on eager's kernels.
+# the fused step's host time at 0.75–1.15× eager's (gated) and 0.94–1.12× (SPLIT) at 64–1024 tokens in two runs,
+# rounds spreading ±20–40 % on those hosts (same folder): level with eager, so the GPU time decides. There `mlpfuse
+# bench` measured 0.66–0.85× eager's GPU time at 64–8192 × 768×3072 and 0.92–0.98× at 64–8192 × 4096×14336, within
+# 1.5 % of the best peer (torch.compile, eager's CUDA graph) on every row. GATED_TRAINING False: eager's kernels.
 GATED_TRAINING = True
 MIN_ARCH = 9  # Hopper: the kernels' fast mainloop (TMA, persistent grid) needs sm90
 FAST_DTYPES = (torch.bfloat16, torch.float16)
