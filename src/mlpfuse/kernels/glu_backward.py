@@ -282,7 +282,7 @@ class _PointwisePlan:
     """One layout's launch of the pointwise pass: tile, grid, integer arguments and constexprs decided once; after
     the first launch the compiled kernel's C launcher (C.Raw) is called with plain pointers. Holds no tensor."""
 
-    __slots__ = ("key", "grid", "ints", "consts", "warps", "index", "raw", "cols", "sums", "device")
+    __slots__ = ("key", "grid", "ints", "consts", "warps", "index", "raw", "cols", "want_h", "sums", "device")
 
     def __init__(self, tensors, activation: int, want_h: bool, sums: bool, tile):
         dh = tensors[0]
@@ -298,7 +298,7 @@ class _PointwisePlan:
         self.grid = (-(-M // rows), -(-N // BN))
         self.ints = (M, N, *(n for st in strides for n in st))
         self.index, self.raw = C.device_index(dh.device), None
-        self.cols, self.sums, self.device = N, sums, dh.device
+        self.cols, self.want_h, self.sums, self.device = N, want_h, sums, dh.device
 
     def launch(self, tensors) -> None:
         raw = self.raw

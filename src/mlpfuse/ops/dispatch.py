@@ -243,7 +243,7 @@ _ARG_ERROR = re.compile(r"^[a-z_]+: ")
 
 
 def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -> str:
-    """TORCH, GATED or DECODE for a gated MLP call on 2-D x [M, dim] with `hidden` units. `backend` is an argument
+    """The path (TORCH, GATED, DECODE, SPLIT or CUDA) of a gated MLP call on 2-D x [M, dim] with `hidden` units. `backend` is an argument
     as given ('' = default)."""
     name = resolve_backend(backend)
     m = x.shape[0]

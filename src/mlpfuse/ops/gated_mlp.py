@@ -270,7 +270,7 @@ def _triton_backward(dy2, x2, wg, wu, wd, held: list, h, act_id: int, need_dx: b
         rebuild_h = (h is None or h.numel() == 0) and need_dw
         sums = bias_grads[0] or bias_grads[1]
         plan = entry.held_backward if entry is not None else None
-        if plan and plan.consts[1:3] == (rebuild_h, sums) and consume:
+        if plan and plan.want_h == rebuild_h and plan.sums == sums:
             dbg, dbu = plan.run(dh, g, u, dg, du, dh if rebuild_h else None)
         else:
             # Only the bias sums are taken from the result: binding its other entries (even to `_`) would keep h
@@ -279,7 +279,7 @@ def _triton_backward(dy2, x2, wg, wu, wd, held: list, h, act_id: int, need_dx: b
                 dh, g, u, activation=act_id, bias_sums=sums, out=(dg, du), want_h=rebuild_h,
                 out_h=dh if rebuild_h else None,
             )[3:]
-            if entry is not None and plan is None and consume:
+            if entry is not None and plan is None:
                 entry.held_backward = kernels.cached_plan(dh.shape[0], dh.shape[1], dh.dtype, dh.device,
                                                           activation=act_id, want_h=rebuild_h, bias_sums=sums) or False
         if rebuild_h:

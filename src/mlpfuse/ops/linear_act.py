@@ -157,8 +157,8 @@ class _EagerTraining(torch.autograd.Function):
 class LinearActPlan(_plan.Memo):
     """A module's memo of its eager linear+activation calls, as ops.gated_mlp.CallPlan is for the gated MLP: the
     arguments checked and the path chosen once per layout (the key: x's layout, the weight's and bias's address,
-    shape, dtype and the weight's strides, the resolved backend, the activation, grad mode, TF32 for fp32). Returns None for what it does not serve (see ops._plan.declines): the caller then takes
-    `linear_act_call`."""
+    shape, dtype and the weight's strides, the resolved backend, the activation, grad mode, TF32 for fp32). Returns
+    None for what it does not serve (see ops._plan.declines): the caller then takes `linear_act_call`."""
 
     __slots__ = ()
 
