@@ -246,6 +246,30 @@ def device_index(device: torch.device) -> int:
     return torch._C._cuda_getDevice() if device.type == "cuda" else -1
 
 
+class PointerPlan:
+    """One layout's launch of a kernel whose tensor arguments are plain pointers (no descriptors): key, grid, integer
+    arguments and constexprs decided once by the caller; the first launch goes through `launcher` (a Launcher), later
+    ones straight to the compiled kernel's C launcher (Raw) with the tensors' addresses. Holds no tensor."""
+
+    __slots__ = ("launcher", "key", "grid", "ints", "consts", "warps", "stages", "index", "raw")
+
+    def __init__(self, launcher: Launcher, key, grid, ints, consts, warps: int, stages: int, device: torch.device):
+        self.launcher, self.key, self.grid, self.ints, self.consts = launcher, key, grid, ints, consts
+        self.warps, self.stages = warps, stages
+        self.index, self.raw = device_index(device), None
+
+    def launch(self, tensors) -> None:
+        raw = self.raw
+        if raw is not None and not launch_hooks_set():
+            raw(self.grid, torch._C._cuda_getCurrentRawStream(self.index),
+                (*[t.data_ptr() for t in tensors], *self.ints, *self.consts))
+            return
+        self.launcher(self.key, self.grid, (*tensors, *self.ints), self.consts, num_warps=self.warps,
+                      num_stages=self.stages)
+        if self.index >= 0:
+            self.raw = self.launcher.raw(self.key, self.index)
+
+
 class Raw:
     """A compiled kernel's own C launch function, called with its arguments already in flat form.
 

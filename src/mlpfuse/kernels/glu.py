@@ -56,7 +56,7 @@ def glu_forward(g: torch.Tensor, u: torch.Tensor, *, activation: int, out: torch
     if plan is None:
         plan = _Plan(g, u, h, activation)
         C.keep_plan(_plans, key, plan)
-    plan.launch(g, u, h)
+    plan.launch((g, u, h))
     return h
 
 
@@ -73,39 +73,26 @@ def _plan_key(shape, dtype, device, row_strides, aligns, activation) -> tuple:
     return (tuple(shape), dtype, device, row_strides, aligns, activation)
 
 
-class _Plan:
-    """One layout's launch: grid, integer arguments and constexprs decided once; after the first launch, the compiled
-    kernel's C launcher (C.Raw) is called with plain pointers. Holds no tensor."""
+class _Plan(C.PointerPlan):
+    """One layout's launch (see C.PointerPlan), with the shape, dtype and device of the h it allocates."""
 
-    __slots__ = ("shape", "dtype", "device", "index", "grid", "ints", "consts", "warps", "key", "raw")
+    __slots__ = ("shape", "dtype", "device")
 
     def __init__(self, g, u, h, activation):
         M, N = g.shape
-        bn, self.warps = _TILE if g.device.type == "cuda" else _TILE_INTERPRET
-        self.consts = (activation, bn, C.needs_i64(g, u, h))
+        bn, warps = _TILE if g.device.type == "cuda" else _TILE_INTERPRET
+        consts = (activation, bn, C.needs_i64(g, u, h))
         # What the compiled kernel is specialized on (all but M): see C.Launcher.
-        self.key = (self.consts, self.warps, g.dtype, N, g.stride(0), u.stride(0), h.stride(0), C.align16(g),
-                    C.align16(u), C.align16(h))
+        key = (consts, warps, g.dtype, N, g.stride(0), u.stride(0), h.stride(0), C.align16(g), C.align16(u),
+               C.align16(h))
+        super().__init__(_launch_kernel, key, (M, -(-N // bn)), (M, N, g.stride(0), u.stride(0), h.stride(0)), consts,
+                         warps, 1, g.device)
         self.shape, self.dtype, self.device = (M, N), g.dtype, g.device
-        self.index = C.device_index(g.device)
-        self.grid = (M, -(-N // bn))
-        self.ints = (M, N, g.stride(0), u.stride(0), h.stride(0))
-        self.raw = None
-
-    def launch(self, g, u, h) -> None:
-        raw = self.raw
-        if raw is not None and not C.launch_hooks_set():
-            raw(self.grid, torch._C._cuda_getCurrentRawStream(self.index),
-                (g.data_ptr(), u.data_ptr(), h.data_ptr(), *self.ints, *self.consts))
-            return
-        _launch_kernel(self.key, self.grid, (g, u, h, *self.ints), self.consts, num_warps=self.warps, num_stages=1)
-        if self.index >= 0:
-            self.raw = _launch_kernel.raw(self.key, self.index)
 
     def run(self, g, u) -> torch.Tensor:
         """h for g and u of this plan's layout, into a fresh h."""
         h = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        self.launch(g, u, h)
+        self.launch((g, u, h))
         return h
 
 

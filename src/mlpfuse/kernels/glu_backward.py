@@ -278,11 +278,11 @@ def cached_plan(rows: int, cols: int, dtype: torch.dtype, device: torch.device, 
     return _pointwise_plans.get((rows, cols, dtype, device, contiguous, (0,) * 8, activation, want_h, bias_sums, None))
 
 
-class _PointwisePlan:
-    """One layout's launch of the pointwise pass: tile, grid, integer arguments and constexprs decided once; after
-    the first launch the compiled kernel's C launcher (C.Raw) is called with plain pointers. Holds no tensor."""
+class _PointwisePlan(C.PointerPlan):
+    """One layout's launch of the pointwise pass (see C.PointerPlan): tile, grid, integer arguments and constexprs
+    decided once, with the flags and sizes `run` needs."""
 
-    __slots__ = ("key", "grid", "ints", "consts", "warps", "index", "raw", "cols", "want_h", "sums", "device")
+    __slots__ = ("cols", "want_h", "sums", "device")
 
     def __init__(self, tensors, activation: int, want_h: bool, sums: bool, tile):
         dh = tensors[0]
@@ -290,26 +290,14 @@ class _PointwisePlan:
         if tile is None:
             cuda = dh.device.type == "cuda"
             tile = _pointwise_tile(M, N, C.num_sms(dh.device)) if cuda else _POINTWISE_TILE_INTERPRET
-        BM, BN, rows, self.warps = tile
+        BM, BN, rows, warps = tile
         strides = tuple(t.stride() for t in tensors[:6])
-        self.consts = (activation, want_h, sums, BM, BN, rows, C.needs_i64(*tensors[:6]))
+        consts = (activation, want_h, sums, BM, BN, rows, C.needs_i64(*tensors[:6]))
         # What the compiled kernel is specialized on (all but M): see C.Launcher.
-        self.key = (self.consts, self.warps, dh.dtype, N, strides, tuple(C.align16(t) for t in tensors))
-        self.grid = (-(-M // rows), -(-N // BN))
-        self.ints = (M, N, *(n for st in strides for n in st))
-        self.index, self.raw = C.device_index(dh.device), None
+        key = (consts, warps, dh.dtype, N, strides, tuple(C.align16(t) for t in tensors))
+        super().__init__(_launch_pointwise_kernel, key, (-(-M // rows), -(-N // BN)),
+                         (M, N, *(n for st in strides for n in st)), consts, warps, 3, dh.device)
         self.cols, self.want_h, self.sums, self.device = N, want_h, sums, dh.device
-
-    def launch(self, tensors) -> None:
-        raw = self.raw
-        if raw is not None and not C.launch_hooks_set():
-            raw(self.grid, torch._C._cuda_getCurrentRawStream(self.index),
-                (*[t.data_ptr() for t in tensors], *self.ints, *self.consts))
-            return
-        _launch_pointwise_kernel(self.key, self.grid, (*tensors, *self.ints), self.consts, num_warps=self.warps,
-                                 num_stages=3)
-        if self.index >= 0:
-            self.raw = _launch_pointwise_kernel.raw(self.key, self.index)
 
     def run(self, dh, g, u, dg, du, h=None):
         """(dgate_bias, dup_bias), both None unless the plan sums biases, for tensors of this plan's layout; h

@@ -83,13 +83,14 @@ DECODE_LARGE_MAX_M = 16  # ... the decode path stops at this many tokens (the SP
 #     compile, 63.1 / 86.1 / 123.8 / 365.5 / 685.2 eager's graph;
 #   4096×14336 at 64 / 512 / 1024 tokens: 365.9 / 821.7 / 1486.9 gated, 350.8 / 825.2 / 1484.5 SPLIT, against
 #     371.1 / 852.6 / 1536.8 eager, 345.4 / 822.4 / 1480.2 compile.
-# Host time: an earlier version paid ~1.1–1.3× eager's host per step for its Python layers, and `auto` then trained on
-# eager's kernels below 1.5e10 multiply-adds outside CUDA graphs. With the module's call plan holding both GLU passes'
-# launch plans and the first backward going straight to its kernels, `benchmarks/host_paths.py --only train` measured
-# the fused step's host time at 0.75–1.15× eager's (gated) and 0.94–1.12× (SPLIT) at 64–1024 tokens in two runs,
-# rounds spreading ±20–40 % on those hosts (same folder): level with eager, so the GPU time decides. There `mlpfuse
-# bench` measured 0.66–0.85× eager's GPU time at 64–8192 × 768×3072 and 0.92–0.98× at 64–8192 × 4096×14336, within
-# 1.5 % of the best peer (torch.compile, eager's CUDA graph) on every row. GATED_TRAINING False: eager's kernels.
+# Host time: an earlier version paid ~1.1–1.3× eager's host per step for its Python layers, and `auto` then
+# trained on eager's kernels below 1.5e10 multiply-adds outside CUDA graphs. With the module's call plan holding both
+# GLU passes' launch plans and the first backward going straight to its kernels, `benchmarks/host_paths.py --only
+# train` measured the fused step's host time at 0.75–1.15× eager's (gated) and 0.94–1.12× (SPLIT) at 64–1024
+# tokens in two runs, rounds spreading ±20–40 % on those hosts (same folder): level with eager, so the GPU time
+# decides. There `mlpfuse bench` measured 0.66–0.85× eager's GPU time at 64–8192 × 768×3072 and 0.92–0.98× at
+# 64–8192 × 4096×14336, within 1.5 % of the best peer (torch.compile, eager's CUDA graph) on every row.
+# GATED_TRAINING False: training on eager's kernels.
 GATED_TRAINING = True
 MIN_ARCH = 9  # Hopper: the kernels' fast mainloop (TMA, persistent grid) needs sm90
 FAST_DTYPES = (torch.bfloat16, torch.float16)
@@ -243,8 +244,8 @@ _ARG_ERROR = re.compile(r"^[a-z_]+: ")
 
 
 def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -> str:
-    """The path (TORCH, GATED, DECODE, SPLIT or CUDA) of a gated MLP call on 2-D x [M, dim] with `hidden` units. `backend` is an argument
-    as given ('' = default)."""
+    """The path (TORCH, GATED, DECODE, SPLIT or CUDA) of a gated MLP call on 2-D x [M, dim] with `hidden` units.
+    `backend` is an argument as given ('' = default)."""
     name = resolve_backend(backend)
     m = x.shape[0]
     if name == "torch":

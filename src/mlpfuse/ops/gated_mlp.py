@@ -384,7 +384,7 @@ class _EagerTraining(torch.autograd.Function):
     def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, path: str, entry=None):
         plan = entry.held if entry is not None and path == dispatch.SPLIT else None
         y, _, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, dispatch.SAVE_PREACT, path,
-                              plan or None)
+                              plan)
         ctx.activation, ctx.backend, ctx.extra_inputs, ctx.path = activation, backend, 2, path  # extras: path, entry
         ctx.entry = entry if path == dispatch.SPLIT else None
         ctx.held = None if g is None else [g, u]
@@ -426,10 +426,10 @@ class CallPlan(_plan.Memo):
     A module (or patched block) owns one and offers it every call. It serves plain tensors in eager execution, not
     under autocast; the key of a call holds every property the checks and the path read — x's shape, strides,
     16-byte alignment, dtype and device; each weight's and bias's address, shape and dtype (and the weights'
-    strides); the backend as resolved for this call; whether a gradient is needed; TF32 for fp32 (see ops._plan). A new key runs the op layer's checks and path choice (same
-    errors, same path) and is remembered. Per call on a hit: the key, then straight to the kernels — for the gated
-    GEMM its launch plan is held here (on the split path the GLU passes'), so the kernel wrapper's own key is not
-    built again.
+    strides); the backend as resolved for this call; whether a gradient is needed; TF32 for fp32 (see ops._plan). A
+    new key runs the op layer's checks and path choice (same errors, same path) and is remembered. Per call on a
+    hit: the key, then straight to the kernels — for the gated GEMM its launch plan is held here (on the split path
+    the GLU passes'), so the kernel wrapper's own key is not built again.
 
     Returns None for what it does not serve (tensor subclasses, compile / export / tracing, autocast, sharded
     weights are the module's business): the caller then takes `gated_mlp_call`.
