@@ -4,15 +4,15 @@
 //
 // At a few tokens the MLP is bound by reading its 3·hidden·dim weights once, so the design is about keeping HBM
 // busy and everything else off the critical path:
-//   * two kernels of one shape (decode_gemv): a block owns 16 output rows (32 in kernel 2 at 16 tokens) and
-//     reduces over the whole k range itself, its warps each taking an interleaved share of k and meeting in shared
-//     memory. Kernel 1 streams the Wg and Wu rows of 16 hidden units and writes h = act(g + bg)·(u + bu), rounded
-//     to the input dtype as the unfused path rounds it, to a [m, hidden] buffer (tiny); kernel 2 streams rows of Wd
-//     against h and writes y (+ bd). No atomics, no zeroed accumulator (no memset launch), and the same bits on every run.
+//   * two kernels of one shape (decode_gemv): a block owns 16 output rows and reduces over the whole k range
+//     itself, its warps each taking a contiguous span of k and meeting in shared memory. Kernel 1 streams the Wg
+//     and Wu rows of 16 hidden units and writes h = act(g + bg)·(u + bu), rounded to the input dtype as the unfused
+//     path rounds it, to a [m, hidden] buffer (tiny); kernel 2 streams rows of Wd against h and writes y (+ bd). No
+//     atomics, no zeroed accumulator (no memset launch), and the same bits on every run.
 //   * the weights are read with 16-byte loads that skip L1 (read once), every load of an iteration issued before
-//     the first multiply: 96–128 KiB in flight per SM (Shape below), where the single kernel's per-token dot
-//     products kept about 27 KiB. Kernel 1 has hidden / 16 blocks (896 at hidden 14336), kernel 2 dim / 16 (or 32); each
-//     is sized to run in a single wave, where every block streams at the same rate and all end together.
+//     the first multiply: 80–128 KiB in flight per SM (Shape below), where the single kernel's per-token dot
+//     products kept about 27 KiB. Kernel 1 has hidden / 16 blocks (896 at hidden 14336), kernel 2 dim / 16; each is
+//     sized to run in a single wave, where every block streams at the same rate and all end together.
 //   * kernel 2 is a programmatic dependent launch of kernel 1 (sm_90): it streams its first Wd bytes while kernel
 //     1's last blocks finish, instead of starting after kernel 1 has drained and the launch gap has passed.
 //   * the products run on tensor cores (mma m16n8k16, fp32 accumulation) for 16-bit inputs: a warp's 16 weight rows
@@ -33,27 +33,32 @@ namespace {
 
 constexpr int kTileRows = 16;  // the mma's M
 
-// The launch shape of each kernel (NMAT weight matrices, NT tiles of 8 tokens): warps per block, each taking an
-// interleaved share of k; 16-row tiles per warp (RT); 16-byte vectors per weight row and lane in flight per iteration
-// (U); blocks per SM the registers are sized for. Bytes in flight per SM, not instructions, set the bandwidth, and
-// the registers set the bytes in flight; at hidden 14336, dim 4096 (ptxas, sm_90):
+// The launch shape of each kernel (NMAT weight matrices, NT tiles of 8 tokens): warps per block, each taking a
+// span of k; 16-row tiles per warp (RT); 16-byte vectors per weight row and lane in flight per iteration
+// (U); blocks per SM the registers are sized for. At hidden 14336, dim 4096 (ptxas, sm_90; times from
+// benchmarks/decode_shapes.cu on an H200, benchmarks/results/nvidia-h200/cuda-backend/decode-shapes):
 //   kernel 1 (two matrices, hidden / 16 blocks: 896) is sized so that all of its blocks fit on the SMs at once (at 8
 //     warps it took 1.7 waves, 2.3 at 16 tokens, and the last, partial wave streamed at a fraction of the
 //     bandwidth). Up to 8 tokens: 4 warps, U = 2 (64 registers, 8 blocks per SM), 4 KiB per warp, 110 KiB per SM.
-//     At 16 tokens the second token tile's B fragments and accumulators cost 16 registers more per lane: 3 warps of
-//     U = 2 (80 registers) kept only 81 KiB per SM; 2 warps of U = 4 (7 blocks per SM, 8 KiB per warp) keep 109.
+//     At 16 tokens the second token tile's B fragments and accumulators cost 16 registers more per lane. More
+//     bytes in flight did not stream faster there: 2 warps of U = 3 (118 registers, 8 blocks per SM, 6 KiB per
+//     warp) stream Wg and Wu in 63.2–66.1 µs, U = 4 (7 blocks per SM, 8 KiB per warp) 1.1–1.6 µs slower in each
+//     of four runs on four machines, U = 2 1.6 µs faster in one run and 2.9 slower in another; 4 warps of U = 2
+//     (which spill at 7 blocks per SM) 75, 32-row blocks (RT = 2) 82–86.
 //   kernel 2 (one matrix, dim / 16 blocks: 256, one wave either way) gives its few blocks more bytes each: 8 warps,
-//     U = 8 (120 registers, 2 blocks per SM), 64 KiB per block, 128 KiB per SM. At 16 tokens a warp's h fragments
-//     are as many bytes as its Wd fragments: with 16 rows per block every block reads all of h (m·hidden) from L2,
-//     as many bytes as the Wd it streams, and the SMs took twice the weight bytes through L2. A warp there takes two
-//     16-row tiles against one set of h fragments (RT = 2): h costs half the weight bytes, as at 8 tokens. 16 warps
-//     of U = 3 (128 registers, one 32-row block per SM) keep 96 KiB per SM, as the 16-row blocks of U = 6 did.
+//     U = 8 (120 registers, 2 blocks per SM), 64 KiB per block, 128 KiB per SM. At 16 tokens h's fragments take as
+//     many registers as Wd's: 8 warps of U = 4 (101 registers, 2 blocks per SM) stream Wd in 33.9–34.2 µs, U = 3, 5
+//     and 6 in 34.5–35.6, and 32-row blocks of 16 warps (RT = 2: each block reads h from L2 half as often, but
+//     needs the whole register file, so it starts only once every kernel-1 block has left its SM) in 36.0–36.1.
+//   Measured and dropped: asking L2 for each chunk an iteration or more ahead (sm_90's bulk prefetch) cost 1–16 µs
+//   per kernel; staging the weights in shared memory through cp.async, up to 12 stages deep, so that shared
+//   memory rather than registers bounds the bytes in flight, cost 1–51 µs.
 template <int NMAT, int NT>
 struct Shape {
-  static constexpr int kWarps = NMAT == 2 ? (NT == 1 ? 4 : 2) : (NT == 1 ? 8 : 16);
-  static constexpr int kRowTiles = NMAT == 1 && NT == 2 ? 2 : 1;
-  static constexpr int kUnroll = NMAT == 2 ? (NT == 1 ? 2 : 4) : (NT == 1 ? 8 : 3);
-  static constexpr int kBlocksPerSM = NMAT == 2 ? (NT == 1 ? 8 : 7) : (NT == 1 ? 2 : 1);
+  static constexpr int kWarps = NMAT == 2 ? (NT == 1 ? 4 : 2) : 8;
+  static constexpr int kRowTiles = 1;
+  static constexpr int kUnroll = NMAT == 2 ? (NT == 1 ? 2 : 3) : (NT == 1 ? 8 : 4);
+  static constexpr int kBlocksPerSM = NMAT == 2 ? 8 : 2;
 };
 
 // One of the two kernels: out[t, r] over r < rows, t < m, reducing over k.
@@ -150,10 +155,11 @@ __device__ __forceinline__ void finish(const GemvArgs& p, int64_t row0, const fl
 // Wd (which kernel 1 does not write) and only then wait for h. That hides the launch gap and the first round trip
 // of kernel 2 behind kernel 1's tail. Kernel 1 itself is launched the ordinary way: the weights it streams before
 // anything else could have been written by the kernel before it.
-template <typename T, int NMAT, int NT>
-__global__ void __launch_bounds__(Shape<NMAT, NT>::kWarps * 32, Shape<NMAT, NT>::kBlocksPerSM)
-    decode_gemv_mma_kernel(GemvArgs p) {
-  constexpr int WARPS = Shape<NMAT, NT>::kWarps, RT = Shape<NMAT, NT>::kRowTiles, U = Shape<NMAT, NT>::kUnroll;
+//
+// S: the launch shape (Shape<NMAT, NT>; benchmarks/decode_shapes.cu times others).
+template <typename T, int NMAT, int NT, class S = Shape<NMAT, NT>>
+__global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_mma_kernel(GemvArgs p) {
+  constexpr int WARPS = S::kWarps, RT = S::kRowTiles, U = S::kUnroll;
   constexpr int ROWS = kTileRows * RT, MT = NT * 8;
   constexpr int kStep = 32;  // k covered by one vector of each of the 4 lanes of a row
   __shared__ float part[WARPS][NMAT][ROWS][MT];
@@ -225,17 +231,24 @@ __global__ void __launch_bounds__(Shape<NMAT, NT>::kWarps * 32, Shape<NMAT, NT>:
     }
   };
   constexpr int64_t kChunk = int64_t(kStep) * U;  // k per warp and iteration
-  int64_t kb = int64_t(warp) * kChunk;
+  // The warp's share of k: one contiguous span [kb, kend) of whole chunks (only the last chunk of k can be
+  // partial). Spans streamed kernel 1 1–2 µs faster than interleaving the warps' chunks (warp w taking chunks w,
+  // w + WARPS, ..., so that a block's warps read neighbouring bytes of each row) and kernel 2 no slower.
+  // 32-bit offsets within a row (decode_supported keeps k below 2^31): kernel 1 has 64 registers at 1-8 tokens.
+  const int k = static_cast<int>(p.k);
+  const int per = ((k + int(kChunk) - 1) / int(kChunk) + WARPS - 1) / WARPS * int(kChunk);
+  int kb = warp * per;
+  const int kend = min(k, kb + per);
   if constexpr (NMAT == 1) {  // kernel 2: the first iteration's weights before the wait for h
-    if (kb < p.k) {
+    if (kb < kend) {
       step(kb, std::true_type{}, std::true_type{});
-      kb += WARPS * kChunk;
+      kb += kChunk;
     } else {
       grid_dependency_wait();
     }
   }
-  for (; kb + kChunk <= p.k; kb += WARPS * kChunk) step(kb, std::false_type{}, std::false_type{});
-  if (kb < p.k) step(kb, std::true_type{}, std::false_type{});
+  for (; kb + kChunk <= kend; kb += kChunk) step(kb, std::false_type{}, std::false_type{});
+  if (kb < kend) step(kb, std::true_type{}, std::false_type{});
   // Accumulator fragment: c0, c1 at row g of the tile, tokens 2q, 2q + 1; c2, c3 at row g + 8.
 #pragma unroll
   for (int mat = 0; mat < NMAT; ++mat) {
@@ -360,8 +373,8 @@ bool decode_supported(DType dtype, int64_t m, int64_t dim, int64_t hidden, const
   for (int i = 0; i < n_lds; ++i) {
     if (lds[i] % v != 0) return false;
   }
-  // One block per 16 output rows: the grid's x dimension allows 2^31 - 1 blocks.
-  return std::max(dim, hidden) / kTileRows < (int64_t(1) << 31) - 1;
+  // The kernels index within a row (k) in 32 bits; one block per 16 output rows stays far inside the grid's limit.
+  return std::max(dim, hidden) <= (int64_t(1) << 30);
 }
 
 void decode_gated_mlp(DType dtype, int act, int64_t m, int64_t dim, int64_t hidden, Mat x, Mat wg, Mat wu, Mat wd,
