@@ -8,6 +8,7 @@
 #        bench-decode, bench-small,
 #        bench-sweep, bench-sweep-small, bench-sweep-small-large, bench-sweep-mid, bench-sweep-mid-large, bench-sweep-train, bench-sweep-large, bench-sweep-large-train, kernels, tune-mid-m, tune-small-m, tune-linear, tune-blog, tune-llama, decode, decode-sweep, host,
 #        host-paths, host-paths-train, host-floor, host-profile, host-breakdown, memory, one-launch, profile-train, cuda-backend, decode-kernels,
+#        decode-shapes (the CUDA decode kernels' launch shapes, benchmarks/decode_shapes.cu; needs nvcc and sm_90),
 #        multi-gpu, multi-gpu-sp (every visible GPU, tensor parallel; NCCL with NVLink multicast off).
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
@@ -91,6 +92,7 @@ for spec in "$@"; do
         profile-train) run_step profile-train "$secs" python3 benchmarks/profile_training.py --out "$W/profile-train" ;;
         cuda-backend) MLPFUSE_CACHE_DIR=$W/cache run_step cuda-backend "$secs" python3 benchmarks/cuda_backend_gpu.py --out "$W/cuda-backend.md" ;;
         decode-kernels) MLPFUSE_CACHE_DIR=/tmp/mlpfuse-cache run_step decode-kernels "$secs" python3 benchmarks/cuda_backend_gpu.py --only decode --out "$W/decode-kernels.md" ;;
+        decode-shapes) run_step decode-shapes "$secs" bash -c "nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -o '$W/decode_shapes' benchmarks/decode_shapes.cu && '$W/decode_shapes' 15" ;;
         *) echo "unknown step $step" >> "$SUMMARY" ;;
     esac
 done
