@@ -1,0 +1,57 @@
+"""Host time of GatedMLP modules that run the same kernels with backend=None (auto), "auto" and "triton", timed in
+interleaved rounds of 8-call bursts from an idle GPU (median of 15), then cProfile over 2000 calls each at 1024 tokens:
+whether `auto` costs host time of its own.
+
+    PYTHONPATH=src python3 benchmarks/host_auto_triton.py
+"""
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+
+sys.path.insert(0, "benchmarks")  # host_overhead.Eager
+import torch
+import mlpfuse
+from host_overhead import Eager
+
+torch.manual_seed(0)
+for d, h, m in ((768, 3072, 1024), (768, 3072, 1), (4096, 14336, 8192)):
+    eager = Eager(d, h).to("cuda", torch.bfloat16)
+    mods = {"auto": mlpfuse.GatedMLP.from_module(eager, activation="gelu_tanh"),
+            "auto-named": mlpfuse.GatedMLP.from_module(eager, activation="gelu_tanh", backend="auto"),
+            "triton": mlpfuse.GatedMLP.from_module(eager, activation="gelu_tanh", backend="triton")}
+    x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
+    fns = {}
+    for k, mod in mods.items():
+        def f(mod=mod):
+            with torch.no_grad():
+                mod(x)
+        fns[k] = f
+        for _ in range(5):
+            f()
+    torch.cuda.synchronize()
+    res = {k: [] for k in fns}
+    for r in range(15):
+        for k, f in fns.items():
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(8):
+                f()
+            res[k].append((time.perf_counter() - t) / 8 * 1e6)
+            torch.cuda.synchronize()
+    print(f"{m}x{d}x{h}: " + ", ".join(f"{k} {statistics.median(v):.1f} us" for k, v in res.items()), flush=True)
+    if m == 1024:
+        for k, f in fns.items():
+            pr = cProfile.Profile()
+            torch.cuda.synchronize()
+            pr.enable()
+            for i in range(2000):
+                f()
+                if i % 8 == 7:
+                    torch.cuda.synchronize()
+            pr.disable()
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(14)
+            print(f"--- cProfile {k}\n" + "\n".join(s.getvalue().splitlines()[:34]), flush=True)
