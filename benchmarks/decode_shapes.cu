@@ -34,12 +34,13 @@ namespace mf = mlpfuse;
     }                                                                                 \
   } while (0)
 
-template <int W, int RT, int U, int B>
+template <int W, int RT, int U, int B, bool ONE = false>
 struct Sh {
   static constexpr int kWarps = W, kRowTiles = RT, kUnroll = U, kBlocksPerSM = B;
+  static constexpr bool kTileAtATime = ONE;
   static std::string name() {
     char buf[64];
-    std::snprintf(buf, sizeof buf, "w%d rt%d u%d b%d", W, RT, U, B);
+    std::snprintf(buf, sizeof buf, "w%d rt%d u%d b%d%s", W, RT, U, B, ONE ? " tile-at-a-time" : "");
     return buf;
   }
 };
@@ -49,7 +50,7 @@ template <int NMAT, int NT>
 struct InUse : mf::Shape<NMAT, NT> {
   using S = mf::Shape<NMAT, NT>;
   static std::string name() {
-    return "in use: " + Sh<S::kWarps, S::kRowTiles, S::kUnroll, S::kBlocksPerSM>::name();
+    return "in use: " + Sh<S::kWarps, S::kRowTiles, S::kUnroll, S::kBlocksPerSM, S::kTileAtATime>::name();
   }
 };
 
@@ -245,11 +246,12 @@ int main(int argc, char** argv) {
 
   // 16 tokens: every pair; the first shape of each kernel is decode.cu's.
   using K1a = InUse<2, 2>;
-  using K1b = Sh<2, 1, 4, 7>;
-  using K1c = Sh<2, 1, 2, 8>;
+  using K1b = Sh<2, 1, 3, 8>;  // in use before
+  using K1c = Sh<2, 1, 4, 7>;
+  using K1d = Sh<2, 1, 3, 8, true>;
   using K2a = InUse<1, 2>;
-  using K2b = Sh<16, 2, 3, 1>;
-  using K2c = Sh<8, 1, 3, 2>;
+  using K2b = Sh<8, 1, 6, 2, true>;
+  using K2c = Sh<16, 2, 3, 1>;
   using K2d = Sh<8, 1, 5, 2>;
   auto with_every_k2 = [&](auto k1) {
     add(16, k1, K2a{}, Two{});
@@ -261,6 +263,7 @@ int main(int argc, char** argv) {
   with_every_k2(K1a{});
   with_every_k2(K1b{});
   with_every_k2(K1c{});
+  with_every_k2(K1d{});
   add_down_alone(16, K2a{}, Two{});
   add_down_alone(16, K2b{}, Two{});
   add_down_alone(16, K2c{}, Two{});

@@ -9,8 +9,8 @@
 //     and Wu rows of 16 hidden units and writes h = act(g + bg)·(u + bu), rounded to the input dtype as the unfused
 //     path rounds it, to a [m, hidden] buffer (tiny); kernel 2 streams rows of Wd against h and writes y (+ bd). No
 //     atomics, no zeroed accumulator (no memset launch), and the same bits on every run.
-//   * the weights are read with 16-byte loads that skip L1 (read once), every load of an iteration issued before
-//     the first multiply: 80–128 KiB in flight per SM (Shape below), where the single kernel's per-token dot
+//   * the weights are read with 16-byte loads that skip L1 (read once), every weight load of an iteration issued
+//     before the first multiply: 64–128 KiB in flight per SM (Shape below), where the single kernel's per-token dot
 //     products kept about 27 KiB. Kernel 1 has hidden / 16 blocks (896 at hidden 14336), kernel 2 dim / 16; each is
 //     sized to run in a single wave, where every block streams at the same rate and all end together.
 //   * kernel 2 is a programmatic dependent launch of kernel 1 (sm_90): it streams its first Wd bytes while kernel
@@ -35,30 +35,36 @@ constexpr int kTileRows = 16;  // the mma's M
 
 // The launch shape of each kernel (NMAT weight matrices, NT tiles of 8 tokens): warps per block, each taking a
 // span of k; 16-row tiles per warp (RT); 16-byte vectors per weight row and lane in flight per iteration
-// (U); blocks per SM the registers are sized for. At hidden 14336, dim 4096 (ptxas, sm_90; times from
+// (U); blocks per SM the registers are sized for; whether a warp loads one tile of 8 tokens' x (or h) fragments
+// at a time, multiplying it before it loads the next. At hidden 14336, dim 4096 (ptxas, sm_90; times from
 // benchmarks/decode_shapes.cu on an H200, benchmarks/results/nvidia-h200/cuda-backend/decode-shapes):
 //   kernel 1 (two matrices, hidden / 16 blocks: 896) is sized so that all of its blocks fit on the SMs at once (at 8
 //     warps it took 1.7 waves, 2.3 at 16 tokens, and the last, partial wave streamed at a fraction of the
 //     bandwidth). Up to 8 tokens: 4 warps, U = 2 (64 registers, 8 blocks per SM), 4 KiB per warp, 110 KiB per SM.
-//     At 16 tokens the second token tile's B fragments and accumulators cost 16 registers more per lane. More
-//     bytes in flight did not stream faster there: 2 warps of U = 3 (118 registers, 8 blocks per SM, 6 KiB per
-//     warp) stream Wg and Wu in 63.2–66.1 µs, U = 4 (7 blocks per SM, 8 KiB per warp) 1.1–1.6 µs slower in each
-//     of four runs on four machines, U = 2 1.6 µs faster in one run and 2.9 slower in another; 4 warps of U = 2
-//     (which spill at 7 blocks per SM) 75, 32-row blocks (RT = 2) 82–86.
+//     At 16 tokens the second token tile's B fragments and accumulators cost 16 registers more per lane. Holding
+//     both tiles' fragments, 2 warps of U = 3 (8 blocks per SM, 6 KiB per warp) streamed Wg and Wu 1.1–1.6 µs
+//     faster than U = 4 (7 blocks per SM, 8 KiB per warp) in each of four runs on four machines; loading one token
+//     tile's fragments at a time into the same registers (kTileAtATime) lets U = 4 keep its 8 KiB in flight and
+//     beat both: 63.8 µs against 64.8–65.2 (U = 3) and 65.8 (U = 4) in two runs. 4 warps of U = 2 (which spill at
+//     7 blocks per SM) took 75, 32-row blocks (RT = 2) 82–86.
 //   kernel 2 (one matrix, dim / 16 blocks: 256, one wave either way) gives its few blocks more bytes each: 8 warps,
 //     U = 8 (120 registers, 2 blocks per SM), 64 KiB per block, 128 KiB per SM. At 16 tokens h's fragments take as
-//     many registers as Wd's: 8 warps of U = 4 (101 registers, 2 blocks per SM) stream Wd in 33.9–34.2 µs, U = 3, 5
-//     and 6 in 34.5–35.6, and 32-row blocks of 16 warps (RT = 2: each block reads h from L2 half as often, but
-//     needs the whole register file, so it starts only once every kernel-1 block has left its SM) in 36.0–36.1.
+//     many registers as Wd's: 8 warps of U = 4 (106 registers, 2 blocks per SM) stream Wd in 33.8–34.5 µs, U = 3, 5
+//     and 6 in 34.5–35.6 (one tile at a time: no faster), and 32-row blocks of 16 warps (RT = 2: each block reads
+//     h from L2 half as often, but needs the whole register file, so it starts only once every kernel-1 block has
+//     left its SM) in 36.0–37.8.
 //   Measured and dropped: asking L2 for each chunk an iteration or more ahead (sm_90's bulk prefetch) cost 1–16 µs
 //   per kernel; staging the weights in shared memory through cp.async, up to 12 stages deep, so that shared
-//   memory rather than registers bounds the bytes in flight, cost 1–51 µs.
+//   memory rather than registers bounds the bytes in flight, cost 1–51 µs; one kernel for the whole MLP (a block
+//   streams the gate/up rows of 64 or 128 hidden units and then those columns of Wd, adding its partial outputs with
+//   fp32 reductions) took 103–143 µs against the pair's 96–100.
 template <int NMAT, int NT>
 struct Shape {
   static constexpr int kWarps = NMAT == 2 ? (NT == 1 ? 4 : 2) : 8;
   static constexpr int kRowTiles = 1;
-  static constexpr int kUnroll = NMAT == 2 ? (NT == 1 ? 2 : 3) : (NT == 1 ? 8 : 4);
-  static constexpr int kBlocksPerSM = NMAT == 2 ? 8 : 2;
+  static constexpr int kUnroll = NMAT == 2 ? (NT == 1 ? 2 : 4) : (NT == 1 ? 8 : 4);
+  static constexpr int kBlocksPerSM = NMAT == 2 ? (NT == 1 ? 8 : 7) : 2;
+  static constexpr bool kTileAtATime = NMAT == 2 && NT == 2;
 };
 
 // One of the two kernels: out[t, r] over r < rows, t < m, reducing over k.
@@ -192,7 +198,7 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_m
   auto step = [&](int64_t kb, auto checked, auto wait) {
     constexpr bool CHECKED = decltype(checked)::value;
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    uint4 a[NMAT][2 * RT][U], b[NT][U];
+    uint4 a[NMAT][2 * RT][U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t k = kb + u * kStep + 8 * q;
@@ -204,27 +210,61 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_m
       }
     }
     if constexpr (decltype(wait)::value) grid_dependency_wait();
+    // Token tile n's B fragments, then its products.
+    auto inputs = [&](int n, uint4 (&bn)[U]) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t k = kb + u * kStep + 8 * q;
-      const bool ok = !CHECKED || k < p.k;
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
+      for (int u = 0; u < U; ++u) {
+        const int64_t k = kb + u * kStep + 8 * q;
+        const bool ok = !CHECKED || k < p.k;
         const uint4 v = ok ? load_input(xr[n] + k) : zero;
-        b[n][u] = has_token[n] ? v : zero;
+        bn[u] = has_token[n] ? v : zero;
       }
-    }
+    };
+    auto multiply = [&](int n, const uint4 (&bn)[U]) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
+      for (int u = 0; u < U; ++u) {
 #pragma unroll
-      for (int mat = 0; mat < NMAT; ++mat) {
+        for (int mat = 0; mat < NMAT; ++mat) {
 #pragma unroll
-        for (int rt = 0; rt < RT; ++rt) {
-#pragma unroll
-          for (int n = 0; n < NT; ++n) {
-            const uint4 &lo = a[mat][2 * rt][u], &hi = a[mat][2 * rt + 1][u], &x = b[n][u];
+          for (int rt = 0; rt < RT; ++rt) {
+            const uint4 &lo = a[mat][2 * rt][u], &hi = a[mat][2 * rt + 1][u], &x = bn[u];
             mma16816<T>(acc[mat][rt][n], lo.x, hi.x, lo.y, hi.y, x.x, x.y);
             mma16816<T>(acc[mat][rt][n], lo.z, hi.z, lo.w, hi.w, x.z, x.w);
+          }
+        }
+      }
+    };
+    if constexpr (S::kTileAtATime) {  // one token tile's fragments in registers at a time
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        uint4 bn[U];
+        inputs(n, bn);
+        multiply(n, bn);
+      }
+    } else {
+      uint4 b[NT][U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t k = kb + u * kStep + 8 * q;
+        const bool ok = !CHECKED || k < p.k;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          const uint4 v = ok ? load_input(xr[n] + k) : zero;
+          b[n][u] = has_token[n] ? v : zero;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+#pragma unroll
+        for (int mat = 0; mat < NMAT; ++mat) {
+#pragma unroll
+          for (int rt = 0; rt < RT; ++rt) {
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+              const uint4 &lo = a[mat][2 * rt][u], &hi = a[mat][2 * rt + 1][u], &x = b[n][u];
+              mma16816<T>(acc[mat][rt][n], lo.x, hi.x, lo.y, hi.y, x.x, x.y);
+              mma16816<T>(acc[mat][rt][n], lo.z, hi.z, lo.w, hi.w, x.z, x.w);
+            }
           }
         }
       }
