@@ -57,7 +57,7 @@ constexpr int kTileRows = 16;  // the mma's M
 //   per kernel; staging the weights in shared memory through cp.async, up to 12 stages deep, so that shared
 //   memory rather than registers bounds the bytes in flight, cost 1–51 µs; one kernel for the whole MLP (a block
 //   streams the gate/up rows of 64 or 128 hidden units and then those columns of Wd, adding its partial outputs with
-//   fp32 reductions) took 103–143 µs against the pair's 96–100.
+//   fp32 reductions) took 101–143 µs against the pair's 96–100.
 template <int NMAT, int NT>
 struct Shape {
   static constexpr int kWarps = NMAT == 2 ? (NT == 1 ? 4 : 2) : 8;
