@@ -1,17 +1,18 @@
 // Launch shapes of the CUDA backend's decode kernels (src/mlpfuse/csrc/decode.cu) timed against each other on one
 // GPU, without torch: at 16 tokens every kernel-1 (gate/up) shape with every kernel-2 (down) shape, and each kernel
-// alone; at 1-12 tokens the shapes in use; and a plain read of the same weights (tokens 0: what streaming them
-// can reach). Every pair is first checked against a plain fp32 reference (output
-// poisoned with NaN before the call), then timed in interleaved rounds of back-to-back calls (median and min-max of
-// the per-call time over rounds), beside the device's copy bandwidth (read + write, as benchmarks/cuda_backend_gpu.py
-// measures it).
+// alone; at 1-12 tokens the shapes in use; and a plain read of the same weights (tokens 0: what streaming them can
+// reach). Every pair is first checked against a plain fp32 reference (output poisoned with NaN before the call),
+// then timed in interleaved rounds of back-to-back calls (median and min-max of the per-call time over rounds),
+// beside the device's copy bandwidth (read + write, as benchmarks/cuda_backend_gpu.py measures it). Results:
+// benchmarks/results/nvidia-h200/cuda-backend/decode-shapes/.
 //
 //     nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -o /tmp/decode_shapes benchmarks/decode_shapes.cu
 //     /tmp/decode_shapes [rounds]
 //     ncu --clock-control none --kernel-name regex:decode_gemv /tmp/decode_shapes 1 profile [NAME PART ...]
 //
 // A shape is decode.cu's Shape: warps per block (w), 16-row tiles per warp (rt), 16-byte vectors per weight row and
-// lane in flight per iteration (u), and blocks per SM the registers are sized for (b).
+// lane in flight per iteration (u), blocks per SM the registers are sized for (b), and whether a warp loads one
+// token tile's x (or h) fragments at a time ("tile-at-a-time").
 #include <algorithm>
 #include <cmath>
 #include <cstdio>

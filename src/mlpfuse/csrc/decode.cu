@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_m
       }
     }
     if constexpr (decltype(wait)::value) grid_dependency_wait();
-    // Token tile n's B fragments, then its products.
+    // Token tile n's B fragments, and the products of vector u against them.
     auto inputs = [&](int n, uint4 (&bn)[U]) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -220,17 +220,14 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_m
         bn[u] = has_token[n] ? v : zero;
       }
     };
-    auto multiply = [&](int n, const uint4 (&bn)[U]) {
+    auto multiply = [&](int u, int n, const uint4& x) {
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
+      for (int mat = 0; mat < NMAT; ++mat) {
 #pragma unroll
-        for (int mat = 0; mat < NMAT; ++mat) {
-#pragma unroll
-          for (int rt = 0; rt < RT; ++rt) {
-            const uint4 &lo = a[mat][2 * rt][u], &hi = a[mat][2 * rt + 1][u], &x = bn[u];
-            mma16816<T>(acc[mat][rt][n], lo.x, hi.x, lo.y, hi.y, x.x, x.y);
-            mma16816<T>(acc[mat][rt][n], lo.z, hi.z, lo.w, hi.w, x.z, x.w);
-          }
+        for (int rt = 0; rt < RT; ++rt) {
+          const uint4 &lo = a[mat][2 * rt][u], &hi = a[mat][2 * rt + 1][u];
+          mma16816<T>(acc[mat][rt][n], lo.x, hi.x, lo.y, hi.y, x.x, x.y);
+          mma16816<T>(acc[mat][rt][n], lo.z, hi.z, lo.w, hi.w, x.z, x.w);
         }
       }
     };
@@ -239,34 +236,17 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_m
       for (int n = 0; n < NT; ++n) {
         uint4 bn[U];
         inputs(n, bn);
-        multiply(n, bn);
+#pragma unroll
+        for (int u = 0; u < U; ++u) multiply(u, n, bn[u]);
       }
     } else {
       uint4 b[NT][U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t k = kb + u * kStep + 8 * q;
-        const bool ok = !CHECKED || k < p.k;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          const uint4 v = ok ? load_input(xr[n] + k) : zero;
-          b[n][u] = has_token[n] ? v : zero;
-        }
-      }
+      for (int n = 0; n < NT; ++n) inputs(n, b[n]);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
 #pragma unroll
-        for (int mat = 0; mat < NMAT; ++mat) {
-#pragma unroll
-          for (int rt = 0; rt < RT; ++rt) {
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-              const uint4 &lo = a[mat][2 * rt][u], &hi = a[mat][2 * rt + 1][u], &x = b[n][u];
-              mma16816<T>(acc[mat][rt][n], lo.x, hi.x, lo.y, hi.y, x.x, x.y);
-              mma16816<T>(acc[mat][rt][n], lo.z, hi.z, lo.w, hi.w, x.z, x.w);
-            }
-          }
-        }
+        for (int n = 0; n < NT; ++n) multiply(u, n, b[n][u]);
       }
     }
   };
@@ -274,7 +254,7 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_m
   // The warp's share of k: one contiguous span [kb, kend) of whole chunks (only the last chunk of k can be
   // partial). Spans streamed kernel 1 1–2 µs faster than interleaving the warps' chunks (warp w taking chunks w,
   // w + WARPS, ..., so that a block's warps read neighbouring bytes of each row) and kernel 2 no slower.
-  // 32-bit offsets within a row (decode_supported keeps k below 2^31): kernel 1 has 64 registers at 1-8 tokens.
+  // 32-bit offsets within a row (decode_supported keeps k at most 2^30): kernel 1 has 64 registers at 1-8 tokens.
   const int k = static_cast<int>(p.k);
   const int per = ((k + int(kChunk) - 1) / int(kChunk) + WARPS - 1) / WARPS * int(kChunk);
   int kb = warp * per;
