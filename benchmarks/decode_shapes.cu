@@ -91,12 +91,12 @@ __global__ void ref_down(const T* h, const T* wd, float* y, int m, int64_t dim, 
 
 // The read ceiling: every byte of the three weight matrices read once with 16-byte loads (8 in flight per thread,
 // L1 bypassed, as the decode kernels load them), folded into one word per thread so that nothing is optimized away.
-__global__ void __launch_bounds__(256) read_all(const uint4* a, const uint4* b, const uint4* c, int64_t n,
+__global__ void __launch_bounds__(256) read_all(const uint4* a, const uint4* b, const uint4* c, int mats, int64_t n,
                                                 uint32_t* sink) {
   const uint4* src[3] = {a, b, c};
   uint32_t acc = 0;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int m = 0; m < 3; ++m) {
+  for (int m = 0; m < mats; ++m) {
     int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
     for (; i + 7 * stride < n; i += 8 * stride) {
       uint4 v[8];
@@ -271,16 +271,23 @@ int main(int argc, char** argv) {
   add_down_alone(16, K2d{}, Two{});
   uint32_t* sink;
   CHECK(cudaMalloc(&sink, 4));
-  for (int per_sm : {8, 16}) {
-    const Problem q = base;
-    vs.push_back({0, "read ceiling", std::to_string(per_sm) + " blocks of 256 per SM",
-                  [q, sink, per_sm, sms = prop.multiProcessorCount](cudaStream_t st) {
-                    read_all<<<sms * per_sm, 256, 0, st>>>(reinterpret_cast<const uint4*>(q.wg),
-                                                           reinterpret_cast<const uint4*>(q.wu),
-                                                           reinterpret_cast<const uint4*>(q.wd),
-                                                           q.hidden * q.dim / 8, sink);
-                  },
-                  wgu + wdn, {}, {}});
+  // The read of all three matrices, and of each kernel's own bytes alone (Wg and Wu; Wd): a short kernel pays its
+  // ramp and drain on fewer bytes.
+  for (const auto& read : {std::pair{3, "all weights"}, std::pair{2, "Wg and Wu"}, std::pair{1, "Wd"}}) {
+    const int mats = read.first;
+    const char* what = read.second;
+    for (int per_sm : {8, 16}) {
+      const Problem q = base;
+      const mf::Mat first = mats == 1 ? mf::Mat{q.wd, 0} : mf::Mat{q.wg, 0};
+      vs.push_back({0, std::string("read ceiling: ") + what, std::to_string(per_sm) + " blocks of 256 per SM",
+                    [q, sink, per_sm, mats, first, sms = prop.multiProcessorCount](cudaStream_t st) {
+                      read_all<<<sms * per_sm, 256, 0, st>>>(static_cast<const uint4*>(first.ptr),
+                                                             reinterpret_cast<const uint4*>(q.wu),
+                                                             reinterpret_cast<const uint4*>(q.wd), mats,
+                                                             q.hidden * q.dim / 8, sink);
+                    },
+                    mats == 3 ? wgu + wdn : mats == 2 ? wgu : wdn, {}, {}});
+    }
   }
   // 1-12 tokens: the shapes in use (partial token tiles at 9 and 12).
   for (int m : {1, 2, 4, 8, 9, 12}) {
