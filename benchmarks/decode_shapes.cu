@@ -251,7 +251,7 @@ int main(int argc, char** argv) {
   using K1c = Sh<2, 1, 4, 7>;
   using K1d = Sh<2, 1, 3, 8, true>;
   using K2a = InUse<1, 2>;
-  using K2b = Sh<8, 1, 6, 2, true>;
+  using K2b = Sh<8, 1, 4, 2>;  // in use before
   using K2c = Sh<16, 2, 3, 1>;
   using K2d = Sh<8, 1, 5, 2>;
   auto with_every_k2 = [&](auto k1) {

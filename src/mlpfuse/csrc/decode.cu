@@ -49,10 +49,11 @@ constexpr int kTileRows = 16;  // the mma's M
 //     7 blocks per SM) took 75, 32-row blocks (RT = 2) 82–86.
 //   kernel 2 (one matrix, dim / 16 blocks: 256, one wave either way) gives its few blocks more bytes each: 8 warps,
 //     U = 8 (120 registers, 2 blocks per SM), 64 KiB per block, 128 KiB per SM. At 16 tokens h's fragments take as
-//     many registers as Wd's: 8 warps of U = 4 (106 registers, 2 blocks per SM) stream Wd in 33.8–34.5 µs, U = 3, 5
-//     and 6 in 34.5–35.6 (one tile at a time: no faster), and 32-row blocks of 16 warps (RT = 2: each block reads
-//     h from L2 half as often, but needs the whole register file, so it starts only once every kernel-1 block has
-//     left its SM) in 36.0–37.8.
+//     many registers as Wd's: holding both tiles, 8 warps of U = 4 (2 blocks per SM) streamed Wd in 33.8–34.5 µs, U
+//     = 3, 5 and 6 in 34.5–35.6; one tile at a time, U = 6 (128 registers) fits and ran level alone (33.7–34.4) and
+//     0.2–1.1 µs faster behind kernel 1 in four runs. 32-row blocks of 16 warps (RT = 2: each block reads h from L2
+//     half as often, but needs the whole register file, so it starts only once every kernel-1 block has left its
+//     SM) took 36.0–37.8.
 //   Measured and dropped: asking L2 for each chunk an iteration or more ahead (sm_90's bulk prefetch) cost 1–16 µs
 //   per kernel; staging the weights in shared memory through cp.async, up to 12 stages deep, so that shared
 //   memory rather than registers bounds the bytes in flight, cost 1–51 µs; one kernel for the whole MLP (a block
@@ -62,9 +63,9 @@ template <int NMAT, int NT>
 struct Shape {
   static constexpr int kWarps = NMAT == 2 ? (NT == 1 ? 4 : 2) : 8;
   static constexpr int kRowTiles = 1;
-  static constexpr int kUnroll = NMAT == 2 ? (NT == 1 ? 2 : 4) : (NT == 1 ? 8 : 4);
+  static constexpr int kUnroll = NMAT == 2 ? (NT == 1 ? 2 : 4) : (NT == 1 ? 8 : 6);
   static constexpr int kBlocksPerSM = NMAT == 2 ? (NT == 1 ? 8 : 7) : 2;
-  static constexpr bool kTileAtATime = NMAT == 2 && NT == 2;
+  static constexpr bool kTileAtATime = NT == 2;
 };
 
 // One of the two kernels: out[t, r] over r < rows, t < m, reducing over k.
