@@ -44,9 +44,9 @@ constexpr int kTileRows = 16;  // the mma's M
 //     At 16 tokens the second token tile's B fragments and accumulators cost 16 registers more per lane. Holding
 //     both tiles' fragments, 2 warps of U = 3 (8 blocks per SM, 6 KiB per warp) streamed Wg and Wu 1.1–1.6 µs
 //     faster than U = 4 (7 blocks per SM, 8 KiB per warp) in each of four runs on four machines; loading one token
-//     tile's fragments at a time into the same registers (kTileAtATime) lets U = 4 keep its 8 KiB in flight and
-//     beat both: 63.8 µs against 64.8–65.2 (U = 3) and 65.8 (U = 4) in two runs. 4 warps of U = 2 (which spill at
-//     7 blocks per SM) took 75, 32-row blocks (RT = 2) 82–86.
+//     tile's fragments at a time into the same registers (kTileAtATime) lets U = 4 keep its 8 KiB in flight: 63.8
+//     µs against 64.8–65.2 (U = 3) and 65.8 (U = 4) in two runs on one machine, all level (62.1–62.9) on another.
+//     4 warps of U = 2 (which spill at 7 blocks per SM) took 75, 32-row blocks (RT = 2) 82–86.
 //   kernel 2 (one matrix, dim / 16 blocks: 256, one wave either way) gives its few blocks more bytes each: 8 warps,
 //     U = 8 (120 registers, 2 blocks per SM), 64 KiB per block, 128 KiB per SM. At 16 tokens h's fragments take as
 //     many registers as Wd's: holding both tiles, 8 warps of U = 4 (2 blocks per SM) streamed Wd in 33.8–34.5 µs, U
