@@ -255,7 +255,7 @@ def _kernel_spans(fn, reps):
         torch.cuda.synchronize()
     spans = {}
     for e in prof.key_averages():
-        found = re.search(r"decode_gemv_mma_kernel<[^,>]+,\s*(\d+)", e.key)
+        found = re.search(r"decode_gemv_(?:mma|bulk)_kernel<[^,>]+,\s*(\d+)", e.key)
         if found and e.count:
             name = "gate/up" if found.group(1) == "2" else "down"
             n, total = spans.get(name, (0, 0.0))

@@ -12,7 +12,8 @@
 //
 // A shape is decode.cu's Shape: warps per block (w), 16-row tiles per warp (rt), 16-byte vectors per weight row and
 // lane in flight per iteration (u), blocks per SM the registers are sized for (b), and whether a warp loads one
-// token tile's x (or h) fragments at a time ("tile-at-a-time").
+// token tile's x (or h) fragments at a time ("tile-at-a-time"); "bulk sN": the weights come through N stages of
+// shared memory per warp (decode_gemv_bulk_kernel, kernel 2 on sm_90), u·64 bytes of each row per stage.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -20,6 +21,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "../src/mlpfuse/csrc/decode.cu"
@@ -35,23 +37,37 @@ namespace mf = mlpfuse;
     }                                                                                 \
   } while (0)
 
-template <int W, int RT, int U, int B, bool ONE = false>
+template <int W, int RT, int U, int B, bool ONE = false, int STAGES = 0>
 struct Sh {
-  static constexpr int kWarps = W, kRowTiles = RT, kUnroll = U, kBlocksPerSM = B;
+  static constexpr int kWarps = W, kRowTiles = RT, kUnroll = U, kBlocksPerSM = B, kStages = STAGES;
   static constexpr bool kTileAtATime = ONE;
   static std::string name() {
     char buf[64];
     std::snprintf(buf, sizeof buf, "w%d rt%d u%d b%d%s", W, RT, U, B, ONE ? " tile-at-a-time" : "");
-    return buf;
+    return STAGES ? buf + std::string(" bulk s") + std::to_string(STAGES) : buf;
   }
 };
 
-// decode.cu's own shape, named with its numbers.
+template <class K, class = void>
+struct StagesOf : std::integral_constant<int, 0> {};
+template <class K>
+struct StagesOf<K, std::void_t<decltype(K::kStages)>> : std::integral_constant<int, K::kStages> {};
+
+// decode.cu's own shapes, named with their numbers: the register kernel's (kernel 1; kernel 2 before sm_90) and
+// kernel 2's on sm_90.
 template <int NMAT, int NT>
 struct InUse : mf::Shape<NMAT, NT> {
   using S = mf::Shape<NMAT, NT>;
   static std::string name() {
-    return "in use: " + Sh<S::kWarps, S::kRowTiles, S::kUnroll, S::kBlocksPerSM, S::kTileAtATime>::name();
+    return std::string(NMAT == 1 ? "registers (before sm_90): " : "in use: ") +
+           Sh<S::kWarps, S::kRowTiles, S::kUnroll, S::kBlocksPerSM, S::kTileAtATime>::name();
+  }
+};
+
+struct InUseDown : mf::BulkShape {
+  using S = mf::BulkShape;
+  static std::string name() {
+    return "in use (sm_90): " + Sh<S::kWarps, S::kRowTiles, S::kUnroll, S::kBlocksPerSM, false, S::kStages>::name();
   }
 };
 
@@ -132,21 +148,30 @@ mf::GemvArgs down_args(const Problem& q) {
 
 unsigned blocks(int64_t rows, int per) { return unsigned((rows + per - 1) / per); }
 
+template <int NMAT, int NT, class K>
+void run_one(const mf::GemvArgs& p, bool dependent, cudaStream_t s) {
+  if constexpr (StagesOf<K>::value > 0) {
+    if (!mf::launch_bulk<T, NMAT, NT, K>(p, dependent, s)) {
+      std::fprintf(stderr, "%s: the device refuses its shared memory\n", K::name().c_str());
+      std::exit(1);
+    }
+  } else {
+    mf::launch(mf::decode_gemv_mma_kernel<T, NMAT, NT, K>, blocks(p.rows, 16 * K::kRowTiles), K::kWarps * 32,
+               dependent, s, p);
+  }
+}
+
 // Kernel 1, then (down) kernel 2 as its programmatic dependent: decode_gated_mlp's pair.
 template <class K1, class K2, int NT>
 void run_pair(const Problem& q, bool down, cudaStream_t s) {
-  mf::launch(mf::decode_gemv_mma_kernel<T, 2, NT, K1>, blocks(q.hidden, 16 * K1::kRowTiles), K1::kWarps * 32,
-             false, s, up_args(q));
-  if (down)
-    mf::launch(mf::decode_gemv_mma_kernel<T, 1, NT, K2>, blocks(q.dim, 16 * K2::kRowTiles), K2::kWarps * 32, true,
-               s, down_args(q));
+  run_one<2, NT, K1>(up_args(q), false, s);
+  if (down) run_one<1, NT, K2>(down_args(q), true, s);
 }
 
 // Kernel 2 alone, launched the ordinary way over the h kernel 1 left.
 template <class K2, int NT>
 void run_down(const Problem& q, cudaStream_t s) {
-  mf::launch(mf::decode_gemv_mma_kernel<T, 1, NT, K2>, blocks(q.dim, 16 * K2::kRowTiles), K2::kWarps * 32, false, s,
-             down_args(q));
+  run_one<1, NT, K2>(down_args(q), false, s);
 }
 
 struct Variant {
@@ -245,30 +270,21 @@ int main(int argc, char** argv) {
   using One = std::integral_constant<int, 1>;
   using Two = std::integral_constant<int, 2>;
 
-  // 16 tokens: every pair; the first shape of each kernel is decode.cu's.
-  using K1a = InUse<2, 2>;
-  using K1b = Sh<2, 1, 3, 8>;  // in use before
-  using K1c = Sh<2, 1, 4, 7>;
-  using K1d = Sh<2, 1, 3, 8, true>;
-  using K2a = InUse<1, 2>;
-  using K2b = Sh<8, 1, 4, 2>;  // in use before
-  using K2c = Sh<16, 2, 3, 1>;
-  using K2d = Sh<8, 1, 5, 2>;
-  auto with_every_k2 = [&](auto k1) {
-    add(16, k1, K2a{}, Two{});
-    add(16, k1, K2b{}, Two{});
-    add(16, k1, K2c{}, Two{});
-    add(16, k1, K2d{}, Two{});
-    add_up_alone(16, k1, Two{});
+  // 16 tokens and 1 token: each kernel-1 shape with each kernel-2 shape, and each alone; the first of each is
+  // decode.cu's. Kernel 2 as the register kernel with the shape it has before sm_90 (and had on sm_90 until the
+  // shared-memory kernel replaced it), and the shared-memory kernel with 4 warps of 512-byte rows in 3 stages.
+  auto with_each_k2 = [&](int m, auto nt, auto k1, auto k2s) {
+    std::apply([&](auto... k2) { (add(m, k1, k2, nt), ...); }, k2s);
+    add_up_alone(m, k1, nt);
   };
-  with_every_k2(K1a{});
-  with_every_k2(K1b{});
-  with_every_k2(K1c{});
-  with_every_k2(K1d{});
-  add_down_alone(16, K2a{}, Two{});
-  add_down_alone(16, K2b{}, Two{});
-  add_down_alone(16, K2c{}, Two{});
-  add_down_alone(16, K2d{}, Two{});
+  auto every_pair = [&](int m, auto nt, auto k1s, auto k2s) {
+    std::apply([&](auto... k1) { (with_each_k2(m, nt, k1, k2s), ...); }, k1s);
+    std::apply([&](auto... k2) { (add_down_alone(m, k2, nt), ...); }, k2s);
+  };
+  using K2s16 = std::tuple<InUseDown, InUse<1, 2>, Sh<4, 1, 8, 2, false, 3>>;
+  using K2s1 = std::tuple<InUseDown, InUse<1, 1>, Sh<4, 1, 8, 2, false, 3>>;
+  every_pair(16, Two{}, std::tuple<InUse<2, 2>>{}, K2s16{});
+  every_pair(1, One{}, std::tuple<InUse<2, 1>>{}, K2s1{});
   uint32_t* sink;
   CHECK(cudaMalloc(&sink, 4));
   // The read of all three matrices, and of each kernel's own bytes alone (Wg and Wu; Wd): a short kernel pays its
@@ -289,13 +305,13 @@ int main(int argc, char** argv) {
                     mats == 3 ? wgu + wdn : mats == 2 ? wgu : wdn, {}, {}});
     }
   }
-  // 1-12 tokens: the shapes in use (partial token tiles at 9 and 12).
-  for (int m : {1, 2, 4, 8, 9, 12}) {
+  // 2-12 tokens: the pair in use and the pair with the register kernel 2 (partial token tiles at 9 and 12).
+  for (int m : {2, 4, 8, 9, 12}) {
     if (m <= 8) {
+      add(m, InUse<2, 1>{}, InUseDown{}, One{});
       add(m, InUse<2, 1>{}, InUse<1, 1>{}, One{});
-      add_up_alone(m, InUse<2, 1>{}, One{});
-      add_down_alone(m, InUse<1, 1>{}, One{});
     } else {
+      add(m, InUse<2, 2>{}, InUseDown{}, Two{});
       add(m, InUse<2, 2>{}, InUse<1, 2>{}, Two{});
     }
   }

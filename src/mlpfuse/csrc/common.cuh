@@ -194,9 +194,10 @@ __device__ __forceinline__ void grid_dependency_wait() {
 #endif
 }
 
-// Whether the current device takes programmatic dependent launches: sm_90 or newer, and a driver that also
-// records them in CUDA graphs (12.3), so that a captured call behaves as an uncaptured one. Found once per device.
-inline bool dependent_launch_supported() {
+// A fact about the current device, found once per device: ask(device) runs the first time; Tag keeps each fact's
+// answers apart. false where the device cannot be named.
+template <class Tag, class Ask>
+bool per_device(Ask ask) {
   constexpr int kDevices = 64;
   static std::atomic<signed char> known[kDevices];  // 0: not yet asked, 1: yes, -1: no
   int dev = 0;
@@ -206,20 +207,47 @@ inline bool dependent_launch_supported() {
   }
   signed char k = known[dev].load(std::memory_order_relaxed);
   if (k == 0) {
-    int major = 0, driver = 0;
-    const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
-                    cudaDriverGetVersion(&driver) == cudaSuccess && major >= 9 && driver >= 12030;
+    k = ask(dev) ? 1 : -1;
     cudaGetLastError();
-    k = ok ? 1 : -1;
     known[dev].store(k, std::memory_order_relaxed);
   }
   return k > 0;
 }
 
-// kernel<<<grid, block, 0, stream>>>(args...) as a programmatic dependent of the stream's previous kernel where the
+inline bool compute_major_at_least(int dev, int major) {
+  int m = 0;
+  return cudaDeviceGetAttribute(&m, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && m >= major;
+}
+
+// Whether the current device takes programmatic dependent launches: sm_90 or newer, and a driver that also
+// records them in CUDA graphs (12.3), so that a captured call behaves as an uncaptured one.
+inline bool dependent_launch_supported() {
+  return per_device<struct DependentLaunch>([](int dev) {
+    int driver = 0;
+    return compute_major_at_least(dev, 9) && cudaDriverGetVersion(&driver) == cudaSuccess && driver >= 12030;
+  });
+}
+
+// Whether the current device has the bulk copy engine and transaction-counting mbarriers (sm_90 or newer).
+inline bool bulk_copy_supported() {
+  return per_device<struct BulkCopy>([](int dev) { return compute_major_at_least(dev, 9); });
+}
+
+// Lets Kernel take `bytes` of dynamic shared memory (past the default 48 KiB) on the current device; false if the
+// device refuses.
+template <auto Kernel>
+bool allow_shared_memory(size_t bytes) {
+  return per_device<std::integral_constant<decltype(Kernel), Kernel>>([bytes](int) {
+    return cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)) ==
+           cudaSuccess;
+  });
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...) as a programmatic dependent of the stream's previous kernel where the
 // device supports it; an ordinary launch otherwise, or if the runtime refuses the attribute.
 template <typename... Params, typename... Args>
-void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args... args) {
+void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                      Args... args) {
   if (dependent_launch_supported()) {
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -227,14 +255,14 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStre
     cudaLaunchConfig_t config = {};
     config.gridDim = grid;
     config.blockDim = block;
-    config.dynamicSmemBytes = 0;
+    config.dynamicSmemBytes = smem;
     config.stream = stream;
     config.attrs = attr;
     config.numAttrs = 1;
     if (cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...) == cudaSuccess) return;
     cudaGetLastError();  // not sticky: clear it so that the caller's launch check sees the launch below
   }
-  kernel<<<grid, block, 0, stream>>>(static_cast<Params>(args)...);
+  kernel<<<grid, block, smem, stream>>>(static_cast<Params>(args)...);
 }
 
 }  // namespace mlpfuse

@@ -13,6 +13,8 @@
 //     before the first multiply: 64–128 KiB in flight per SM (Shape below), where the single kernel's per-token dot
 //     products kept about 27 KiB. Kernel 1 has hidden / 16 blocks (896 at hidden 14336), kernel 2 dim / 16; each is
 //     sized to run in a single wave, where every block streams at the same rate and all end together.
+//   * on sm_90, kernel 2 streams Wd through shared memory instead (decode_gemv_bulk_kernel): bulk copies completing
+//     on mbarriers, two stages per warp, so its bytes stay in flight while the warp multiplies.
 //   * kernel 2 is a programmatic dependent launch of kernel 1 (sm_90): it streams its first Wd bytes while kernel
 //     1's last blocks finish, instead of starting after kernel 1 has drained and the launch gap has passed.
 //   * the products run on tensor cores (mma m16n8k16, fp32 accumulation) for 16-bit inputs: a warp's 16 weight rows
@@ -66,6 +68,18 @@ struct Shape {
   static constexpr int kUnroll = NMAT == 2 ? (NT == 1 ? 2 : 4) : (NT == 1 ? 8 : 6);
   static constexpr int kBlocksPerSM = NMAT == 2 ? (NT == 1 ? 8 : 7) : 2;
   static constexpr bool kTileAtATime = NT == 2;
+};
+
+// Kernel 2 on sm_90 (decode_gemv_bulk_kernel): 8 warps, each streaming U·64 = 256 bytes of each of its 16 rows per
+// stage through 2 stages of shared memory (74 KiB per block, 2 blocks per SM). Against the register kernel in its
+// place, on three H200s (benchmarks/decode_shapes.cu, runs 18-21): the pair 2.2-3.1 µs faster at 1 token (90.3-90.9
+// against 93.1-93.4) and 0.8-1.4 faster at 16 (95.2-96.5 against 96.0-97.9), although alone at 16 tokens it is
+// 1.4-2.2 µs slower (35.4-36.3 against 34.0-34.7): it starts only once kernel 1's blocks have left its shared memory
+// and then has its first stages in flight before it waits for h. 4 warps of 2 KiB rows in 3 stages, 8 warps of 5
+// vectors, 2 warps of 6 stages, or 2-D tensor copies of 16-row boxes were slower in the pair; so were per-row copies
+// of 128 bytes (a copy engine's rate of small copies bounds them) and a warp per token tile at 16 tokens.
+struct BulkShape {
+  static constexpr int kWarps = 8, kRowTiles = 1, kUnroll = 4, kBlocksPerSM = 2, kStages = 2;
 };
 
 // One of the two kernels: out[t, r] over r < rows, t < m, reducing over k.
@@ -289,6 +303,192 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_m
   finish<T, WARPS, NMAT, ROWS, MT>(p, row0, part);
 }
 
+// The weights through shared memory (sm_90). Each warp owns a ring of S::kStages stages; a stage holds U·64 bytes
+// (the k of one register-kernel iteration) of each of the block's NMAT·16 rows, put there by bulk copies (one per
+// row, issued by lane i for row i) that complete on the stage's mbarrier. The warp keeps every stage in flight but
+// the one it multiplies, and re-issues a stage as soon as it has read it, so the bytes in flight are bounded by
+// shared memory, not registers, and stay in flight while the warp multiplies. Rows lie in pairs with 64 bytes after
+// each row of a pair, so that the 8 lanes of a shared-memory phase (rows g and g + 1, 16 bytes at 16q) read distinct
+// banks. The products are decode_gemv_mma_kernel's at the same U, in the same order.
+__device__ __forceinline__ uint32_t shared_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void stage_init(uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+#endif
+}
+
+// The stages' mbarriers, initialized by this thread, made visible to the copy engine.
+__device__ __forceinline__ void stages_ready() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// The stage at bar completes once `bytes` have arrived (this thread's arrival is the one it waits for).
+__device__ __forceinline__ void stage_expect(uint32_t bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void stage_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void stage_wait(uint32_t bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}" ::"r"(bar), "r"(parity) : "memory");
+#endif
+}
+
+// Before a stage is copied into again: the warp's reads of it (generic proxy) ordered before the copy (async proxy).
+__device__ __forceinline__ void stage_release() {
+  __syncwarp();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+template <int NMAT, int U>
+struct BulkStage {
+  static constexpr int kRowBytes = U * 64;
+  static constexpr int kBytes = NMAT * 8 * (2 * kRowBytes + 64);
+  // Row i (matrix i / 16, row i % 16 of the tile) within a stage.
+  __host__ __device__ static constexpr int offset(int i) {
+    return (i >> 1) * (2 * kRowBytes + 64) + (i & 1) * (kRowBytes + 64);
+  }
+};
+
+// Shared memory of one block: the warps' rings, their mbarriers, the per-warp partial sums.
+template <int NMAT, int NT, class S>
+constexpr size_t bulk_smem_bytes() {
+  return size_t(S::kWarps) * S::kStages * (BulkStage<NMAT, S::kUnroll>::kBytes + 8) +
+         size_t(S::kWarps) * NMAT * kTileRows * NT * 8 * sizeof(float);
+}
+
+template <typename T, int NMAT, int NT, class S>
+__global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_bulk_kernel(GemvArgs p) {
+  constexpr int WARPS = S::kWarps, U = S::kUnroll, STAGES = S::kStages;
+  constexpr int ROWS = kTileRows, MT = NT * 8, NR = NMAT * kTileRows;
+  using Stage = BulkStage<NMAT, U>;
+  constexpr int kStep = 32;
+  constexpr int kChunk = kStep * U;  // k per warp and stage
+  static_assert(S::kRowTiles == 1, "one 16-row tile per block");
+  extern __shared__ __align__(128) unsigned char smem[];
+  if constexpr (NMAT == 2) grid_dependents_may_launch();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int64_t row0 = int64_t(blockIdx.x) * ROWS;
+  unsigned char* ring = smem + size_t(warp) * STAGES * Stage::kBytes;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + size_t(WARPS) * STAGES * Stage::kBytes) + warp * STAGES;
+  auto part = reinterpret_cast<float(*)[NMAT][ROWS][MT]>(smem + size_t(WARPS) * STAGES * (Stage::kBytes + 8));
+
+  // Lane i < NR copies row i of the tile (rows past the end: the last row, never stored).
+  const T* src = nullptr;
+  if (lane < NR) {
+    const int64_t r = min(row0 + lane % kTileRows, p.rows - 1);
+    src = row_ptr<T>(lane < kTileRows ? p.w0 : p.w1, r);
+  }
+  const uint32_t ring_addr = shared_addr(ring), bar_addr = shared_addr(bars);
+  if (lane == 0) {
+#pragma unroll
+    for (int st = 0; st < STAGES; ++st) stage_init(bar_addr + 8 * st);
+    stages_ready();
+  }
+  __syncwarp();
+
+  const T* xr[NT];
+  bool has_token[NT];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    has_token[n] = n * 8 + g < p.m;
+    xr[n] = row_ptr<T>(p.in, has_token[n] ? n * 8 + g : 0);
+  }
+  // The warp's span of k as in decode_gemv_mma_kernel, in chunks of one stage.
+  const int k = static_cast<int>(p.k);
+  const int per = ((k + kChunk - 1) / kChunk + WARPS - 1) / WARPS * kChunk;
+  const int kb0 = warp * per;
+  const int kend = min(k, kb0 + per);
+  const int chunks = kb0 < kend ? (kend - kb0 + kChunk - 1) / kChunk : 0;
+  auto issue = [&](int i) {  // chunk i of the span into stage i % STAGES; the last chunk of k may be short
+    const int kb = kb0 + i * kChunk;
+    const uint32_t bytes = static_cast<uint32_t>(min(kChunk, k - kb)) * sizeof(T);
+    const uint32_t bar = bar_addr + 8 * (i % STAGES);
+    if (lane == 0) stage_expect(bar, bytes * NR);
+    __syncwarp();
+    if (lane < NR) stage_copy(ring_addr + (i % STAGES) * Stage::kBytes + Stage::offset(lane), src + kb, bytes, bar);
+  };
+#pragma unroll 1
+  for (int i = 0; i < STAGES && i < chunks; ++i) issue(i);
+  if constexpr (NMAT == 1) grid_dependency_wait();  // kernel 2: its first stages are in flight before h is ready
+
+  // Token tile n's B fragments of chunk i (x or h), zero past k and for tokens past m (as in the register kernel).
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  uint4 b[NT][U];
+  auto inputs = [&](int i) {
+    const int kb = kb0 + i * kChunk;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int kk = kb + u * kStep + 8 * q;
+        const uint4 v = kk < k ? load_input(xr[n] + kk) : zero;
+        b[n][u] = has_token[n] ? v : zero;
+      }
+    }
+  };
+  if (chunks > 0) inputs(0);
+  float acc[NMAT][NT][4] = {};
+#pragma unroll 1
+  for (int i = 0; i < chunks; ++i) {
+    const int kb = kb0 + i * kChunk;
+    stage_wait(bar_addr + 8 * (i % STAGES), (i / STAGES) & 1);
+    const unsigned char* st = ring + (i % STAGES) * Stage::kBytes;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const bool ok = kb + u * kStep + 8 * q < k;  // a short last chunk leaves stale bytes past k
+#pragma unroll
+        for (int mat = 0; mat < NMAT; ++mat) {
+          const int at = 64 * u + 16 * q;
+          const uint4 lo = *reinterpret_cast<const uint4*>(st + Stage::offset(mat * kTileRows + g) + at);
+          const uint4 hi = *reinterpret_cast<const uint4*>(st + Stage::offset(mat * kTileRows + g + 8) + at);
+          const uint4 a0 = ok ? lo : zero, a1 = ok ? hi : zero;
+          mma16816<T>(acc[mat][n], a0.x, a1.x, a0.y, a1.y, b[n][u].x, b[n][u].y);
+          mma16816<T>(acc[mat][n], a0.z, a1.z, a0.w, a1.w, b[n][u].z, b[n][u].w);
+        }
+      }
+    }
+    if (i + 1 < chunks) inputs(i + 1);  // issued before the next wait, so their latency overlaps it
+    if (i + STAGES < chunks) {
+      stage_release();
+      issue(i + STAGES);
+    }
+  }
+#pragma unroll
+  for (int mat = 0; mat < NMAT; ++mat) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      part[warp][mat][g][n * 8 + 2 * q] = acc[mat][n][0];
+      part[warp][mat][g][n * 8 + 2 * q + 1] = acc[mat][n][1];
+      part[warp][mat][g + 8][n * 8 + 2 * q] = acc[mat][n][2];
+      part[warp][mat][g + 8][n * 8 + 2 * q + 1] = acc[mat][n][3];
+    }
+  }
+  __syncthreads();
+  finish<T, WARPS, NMAT, ROWS, MT>(p, row0, part);
+}
+
 // fp32 inputs, CUDA cores, the same tiling: lane (g, q) takes rows g and g + 8 at k0 + 4q (4 elements, 16 bytes)
 // against every token; the 4 lanes of a row then sum their partials with shuffles. Launched the same way as the
 // mma kernels; it waits for its predecessor before its first load.
@@ -354,9 +554,21 @@ __global__ void __launch_bounds__(Shape<NMAT, 1>::kWarps * 32) decode_gemv_fma_k
 
 template <typename... Params>
 void launch(void (*kernel)(Params...), unsigned blocks, unsigned threads, bool dependent, cudaStream_t stream,
-            const GemvArgs& p) {
-  if (dependent) launch_dependent(kernel, dim3(blocks), dim3(threads), stream, p);
-  else kernel<<<blocks, threads, 0, stream>>>(p);
+            const GemvArgs& p, size_t smem = 0) {
+  if (dependent) launch_dependent(kernel, dim3(blocks), dim3(threads), smem, stream, p);
+  else kernel<<<blocks, threads, smem, stream>>>(p);
+}
+
+// The shared-memory kernel of shape S over p (16-bit types, sm_90); false (nothing launched) where the device does
+// not give it the shared memory it needs.
+template <typename T, int NMAT, int NT, class S>
+bool launch_bulk(const GemvArgs& p, bool dependent, cudaStream_t stream) {
+  constexpr auto kernel = decode_gemv_bulk_kernel<T, NMAT, NT, S>;
+  constexpr size_t smem = bulk_smem_bytes<NMAT, NT, S>();
+  if (!allow_shared_memory<kernel>(smem)) return false;
+  launch(kernel, static_cast<unsigned>((p.rows + kTileRows - 1) / kTileRows), S::kWarps * 32, dependent, stream, p,
+         smem);
+  return true;
 }
 
 // dependent: launched as the programmatic dependent of the kernel before it (kernel 2 after kernel 1).
@@ -373,9 +585,11 @@ void launch_gemv(const GemvArgs& p, bool dependent, cudaStream_t stream) {
     else launch(decode_gemv_fma_kernel<NMAT, 16>, n, threads, dependent, stream, p);
   } else {
     const auto go = [&](auto nt) {
-      using S = Shape<NMAT, decltype(nt)::value>;
-      launch(decode_gemv_mma_kernel<T, NMAT, decltype(nt)::value>, blocks(kTileRows * S::kRowTiles), S::kWarps * 32,
-             dependent, stream, p);
+      constexpr int NT = decltype(nt)::value;
+      using S = Shape<NMAT, NT>;
+      if (NMAT == 1 && bulk_copy_supported() && launch_bulk<T, NMAT, NT, BulkShape>(p, dependent, stream)) return;
+      launch(decode_gemv_mma_kernel<T, NMAT, NT>, blocks(kTileRows * S::kRowTiles), S::kWarps * 32, dependent, stream,
+             p);
     };
     if (p.m <= 8) go(std::integral_constant<int, 1>{});
     else go(std::integral_constant<int, 2>{});
