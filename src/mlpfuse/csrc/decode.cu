@@ -432,6 +432,7 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_b
   if constexpr (NMAT == 1) grid_dependency_wait();  // kernel 2: its first stages are in flight before h is ready
 
   // Token tile n's B fragments of chunk i (x or h), zero past k and for tokens past m (as in the register kernel).
+  // Those of the next chunk are loaded before the next wait, so that their latency overlaps it.
   const uint4 zero = make_uint4(0, 0, 0, 0);
   uint4 b[NT][U];
   auto inputs = [&](int i) {
@@ -454,22 +455,22 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_b
     stage_wait(bar_addr + 8 * (i % STAGES), (i / STAGES) & 1);
     const unsigned char* st = ring + (i % STAGES) * Stage::kBytes;
 #pragma unroll
-    for (int n = 0; n < NT; ++n) {
+    for (int u = 0; u < U; ++u) {
+      const bool ok = kb + u * kStep + 8 * q < k;  // a short last chunk leaves stale bytes past k
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const bool ok = kb + u * kStep + 8 * q < k;  // a short last chunk leaves stale bytes past k
+      for (int mat = 0; mat < NMAT; ++mat) {  // each weight vector read once, for every token tile
+        const int at = 64 * u + 16 * q;
+        const uint4 lo = *reinterpret_cast<const uint4*>(st + Stage::offset(mat * kTileRows + g) + at);
+        const uint4 hi = *reinterpret_cast<const uint4*>(st + Stage::offset(mat * kTileRows + g + 8) + at);
+        const uint4 a0 = ok ? lo : zero, a1 = ok ? hi : zero;
 #pragma unroll
-        for (int mat = 0; mat < NMAT; ++mat) {
-          const int at = 64 * u + 16 * q;
-          const uint4 lo = *reinterpret_cast<const uint4*>(st + Stage::offset(mat * kTileRows + g) + at);
-          const uint4 hi = *reinterpret_cast<const uint4*>(st + Stage::offset(mat * kTileRows + g + 8) + at);
-          const uint4 a0 = ok ? lo : zero, a1 = ok ? hi : zero;
+        for (int n = 0; n < NT; ++n) {
           mma16816<T>(acc[mat][n], a0.x, a1.x, a0.y, a1.y, b[n][u].x, b[n][u].y);
           mma16816<T>(acc[mat][n], a0.z, a1.z, a0.w, a1.w, b[n][u].z, b[n][u].w);
         }
       }
     }
-    if (i + 1 < chunks) inputs(i + 1);  // issued before the next wait, so their latency overlaps it
+    if (i + 1 < chunks) inputs(i + 1);
     if (i + STAGES < chunks) {
       stage_release();
       issue(i + STAGES);
@@ -587,7 +588,9 @@ void launch_gemv(const GemvArgs& p, bool dependent, cudaStream_t stream) {
     const auto go = [&](auto nt) {
       constexpr int NT = decltype(nt)::value;
       using S = Shape<NMAT, NT>;
-      if (NMAT == 1 && bulk_copy_supported() && launch_bulk<T, NMAT, NT, BulkShape>(p, dependent, stream)) return;
+      if constexpr (NMAT == 1) {
+        if (bulk_copy_supported() && launch_bulk<T, NMAT, NT, BulkShape>(p, dependent, stream)) return;
+      }
       launch(decode_gemv_mma_kernel<T, NMAT, NT>, blocks(kTileRows * S::kRowTiles), S::kWarps * 32, dependent, stream,
              p);
     };
