@@ -72,12 +72,12 @@ struct Shape {
 
 // Kernel 2 on sm_90 (decode_gemv_bulk_kernel): 8 warps, each streaming U·64 = 256 bytes of each of its 16 rows per
 // stage through 2 stages of shared memory (74 KiB per block, 2 blocks per SM). Against the register kernel in its
-// place, on three H200s (benchmarks/decode_shapes.cu, runs 18-21): the pair 2.2-3.1 µs faster at 1 token (90.3-90.9
-// against 93.1-93.4) and 0.8-1.4 faster at 16 (95.2-96.5 against 96.0-97.9), although alone at 16 tokens it is
-// 1.4-2.2 µs slower (35.4-36.3 against 34.0-34.7): it starts only once kernel 1's blocks have left its shared memory
-// and then has its first stages in flight before it waits for h. 4 warps of 2 KiB rows in 3 stages, 8 warps of 5
-// vectors, 2 warps of 6 stages, or 2-D tensor copies of 16-row boxes were slower in the pair; so were per-row copies
-// of 128 bytes (a copy engine's rate of small copies bounds them) and a warp per token tile at 16 tokens.
+// place, in six runs on H200s (benchmarks/decode_shapes.cu, runs 18-24): the pair 2.2-3.1 µs faster at 1 token
+// (90.3-93.9 against 93.1-96.9) and 0.8-2.2 faster at 16 (94.5-96.9 against 96.0-99.1), although alone at 16 tokens
+// it is 1.1-2.2 µs slower (34.9-36.3 against 33.7-34.6): it starts with its first stages in flight before it waits
+// for h. 4 warps of 512-byte rows in 3 stages, 8 warps of 5 vectors, 8 warps of 128-byte rows in 5 stages, 2-D
+// tensor copies of 16-row boxes, a warp per token tile at 16 tokens, loading the next chunk's h before the products
+// and prefetching further chunks into L2 before the wait were all slower in the pair.
 struct BulkShape {
   static constexpr int kWarps = 8, kRowTiles = 1, kUnroll = 4, kBlocksPerSM = 2, kStages = 2;
 };
