@@ -162,6 +162,52 @@ __device__ __forceinline__ void finish(const GemvArgs& p, int64_t row0, const fl
   }
 }
 
+// Lane (g, ·)'s input rows: token n·8 + g of each token tile n, or token 0 where that tile has no such token (its
+// fragments are then zeroed by a select).
+template <typename T, int NT>
+__device__ __forceinline__ void token_rows(const GemvArgs& p, int g, const T* (&xr)[NT], bool (&has_token)[NT]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    has_token[n] = n * 8 + g < p.m;
+    xr[n] = row_ptr<T>(p.in, has_token[n] ? n * 8 + g : 0);
+  }
+}
+
+// Warp `warp`'s share of k: one contiguous span [begin, end) of whole chunks (only the last chunk of k can be
+// partial). Spans streamed kernel 1 1–2 µs faster than interleaving the warps' chunks (warp w taking chunks w,
+// w + WARPS, ..., so that a block's warps read neighbouring bytes of each row) and kernel 2 no slower. 32-bit
+// offsets within a row (decode_supported keeps k at most 2^30): kernel 1 has 64 registers at 1-8 tokens.
+struct Span {
+  int begin, end;
+};
+
+__device__ __forceinline__ Span warp_span(int64_t k64, int chunk, int warps, int warp) {
+  const int k = static_cast<int>(k64);
+  const int per = ((k + chunk - 1) / chunk + warps - 1) / warps * chunk;
+  return {warp * per, min(k, warp * per + per)};
+}
+
+// The warp's accumulators into part[mat][row][token] (its slice of the block's partial sums). Accumulator fragment:
+// c0, c1 at row g of the tile, tokens 2q, 2q + 1; c2, c3 at row g + 8.
+template <int NMAT, int RT, int NT, int ROWS, int MT>
+__device__ __forceinline__ void store_partials(float (&part)[NMAT][ROWS][MT], const float (&acc)[NMAT][RT][NT][4],
+                                               int g, int q) {
+#pragma unroll
+  for (int mat = 0; mat < NMAT; ++mat) {
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) {
+      const int r = kTileRows * rt + g;
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        part[mat][r][n * 8 + 2 * q] = acc[mat][rt][n][0];
+        part[mat][r][n * 8 + 2 * q + 1] = acc[mat][rt][n][1];
+        part[mat][r + 8][n * 8 + 2 * q] = acc[mat][rt][n][2];
+        part[mat][r + 8][n * 8 + 2 * q + 1] = acc[mat][rt][n][3];
+      }
+    }
+  }
+}
+
 // 16-bit inputs, tensor cores. NT: tiles of 8 tokens (1 for m <= 8, else 2); the rest of the launch shape is
 // Shape<NMAT, NT>: a warp holds RT tiles of 16 weight rows (the block's 16·RT rows) against the same B fragments, and
 // U 16-byte vectors per weight row and lane are in flight per iteration.
@@ -199,11 +245,7 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_m
   }
   const T* xr[NT];
   bool has_token[NT];
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    has_token[n] = n * 8 + g < p.m;
-    xr[n] = row_ptr<T>(p.in, has_token[n] ? n * 8 + g : 0);
-  }
+  token_rows<T, NT>(p, g, xr, has_token);
 
   float acc[NMAT][RT][NT][4] = {};
   // One iteration: U vectors per weight row and lane, all loads issued before the first mma. CHECKED: the last,
@@ -266,14 +308,9 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_m
     }
   };
   constexpr int64_t kChunk = int64_t(kStep) * U;  // k per warp and iteration
-  // The warp's share of k: one contiguous span [kb, kend) of whole chunks (only the last chunk of k can be
-  // partial). Spans streamed kernel 1 1–2 µs faster than interleaving the warps' chunks (warp w taking chunks w,
-  // w + WARPS, ..., so that a block's warps read neighbouring bytes of each row) and kernel 2 no slower.
-  // 32-bit offsets within a row (decode_supported keeps k at most 2^30): kernel 1 has 64 registers at 1-8 tokens.
-  const int k = static_cast<int>(p.k);
-  const int per = ((k + int(kChunk) - 1) / int(kChunk) + WARPS - 1) / WARPS * int(kChunk);
-  int kb = warp * per;
-  const int kend = min(k, kb + per);
+  const Span span = warp_span(p.k, int(kChunk), WARPS, warp);
+  int kb = span.begin;
+  const int kend = span.end;
   if constexpr (NMAT == 1) {  // kernel 2: the first iteration's weights before the wait for h
     if (kb < kend) {
       step(kb, std::true_type{}, std::true_type{});
@@ -284,21 +321,7 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_m
   }
   for (; kb + kChunk <= kend; kb += kChunk) step(kb, std::false_type{}, std::false_type{});
   if (kb < kend) step(kb, std::true_type{}, std::false_type{});
-  // Accumulator fragment: c0, c1 at row g of the tile, tokens 2q, 2q + 1; c2, c3 at row g + 8.
-#pragma unroll
-  for (int mat = 0; mat < NMAT; ++mat) {
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt) {
-      const int r = kTileRows * rt + g;
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        part[warp][mat][r][n * 8 + 2 * q] = acc[mat][rt][n][0];
-        part[warp][mat][r][n * 8 + 2 * q + 1] = acc[mat][rt][n][1];
-        part[warp][mat][r + 8][n * 8 + 2 * q] = acc[mat][rt][n][2];
-        part[warp][mat][r + 8][n * 8 + 2 * q + 1] = acc[mat][rt][n][3];
-      }
-    }
-  }
+  store_partials(part[warp], acc, g, q);
   __syncthreads();
   finish<T, WARPS, NMAT, ROWS, MT>(p, row0, part);
 }
@@ -408,17 +431,12 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_b
 
   const T* xr[NT];
   bool has_token[NT];
-#pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    has_token[n] = n * 8 + g < p.m;
-    xr[n] = row_ptr<T>(p.in, has_token[n] ? n * 8 + g : 0);
-  }
+  token_rows<T, NT>(p, g, xr, has_token);
   // The warp's span of k as in decode_gemv_mma_kernel, in chunks of one stage.
   const int k = static_cast<int>(p.k);
-  const int per = ((k + kChunk - 1) / kChunk + WARPS - 1) / WARPS * kChunk;
-  const int kb0 = warp * per;
-  const int kend = min(k, kb0 + per);
-  const int chunks = kb0 < kend ? (kend - kb0 + kChunk - 1) / kChunk : 0;
+  const Span span = warp_span(p.k, kChunk, WARPS, warp);
+  const int kb0 = span.begin;
+  const int chunks = kb0 < span.end ? (span.end - kb0 + kChunk - 1) / kChunk : 0;
   auto issue = [&](int i) {  // chunk i of the span into stage i % STAGES; the last chunk of k may be short
     const int kb = kb0 + i * kChunk;
     const uint32_t bytes = static_cast<uint32_t>(min(kChunk, k - kb)) * sizeof(T);
@@ -448,7 +466,7 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_b
     }
   };
   if (chunks > 0) inputs(0);
-  float acc[NMAT][NT][4] = {};
+  float acc[NMAT][1][NT][4] = {};
 #pragma unroll 1
   for (int i = 0; i < chunks; ++i) {
     const int kb = kb0 + i * kChunk;
@@ -465,8 +483,8 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_b
         const uint4 a0 = ok ? lo : zero, a1 = ok ? hi : zero;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-          mma16816<T>(acc[mat][n], a0.x, a1.x, a0.y, a1.y, b[n][u].x, b[n][u].y);
-          mma16816<T>(acc[mat][n], a0.z, a1.z, a0.w, a1.w, b[n][u].z, b[n][u].w);
+          mma16816<T>(acc[mat][0][n], a0.x, a1.x, a0.y, a1.y, b[n][u].x, b[n][u].y);
+          mma16816<T>(acc[mat][0][n], a0.z, a1.z, a0.w, a1.w, b[n][u].z, b[n][u].w);
         }
       }
     }
@@ -476,16 +494,7 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_b
       issue(i + STAGES);
     }
   }
-#pragma unroll
-  for (int mat = 0; mat < NMAT; ++mat) {
-#pragma unroll
-    for (int n = 0; n < NT; ++n) {
-      part[warp][mat][g][n * 8 + 2 * q] = acc[mat][n][0];
-      part[warp][mat][g][n * 8 + 2 * q + 1] = acc[mat][n][1];
-      part[warp][mat][g + 8][n * 8 + 2 * q] = acc[mat][n][2];
-      part[warp][mat][g + 8][n * 8 + 2 * q + 1] = acc[mat][n][3];
-    }
-  }
+  store_partials(part[warp], acc, g, q);
   __syncthreads();
   finish<T, WARPS, NMAT, ROWS, MT>(p, row0, part);
 }
