@@ -272,6 +272,33 @@ def test_decode_streams_the_down_projection_through_shared_memory_on_sm90(dtype)
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+def test_decode_captured_in_a_cuda_graph_replays_the_uncaptured_bits(dtype):
+    # The decode pair as a CUDA graph (the dependent launch recorded as a programmatic edge, the shared-memory kernel
+    # on sm_90): a replay gives the bits of an uncaptured call, and follows new contents of the captured input.
+    ext = csrc.extension()
+    act = mlpfuse.activations.get("silu")
+    wg, wu, wd, bg, bu, bd = _weights(264, 712, dtype, True)
+    for m in (1, 16):
+        x = torch.randn(m, 264, device="cuda", dtype=dtype)
+        call = lambda: ext.gated_mlp_forward(x, wg, wu, wd, bg, bu, bd, act.id, False, True)[0]  # noqa: E731
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()  # warm-up off the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = call()
+        for _ in range(2):
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, call()), (dtype, m)
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", NAMES)
 def test_gated_gradients_match_fp64(dtype, activation, strict_fp32):
