@@ -256,8 +256,8 @@ def _kernel_spans(fn, reps):
     spans = {}
     for e in prof.key_averages():
         found = re.search(r"decode_gemv_(?:mma|bulk)_kernel<[^,>]+,\s*(\d+)", e.key)
-        if found and e.count:
-            name = "gate/up" if found.group(1) == "2" else "down"
+        if (found or "decode_gate_up_tma_kernel" in e.key) and e.count:
+            name = "gate/up" if not found or found.group(1) == "2" else "down"
             n, total = spans.get(name, (0, 0.0))
             spans[name] = (n + e.count, total + e.device_time_total)
     return {k: (n, total / n) for k, (n, total) in spans.items()}

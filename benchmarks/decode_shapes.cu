@@ -13,7 +13,8 @@
 // A shape is decode.cu's Shape: warps per block (w), 16-row tiles per warp (rt), 16-byte vectors per weight row and
 // lane in flight per iteration (u), blocks per SM the registers are sized for (b), and whether a warp loads one
 // token tile's x (or h) fragments at a time ("tile-at-a-time"); "bulk sN": the weights come through N stages of
-// shared memory per warp (decode_gemv_bulk_kernel, kernel 2 on sm_90), u·64 bytes of each row per stage.
+// shared memory per warp (decode_gemv_bulk_kernel, kernel 2 on sm_90), u·64 bytes of each row per stage; "tensor
+// copies": kernel 1 on sm_90 (decode_gate_up_tma_kernel).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -53,14 +54,39 @@ struct StagesOf : std::integral_constant<int, 0> {};
 template <class K>
 struct StagesOf<K, std::void_t<decltype(K::kStages)>> : std::integral_constant<int, K::kStages> {};
 
-// decode.cu's own shapes, named with their numbers: the register kernel's (kernel 1; kernel 2 before sm_90) and
-// kernel 2's on sm_90.
+// decode.cu's own shapes, named with their numbers: the register kernel's (both kernels before sm_90), and on sm_90
+// gate/up's tensor-copy shape and the down kernel's shared-memory shape.
 template <int NMAT, int NT>
 struct InUse : mf::Shape<NMAT, NT> {
   using S = mf::Shape<NMAT, NT>;
   static std::string name() {
-    return std::string(NMAT == 1 ? "registers (before sm_90): " : "in use: ") +
+    return "registers (before sm_90): " +
            Sh<S::kWarps, S::kRowTiles, S::kUnroll, S::kBlocksPerSM, S::kTileAtATime>::name();
+  }
+};
+
+// Gate/up through tensor copies (decode_gate_up_tma_kernel): T warps (16 rows each) per block, U·64 bytes per row
+// and stage, S stages, B blocks per SM.
+template <int T_, int U, int S, int B>
+struct Tma {
+  static constexpr int kTiles = T_, kUnroll = U, kStages = S, kBlocksPerSM = B;
+  static constexpr bool kGateUpTma = true;
+  static std::string name() {
+    return "tensor copies t" + std::to_string(T_) + " u" + std::to_string(U) + " s" + std::to_string(S) + " b" +
+           std::to_string(B);
+  }
+};
+template <class K, class = void>
+struct IsTma : std::false_type {};
+template <class K>
+struct IsTma<K, std::void_t<decltype(K::kGateUpTma)>> : std::true_type {};
+
+template <int NT>
+struct InUseUp : mf::GateUpShape<NT> {
+  using S = mf::GateUpShape<NT>;
+  static constexpr bool kGateUpTma = true;
+  static std::string name() {
+    return "in use (sm_90): " + Tma<S::kTiles, S::kUnroll, S::kStages, S::kBlocksPerSM>::name();
   }
 };
 
@@ -150,7 +176,12 @@ unsigned blocks(int64_t rows, int per) { return unsigned((rows + per - 1) / per)
 
 template <int NMAT, int NT, class K>
 void run_one(const mf::GemvArgs& p, bool dependent, cudaStream_t s) {
-  if constexpr (StagesOf<K>::value > 0) {
+  if constexpr (IsTma<K>::value) {
+    if (NMAT != 2 || !mf::launch_gate_up_tma<T, NT, K>(p, s)) {
+      std::fprintf(stderr, "%s: cannot launch\n", K::name().c_str());
+      std::exit(1);
+    }
+  } else if constexpr (StagesOf<K>::value > 0) {
     if (!mf::launch_bulk<T, NMAT, NT, K>(p, dependent, s)) {
       std::fprintf(stderr, "%s: the device refuses its shared memory\n", K::name().c_str());
       std::exit(1);
@@ -271,8 +302,7 @@ int main(int argc, char** argv) {
   using Two = std::integral_constant<int, 2>;
 
   // 16 tokens and 1 token: each kernel-1 shape with each kernel-2 shape, and each alone; the first of each is
-  // decode.cu's. Kernel 2 as the register kernel with the shape it has before sm_90 (and had on sm_90 until the
-  // shared-memory kernel replaced it), and the shared-memory kernel with 4 warps of 512-byte rows in 3 stages.
+  // decode.cu's on sm_90, the second the register kernel it replaced there (and which runs before sm_90).
   auto with_each_k2 = [&](int m, auto nt, auto k1, auto k2s) {
     std::apply([&](auto... k2) { (add(m, k1, k2, nt), ...); }, k2s);
     add_up_alone(m, k1, nt);
@@ -281,10 +311,8 @@ int main(int argc, char** argv) {
     std::apply([&](auto... k1) { (with_each_k2(m, nt, k1, k2s), ...); }, k1s);
     std::apply([&](auto... k2) { (add_down_alone(m, k2, nt), ...); }, k2s);
   };
-  using K2s16 = std::tuple<InUseDown, InUse<1, 2>, Sh<4, 1, 8, 2, false, 3>>;
-  using K2s1 = std::tuple<InUseDown, InUse<1, 1>, Sh<4, 1, 8, 2, false, 3>>;
-  every_pair(16, Two{}, std::tuple<InUse<2, 2>>{}, K2s16{});
-  every_pair(1, One{}, std::tuple<InUse<2, 1>>{}, K2s1{});
+  every_pair(16, Two{}, std::tuple<InUseUp<2>, InUse<2, 2>>{}, std::tuple<InUseDown, InUse<1, 2>>{});
+  every_pair(1, One{}, std::tuple<InUseUp<1>, InUse<2, 1>>{}, std::tuple<InUseDown, InUse<1, 1>>{});
   uint32_t* sink;
   CHECK(cudaMalloc(&sink, 4));
   // The read of all three matrices, and of each kernel's own bytes alone (Wg and Wu; Wd): a short kernel pays its
@@ -305,13 +333,13 @@ int main(int argc, char** argv) {
                     mats == 3 ? wgu + wdn : mats == 2 ? wgu : wdn, {}, {}});
     }
   }
-  // 2-12 tokens: the pair in use and the pair with the register kernel 2 (partial token tiles at 9 and 12).
+  // 2-12 tokens: the pair in use on sm_90 and the register pair (partial token tiles at 9 and 12).
   for (int m : {2, 4, 8, 9, 12}) {
     if (m <= 8) {
-      add(m, InUse<2, 1>{}, InUseDown{}, One{});
+      add(m, InUseUp<1>{}, InUseDown{}, One{});
       add(m, InUse<2, 1>{}, InUse<1, 1>{}, One{});
     } else {
-      add(m, InUse<2, 2>{}, InUseDown{}, Two{});
+      add(m, InUseUp<2>{}, InUseDown{}, Two{});
       add(m, InUse<2, 2>{}, InUse<1, 2>{}, Two{});
     }
   }

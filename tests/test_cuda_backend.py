@@ -93,12 +93,12 @@ def test_sources_compile_with_cpp_extension_flags(compiled_objects):
     # The flags are cpp_extension's: its nvcc defines, the sm_90 target, its C++ standard.
     assert "-D__CUDA_NO_HALF_CONVERSIONS__" in ninja and "sm_90" in ninja and re.search(r"-std=c\+\+\d\d", ninja)
     # Every kernel family is in the objects: the pointwise GLU kernels and the decode kernels (tensor-core ones for
-    # 16-bit types, through registers or, for the down projection on sm_90, shared memory; CUDA-core ones for
-    # fp32), each per dtype.
+    # 16-bit types, through registers or, on sm_90, shared memory; CUDA-core ones for fp32), each per dtype.
     symbols = subprocess.run(["nm", "-C", *(str(folder / o) for o in objects)], capture_output=True, text=True).stdout
     for name in ("glu_forward_kernel<__nv_bfloat16, 8", "glu_backward_kernel<__half, 4", "bias_act_kernel<float, 4",
                  "decode_gemv_mma_kernel<__nv_bfloat16, 2, 2", "decode_gemv_mma_kernel<__half, 1, 1",
                  "decode_gemv_bulk_kernel<__nv_bfloat16, 1, 2", "decode_gemv_bulk_kernel<__half, 1, 1",
+                 "decode_gate_up_tma_kernel<__nv_bfloat16, 2", "decode_gate_up_tma_kernel<__half, 1",
                  "decode_gemv_fma_kernel<2, 16>", "mlpfuse::gated_mlp_backward"):
         assert name in symbols, name
 
@@ -248,9 +248,9 @@ def test_decode_at_every_token_count_matches_fp64_and_repeats_bitwise(dtype, str
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
-def test_decode_streams_the_down_projection_through_shared_memory_on_sm90(dtype):
-    # On sm_90 the down kernel is the shared-memory one (bulk copies); gate/up stays the register kernel. The
-    # kernels that ran, read off the profiler's trace.
+def test_decode_streams_the_weights_through_shared_memory_on_sm90(dtype):
+    # On sm_90 gate/up is the tensor-copy kernel and down the shared-memory one (bulk copies), not the register
+    # kernel. The kernels that ran, read off the profiler's trace.
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the shared-memory decode kernel needs sm_90")
     from torch.profiler import ProfilerActivity, profile
@@ -263,11 +263,11 @@ def test_decode_streams_the_down_projection_through_shared_memory_on_sm90(dtype)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             ext.gated_mlp_forward(x, wg, wu, wd, None, None, None, act.id, False, True)
             torch.cuda.synchronize()
-        names = sorted(e.name for e in prof.events() if "decode_gemv" in e.name)
+        names = sorted(e.name for e in prof.events() if "decode_g" in e.name)
         assert len(names) == 2, names
-        bulk, mma = names  # "decode_gemv_bulk_kernel<T, NMAT, NT, ...>" sorts first
-        assert "decode_gemv_bulk_kernel" in bulk and ", 1, " in bulk, names
-        assert "decode_gemv_mma_kernel" in mma and ", 2, " in mma, names
+        up, down = names  # "decode_gate_up_tma_kernel<T, NT, ...>" sorts before "decode_gemv_bulk_kernel<T, 1, ...>"
+        assert "decode_gate_up_tma_kernel" in up and f", {1 if m <= 8 else 2}, " in up, names
+        assert "decode_gemv_bulk_kernel" in down and ", 1, " in down, names
 
 
 @gpu
