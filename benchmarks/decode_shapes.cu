@@ -16,6 +16,7 @@
 // shared memory per warp (decode_gemv_bulk_kernel, kernel 2 on sm_90), u·64 bytes of each row per stage; "tensor
 // copies": kernel 1 on sm_90 (decode_gate_up_tma_kernel).
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -409,6 +410,31 @@ int main(int argc, char** argv) {
     const double t = median(v.us);
     std::printf("| %d | %s | %s | %.1f | %.1f-%.1f | %.1f %% |\n", v.m, v.k1.c_str(), v.k2.c_str(), t, *lo, *hi,
                 100.0 * v.bytes / t / 1e3 / copy_gbs);
+  }
+  // Host cost of a launch (a 1-token, 4096×14336 gate/up launch timed on the host; the GPU queue is drained between
+  // rounds and holds at most 200 launches, so a launch never waits for room), and of encoding one tensor map.
+  {
+    const Problem q = problem(1);
+    const mf::GemvArgs up = up_args(q);
+    auto host_us = [&](auto launch_one) {
+      std::vector<float> us;
+      for (int r = 0; r < 5; ++r) {
+        CHECK(cudaStreamSynchronize(s));
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < 200; ++i) launch_one();
+        us.push_back(std::chrono::duration<float, std::micro>(std::chrono::steady_clock::now() - t0).count() / 200);
+      }
+      CHECK(cudaStreamSynchronize(s));
+      return median(us);
+    };
+    const float reg = host_us([&] { run_one<2, 1, InUse<2, 1>>(up, false, s); });
+    const float tma = host_us([&] { run_one<2, 1, InUseUp<1>>(up, false, s); });
+    CUtensorMap map;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 10000; ++i) mf::tensor_map<T>(&map, {q.x, q.dim}, 1, q.dim, 8, 64);
+    const float enc = std::chrono::duration<float, std::micro>(std::chrono::steady_clock::now() - t0).count() / 10000;
+    std::printf("\nhost µs per gate/up launch: registers %.2f, tensor copies %.2f (x's map encoded per call; one "
+                "encode alone %.2f)\n", reg, tma, enc);
   }
   std::printf("\nnumerics: %s\n", ok ? "PASS" : "FAIL");
   return ok ? 0 : 1;

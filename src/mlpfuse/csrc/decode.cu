@@ -86,10 +86,14 @@ struct BulkShape {
 };
 
 // Kernel 1 on sm_90 (decode_gate_up_tma_kernel): kTiles warps of 16 hidden units per block, U·64 = 128 bytes of each
-// row per stage, kStages stages. Up to 8 tokens 2 warps in 5 stages (46 KiB, 4 blocks per SM), at 9-16 tokens 4
-// warps in 3 stages (62 KiB, 2 blocks per SM). Against the register kernel on one machine (runs 31-32): the pair
-// 88.8-89.5 µs against 93.7-93.9 at 1-2 tokens, 90.7 against 93.7-94.4 at 4-8, 93.5 against 96.2 at 16. 3 warps
-// (48-row blocks), 4 warps of 256-byte rows in 2 stages, 5 or 6 stages where they cost a fourth block per SM: slower.
+// row per stage, kStages stages. Up to 8 tokens 2 warps in 5 stages (48 KiB, 4 blocks per SM), at 9-16 tokens 4
+// warps in 3 stages (62 KiB, 2 blocks per SM, which leaves room for a block of kernel 2 to start beside them).
+// Against the register kernel with the same kernel 2 (benchmarks/decode_shapes.cu): the pair 88.8-89.5 µs against
+// 93.7-93.9 at 1-2 tokens, 90.7 against 93.7-94.4 at 4-8 and 93.5 against 96.2 at 16 on one machine (runs 31-32),
+// 88.0 against 90.9 at 1 token and 93.0 against 94.7 at 16 on another (run 33). Slower: 4 warps of 256-byte rows in 2
+// stages (95.0 at 16), 4 warps of 5 stages (100.0 at 16), 3-warp blocks (93.4 at 1, 96.6-99.1 at 16), and shapes
+// whose shared memory leaves too few blocks per SM for one wave (2 warps of 6 stages or of 256-byte rows: 97.7-100.9
+// at 1 token).
 template <int NT>
 struct GateUpShape {
   static constexpr int kTiles = NT == 1 ? 2 : 4, kUnroll = 2, kStages = NT == 1 ? 5 : 3, kBlocksPerSM = NT == 1 ? 4 : 2;
