@@ -155,11 +155,12 @@ __device__ __forceinline__ const T* row_ptr(Mat w, int64_t r) {
   return static_cast<const T*>(w.ptr) + r * w.ld;
 }
 
-// The block's ROWS output rows from the per-warp partial sums part[warp][matrix][row][token]: summed in warp order
-// (the same bits every run), biased, and for two matrices combined as act(g)·u; rounded once into out.
-template <typename T, int WARPS, int NMAT, int ROWS, int MT>
-__device__ __forceinline__ void finish(const GemvArgs& p, int64_t row0, const float (*part)[NMAT][ROWS][MT]) {
-  for (int i = threadIdx.x; i < ROWS * MT; i += WARPS * 32) {
+// ROWS output rows from row0 on, from the partial sums part[i][matrix][row][token] of WARPS warps: summed in warp
+// order (the same bits every run), biased, and for two matrices combined as act(g)·u; rounded once into out. THREADS
+// threads share the work, tid being this one's index among them.
+template <typename T, int WARPS, int NMAT, int ROWS, int MT, int THREADS = WARPS * 32>
+__device__ __forceinline__ void finish(const GemvArgs& p, int64_t row0, const float (*part)[NMAT][ROWS][MT], int tid) {
+  for (int i = tid; i < ROWS * MT; i += THREADS) {
     const int r = i % ROWS, t = i / ROWS;  // consecutive threads: consecutive rows, contiguous stores
     const int64_t row = row0 + r;
     if (t >= p.m || row >= p.rows) continue;
@@ -340,7 +341,7 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_m
   if (kb < kend) step(kb, std::true_type{}, std::false_type{});
   store_partials(part[warp], acc, g, q);
   __syncthreads();
-  finish<T, WARPS, NMAT, ROWS, MT>(p, row0, part);
+  finish<T, WARPS, NMAT, ROWS, MT>(p, row0, part, threadIdx.x);
 }
 
 // The weights through shared memory (sm_90). Each warp owns a ring of S::kStages stages; a stage holds U·64 bytes
@@ -518,7 +519,7 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_b
   }
   store_partials(part[warp], acc, g, q);
   __syncthreads();
-  finish<T, WARPS, NMAT, ROWS, MT>(p, row0, part);
+  finish<T, WARPS, NMAT, ROWS, MT>(p, row0, part, threadIdx.x);
 }
 
 // Gate/up with the weights and x through shared memory (sm_90): a block of S::kTiles warps owns 16·kTiles hidden
@@ -607,14 +608,7 @@ __global__ void __launch_bounds__(S::kTiles * 32, S::kBlocksPerSM)
   }
   store_partials(part[warp], acc, g, q);
   __syncwarp();
-  for (int i = lane; i < kTileRows * MT; i += 32) {
-    const int r = i % kTileRows, t = i / kTileRows;
-    const int64_t row = row0 + warp * kTileRows + r;
-    if (t >= p.m || row >= p.rows) continue;
-    const float v = part[warp][0][r][t] + (p.b0 ? to_float(static_cast<const T*>(p.b0)[row]) : 0.0f);
-    const float u = part[warp][1][r][t] + (p.b1 ? to_float(static_cast<const T*>(p.b1)[row]) : 0.0f);
-    static_cast<T*>(p.out.ptr)[t * p.out.ld + row] = from_float<T>(act_rt(p.act, v) * u);
-  }
+  finish<T, 1, 2, kTileRows, MT, 32>(p, row0 + warp * kTileRows, part + warp, lane);  // the warp's own 16 rows
 }
 
 // fp32 inputs, CUDA cores, the same tiling: lane (g, q) takes rows g and g + 8 at k0 + 4q (4 elements, 16 bytes)
@@ -677,7 +671,7 @@ __global__ void __launch_bounds__(Shape<NMAT, 1>::kWarps * 32) decode_gemv_fma_k
     }
   }
   __syncthreads();
-  finish<float, WARPS, NMAT, kTileRows, MT>(p, row0, part);
+  finish<float, WARPS, NMAT, kTileRows, MT>(p, row0, part, threadIdx.x);
 }
 
 template <typename... Params>
