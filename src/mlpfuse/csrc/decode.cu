@@ -21,9 +21,10 @@
 //   * the products run on tensor cores (mma m16n8k16, fp32 accumulation) for 16-bit inputs: a warp's 16 weight rows
 //     are the A operand and up to 8 tokens of x the B operand, so the work per weight byte stays one instruction per
 //     8 tokens instead of growing with m as CUDA-core dot products do (at 16 tokens those cost as long as the
-//     weights take to stream). The reduction over k does not care about the order of k, so each lane loads 16
-//     contiguous bytes of its weight row and the same 16 bytes of its token's x, and the pair is fed to the mma as
-//     if it were the fragment's k positions: no shuffles, no shared-memory staging, no ldmatrix.
+//     weights take to stream). The reduction over k does not care about the order of k, so each lane reads 16
+//     contiguous bytes of its weight row and the same 16 bytes of its token's x (from global memory, or on sm_90
+//     from the stage in shared memory), and the pair is fed to the mma as if it were the fragment's k positions: no
+//     shuffles, no ldmatrix.
 //   * fp32 inputs keep the same tiling with CUDA-core dot products (tensor cores would need TF32, which loses the
 //     precision fp32 callers ask for).
 #include <cuda.h>
