@@ -12,8 +12,8 @@
    deterministic) timed in the same rounds, and a triton.testing.do_bench figure (which zeroes a 256 MB buffer
    before every call: its dirty lines are written back during the call); then each of its two kernels alone, from a
    profiler trace (gate/up: 2·hidden·dim weights, down: dim·hidden; the down kernel starts early as a programmatic
-   dependent launch, so its span includes its wait for the first kernel's tail). `--only decode` runs this section
-   alone.
+   dependent launch, so its span includes its wait for the first kernel — at 16 tokens on sm_90 its blocks start
+   beside gate/up's and the span covers most of gate/up). `--only decode` runs this section alone.
 4. Host µs per call at 64×768×3072 bf16 (small enough that the host decides): the cuda backend, triton, torch.
 GPU times: CUDA events, median of interleaved rounds after a clock warm-up. The short table comes last.
 """
@@ -255,9 +255,16 @@ def _kernel_spans(fn, reps):
         torch.cuda.synchronize()
     spans = {}
     for e in prof.key_averages():
+        # decode_gate_up_tma_kernel<T, NT, ...> is gate/up; decode_gemv_{mma,bulk}_kernel<T, NMAT, ...> gate/up at
+        # NMAT 2, down at 1.
         found = re.search(r"decode_gemv_(?:mma|bulk)_kernel<[^,>]+,\s*(\d+)", e.key)
-        if (found or "decode_gate_up_tma_kernel" in e.key) and e.count:
-            name = "gate/up" if not found or found.group(1) == "2" else "down"
+        if "decode_gate_up_tma_kernel" in e.key:
+            name = "gate/up"
+        elif found:
+            name = "gate/up" if found.group(1) == "2" else "down"
+        else:
+            continue
+        if e.count:
             n, total = spans.get(name, (0, 0.0))
             spans[name] = (n + e.count, total + e.device_time_total)
     return {k: (n, total / n) for k, (n, total) in spans.items()}

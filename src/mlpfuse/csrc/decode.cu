@@ -345,9 +345,10 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_m
   finish<T, WARPS, NMAT, ROWS, MT>(p, row0, part, threadIdx.x);
 }
 
-// The weights through shared memory (sm_90). Each warp owns a ring of S::kStages stages; a stage holds U·64 bytes
-// (the k of one register-kernel iteration) of each of the block's NMAT·16 rows, put there by bulk copies (one per
-// row, issued by lane i for row i) that complete on the stage's mbarrier. The warp keeps every stage in flight but
+// The down projection's weights through shared memory (sm_90; NMAT is 1, kept so that the kernel reads as the
+// register kernel it replaces). Each warp owns a ring of S::kStages stages; a stage holds U·64 bytes (the k of one
+// register-kernel iteration) of each of the block's 16 rows, put there by bulk copies (one per row, issued by lane i
+// for row i) that complete on the stage's mbarrier. The warp keeps every stage in flight but
 // the one it multiplies, and re-issues a stage as soon as it has read it, so the bytes in flight are bounded by
 // shared memory, not registers, and stay in flight while the warp multiplies. Rows lie in pairs with 64 bytes after
 // each row of a pair, so that the 8 lanes of a shared-memory phase (rows g and g + 1, 16 bytes at 16q) read distinct
@@ -410,7 +411,7 @@ template <int NMAT, int U>
 struct BulkStage {
   static constexpr int kRowBytes = U * 64;
   static constexpr int kBytes = NMAT * 8 * (2 * kRowBytes + 64);
-  // Row i (matrix i / 16, row i % 16 of the tile) within a stage.
+  // Row i of the tile within a stage.
   __host__ __device__ static constexpr int offset(int i) {
     return (i >> 1) * (2 * kRowBytes + 64) + (i & 1) * (kRowBytes + 64);
   }
@@ -426,25 +427,21 @@ constexpr size_t bulk_smem_bytes() {
 template <typename T, int NMAT, int NT, class S>
 __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_bulk_kernel(GemvArgs p) {
   constexpr int WARPS = S::kWarps, U = S::kUnroll, STAGES = S::kStages;
-  constexpr int ROWS = kTileRows, MT = NT * 8, NR = NMAT * kTileRows;
+  constexpr int ROWS = kTileRows, MT = NT * 8;
   using Stage = BulkStage<NMAT, U>;
   constexpr int kStep = 32;
   constexpr int kChunk = kStep * U;  // k per warp and stage
-  static_assert(S::kRowTiles == 1, "one 16-row tile per block");
+  static_assert(NMAT == 1 && S::kRowTiles == 1, "the down projection, one 16-row tile per block");
   extern __shared__ __align__(128) unsigned char smem[];
-  if constexpr (NMAT == 2) grid_dependents_may_launch();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int64_t row0 = int64_t(blockIdx.x) * ROWS;
   unsigned char* ring = smem + size_t(warp) * STAGES * Stage::kBytes;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + size_t(WARPS) * STAGES * Stage::kBytes) + warp * STAGES;
   auto part = reinterpret_cast<float(*)[NMAT][ROWS][MT]>(smem + size_t(WARPS) * STAGES * (Stage::kBytes + 8));
 
-  // Lane i < NR copies row i of the tile (rows past the end: the last row, never stored).
+  // Lane i < 16 copies row i of the tile (rows past the end: the last row, never stored).
   const T* src = nullptr;
-  if (lane < NR) {
-    const int64_t r = min(row0 + lane % kTileRows, p.rows - 1);
-    src = row_ptr<T>(lane < kTileRows ? p.w0 : p.w1, r);
-  }
+  if (lane < kTileRows) src = row_ptr<T>(p.w0, min(row0 + lane, p.rows - 1));
   const uint32_t ring_addr = shared_addr(ring), bar_addr = shared_addr(bars);
   if (lane == 0) {
 #pragma unroll
@@ -465,13 +462,15 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_b
     const int kb = kb0 + i * kChunk;
     const uint32_t bytes = static_cast<uint32_t>(min(kChunk, k - kb)) * sizeof(T);
     const uint32_t bar = bar_addr + 8 * (i % STAGES);
-    if (lane == 0) stage_expect(bar, bytes * NR);
+    if (lane == 0) stage_expect(bar, bytes * kTileRows);
     __syncwarp();
-    if (lane < NR) stage_copy(ring_addr + (i % STAGES) * Stage::kBytes + Stage::offset(lane), src + kb, bytes, bar);
+    if (lane < kTileRows) {
+      stage_copy(ring_addr + (i % STAGES) * Stage::kBytes + Stage::offset(lane), src + kb, bytes, bar);
+    }
   };
 #pragma unroll 1
   for (int i = 0; i < STAGES && i < chunks; ++i) issue(i);
-  if constexpr (NMAT == 1) grid_dependency_wait();  // kernel 2: its first stages are in flight before h is ready
+  grid_dependency_wait();  // its first stages are in flight before h is ready
 
   // Token tile n's B fragments of chunk i (x or h), zero past k and for tokens past m (as in the register kernel).
   // Those of the next chunk are loaded before the next wait, so that their latency overlaps it.
@@ -499,17 +498,15 @@ __global__ void __launch_bounds__(S::kWarps * 32, S::kBlocksPerSM) decode_gemv_b
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const bool ok = kb + u * kStep + 8 * q < k;  // a short last chunk leaves stale bytes past k
+      // Each weight vector read once, for every token tile.
+      const int at = 64 * u + 16 * q;
+      const uint4 lo = *reinterpret_cast<const uint4*>(st + Stage::offset(g) + at);
+      const uint4 hi = *reinterpret_cast<const uint4*>(st + Stage::offset(g + 8) + at);
+      const uint4 a0 = ok ? lo : zero, a1 = ok ? hi : zero;
 #pragma unroll
-      for (int mat = 0; mat < NMAT; ++mat) {  // each weight vector read once, for every token tile
-        const int at = 64 * u + 16 * q;
-        const uint4 lo = *reinterpret_cast<const uint4*>(st + Stage::offset(mat * kTileRows + g) + at);
-        const uint4 hi = *reinterpret_cast<const uint4*>(st + Stage::offset(mat * kTileRows + g + 8) + at);
-        const uint4 a0 = ok ? lo : zero, a1 = ok ? hi : zero;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          mma16816<T>(acc[mat][0][n], a0.x, a1.x, a0.y, a1.y, b[n][u].x, b[n][u].y);
-          mma16816<T>(acc[mat][0][n], a0.z, a1.z, a0.w, a1.w, b[n][u].z, b[n][u].w);
-        }
+      for (int n = 0; n < NT; ++n) {
+        mma16816<T>(acc[0][0][n], a0.x, a1.x, a0.y, a1.y, b[n][u].x, b[n][u].y);
+        mma16816<T>(acc[0][0][n], a0.z, a1.z, a0.w, a1.w, b[n][u].z, b[n][u].w);
       }
     }
     if (i + 1 < chunks) inputs(i + 1);
