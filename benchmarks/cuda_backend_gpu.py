@@ -13,7 +13,8 @@
    before every call: its dirty lines are written back during the call); then each of its two kernels alone, from a
    profiler trace (gate/up: 2·hidden·dim weights, down: dim·hidden; the down kernel starts early as a programmatic
    dependent launch, so its span includes its wait for the first kernel — at 16 tokens on sm_90 its blocks start
-   beside gate/up's and the span covers most of gate/up). `--only decode` runs this section alone.
+   beside gate/up's and the span covers most of gate/up); and the allocator's peak above the inputs for one call
+   of the CUDA backend and of eager. `--only decode` runs this section alone.
 4. Host µs per call at 64×768×3072 bf16 (small enough that the host decides): the cuda backend, triton, torch.
 GPU times: CUDA events, median of interleaved rounds after a clock warm-up. The short table comes last.
 """
@@ -231,15 +232,30 @@ def decode_rows(ext, gelu, copy_gbs, rounds):
         gbs = 3 * hidden * dim * 2 / us["cuda"] / 1e3
         # A second harness: triton's do_bench (L2 flushed before each call, median of its own event times).
         checked = triton.testing.do_bench(fns["cuda"], warmup=25, rep=200, return_mode="median") * 1e3
+        peak = {name: _peak_kib(fns[name]) for name in ("cuda", "eager")}
         rows.append((f"decode {tokens}x{dim}x{hidden} bf16", f"{us['cuda']:.1f} µs (do_bench {checked:.1f}; eager "
                      f"{us['eager']:.1f}; triton {us['triton']:.1f}, deterministic {us['triton det.']:.1f}), "
-                     f"{gbs:.0f} GB/s", f"{100 * gbs / copy_gbs:.1f} %", "target ≥ 90 %"))
+                     f"{gbs:.0f} GB/s", f"{100 * gbs / copy_gbs:.1f} %",
+                     f"target ≥ 90 %; peak +{peak['cuda']:.0f} KiB (eager +{peak['eager']:.0f})"))
         for name, (n, mean_us) in sorted(_kernel_spans(fns["cuda"], 20).items()):
             weights = (2 if name == "gate/up" else 1) * hidden * dim * 2
             gbs = weights / mean_us / 1e3
             rows.append((f"  decode {tokens} tokens: {name} kernel alone", f"{mean_us:.1f} µs ({n} calls), "
                          f"{gbs:.0f} GB/s", f"{100 * gbs / copy_gbs:.0f} %", ""))
     return rows
+
+
+def _peak_kib(fn):
+    """KiB the allocator's peak rises above what was allocated before one call of fn (its output included)."""
+    import torch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    del out
+    return (torch.cuda.max_memory_allocated() - before) / 1024
 
 
 def _kernel_spans(fn, reps):
