@@ -235,11 +235,25 @@ def test_gated_mlp_triton_recompute_matches_saved(monkeypatch, kernel_calls):
 def test_training_never_takes_the_decode_kernel(kernel_calls):
     check_gated("triton", "silu", (4,), 16, 24, torch.float32, False)
     assert "decode_mlp" not in kernel_calls and "glu_backward" in kernel_calls
-    kernel_calls.clear()
-    # The bare op under autograd also keeps the training path (its backward recomputes g and u).
-    x, wg, wu, wd, *_ = (t.requires_grad_() for t in gated_inputs((4,), 16, 24, torch.float32, False)[:4])
-    torch.ops.mlpfuse.gated_mlp(x, wg, wu, wd, None, None, None, "silu", "triton").sum().backward()
-    assert "decode_mlp" not in kernel_calls and x.grad is not None
+
+
+@needs_triton
+def test_the_bare_inference_op_under_autograd_recomputes_for_its_backward(kernel_calls):
+    # mlpfuse::gated_mlp computes inference (it may take the decode kernel: the caller decided no gradient is
+    # needed); called directly under autograd, its backward recomputes g and u, so the gradients stay right.
+    ts = gated_inputs((4,), 16, 24, torch.float32, False)[:4]
+    leaves = [t.clone().requires_grad_() for t in ts]
+    leaves64 = [t.detach().double().requires_grad_() for t in ts]
+    y = torch.ops.mlpfuse.gated_mlp(*leaves, None, None, None, "silu", "triton")
+    want = F.linear(F.silu(F.linear(leaves64[0], leaves64[1])) * F.linear(leaves64[0], leaves64[2]), leaves64[3])
+    assert_close_rel(y, want, torch.float32, "y")
+    dy = seeded_like(want, 7)
+    y.backward(dy.to(y.dtype))
+    want.backward(dy)
+    for name, a, b in zip(("x", "gate_weight", "up_weight", "down_weight"), leaves, leaves64):
+        assert_close_rel(a.grad, b.grad, torch.float32, f"grad {name}")
+    if dispatch.decode_max_m() >= 4:
+        assert kernel_calls[0] == "decode_mlp"
 
 
 @needs_triton

@@ -21,8 +21,9 @@ from torch import Tensor
 from mlpfuse import activations
 from mlpfuse.errors import InputError
 from mlpfuse.ops import dispatch
-from mlpfuse.ops.gated_mlp import CallPlan, gated_mlp_call
+from mlpfuse.ops.gated_mlp import CallPlan, gated_mlp_call, registered_call
 from mlpfuse.ops.linear_act import LinearActPlan, linear_act_call
+from mlpfuse.ops.linear_act import registered_call as linear_registered_call
 
 # Activation module classes (torch.nn and transformers' ACT2FN) mapped to our names. GELU (torch.nn) reads its
 # `approximate` attribute instead. Anything else (QuickGELU, ...) is not ours to guess: from_module asks for it.
@@ -256,11 +257,8 @@ class GatedMLP(nn.Module):
             wd, bd = _weight_bias(mods["down_proj"])
             if _sharded(wg, wu, wd):
                 return self._sharded_forward(x)
-            y = _plan_of(self, CallPlan)(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend)
-            if y is not None:
-                return y
-            return gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend)
-        return gated_mlp_call(
+            return gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, _plan_of(self, CallPlan))
+        return registered_call(
             x,
             self.gate_proj.weight,
             self.up_proj.weight,
@@ -377,11 +375,9 @@ class PackedGatedMLP(GatedMLP):
         if b is not None:
             gate_bias, up_bias = b[: self.hidden], b[self.hidden :]
         if not torch.jit.is_scripting():
-            y = _plan_of(self, CallPlan)(x, w[: self.hidden], w[self.hidden :], self.down_proj.weight, gate_bias,
-                                         up_bias, self.down_proj.bias, self.activation, self.backend)
-            if y is not None:
-                return y
-        return gated_mlp_call(
+            return gated_mlp_call(x, w[: self.hidden], w[self.hidden :], self.down_proj.weight, gate_bias, up_bias,
+                                  self.down_proj.bias, self.activation, self.backend, _plan_of(self, CallPlan))
+        return registered_call(
             x,
             w[: self.hidden],
             w[self.hidden :],
@@ -469,10 +465,8 @@ class FusedLinear(nn.Linear):
             w, b = params["weight"], params["bias"]
             if _sharded(w):
                 return self._sharded_forward(x)
-            y = _plan_of(self, LinearActPlan)(x, w, b, self.activation, self.backend)
-            if y is not None:
-                return y
-        return linear_act_call(x, self.weight, self.bias, self.activation, self.backend)
+            return linear_act_call(x, w, b, self.activation, self.backend, _plan_of(self, LinearActPlan))
+        return linear_registered_call(x, self.weight, self.bias, self.activation, self.backend)
 
     @torch.jit.unused
     def _sharded_forward(self, x: Tensor) -> Tensor:

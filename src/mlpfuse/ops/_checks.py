@@ -10,11 +10,20 @@ from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from mlpfuse.errors import InputError
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 STRIDED = torch.strided
+PLAIN = (torch.nn.Parameter, Tensor)  # weight types a call plan keys on by address
+
+
+def foreign(*weights: Tensor) -> bool:
+    """Weights the kernels cannot read as given: wrapper subclasses holding other data (quantized weights, for one,
+    which say so by flattening into inner tensors). Their calls run nn.Linear's own math, which dispatches on them.
+    Fake and functional tensors, which stand in for plain ones while a graph is recorded, are not foreign."""
+    return any(is_traceable_wrapper_subclass(w) for w in weights)
 
 
 def _shape(t: Tensor) -> list:
@@ -39,6 +48,22 @@ def check_x(x: Tensor, in_features, source: str) -> None:
         raise InputError(f"x: expected dtype bfloat16, float16, float32 or float64, got {x.dtype}")
     if x.shape[-1] != in_features:
         raise InputError(f"x: expected last dimension {in_features} ({source}), got shape {_shape(x)}")
+
+
+def module_input(x, weight: Tensor, first: str) -> None:
+    """A module's input against its first projection's weight [out, dim], in the module's terms ("x is fp16, the
+    module's weights are fp32") rather than the op's argument names. Runs once per layout (on a call plan's miss)."""
+    if not isinstance(x, Tensor):
+        raise InputError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    dim = weight.shape[-1]
+    if x.dim() < 1 or x.shape[-1] != dim:
+        raise InputError(f"x: expected last dimension {dim} (the module's input features), got shape {_shape(x)}")
+    if x.dtype != weight.dtype and weight.dtype in DTYPES:  # (a weight in another dtype: the op names it)
+        raise InputError(f"x: dtype {x.dtype} does not match the module's weights ({first}: {weight.dtype}); cast "
+                         f"x (x.to({weight.dtype})) or the module (module.to({x.dtype}))")
+    if x.device != weight.device:
+        raise InputError(f"x: x is on {x.device} but the module's weights ({first}) are on {weight.device}; move "
+                         f"one of them (x.to('{weight.device}') or module.to('{x.device}'))")
 
 
 def check_2d(name: str, w: Tensor, shape: Sequence, source: str) -> None:

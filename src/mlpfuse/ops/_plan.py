@@ -14,14 +14,6 @@ import torch
 from torch import Tensor
 
 
-def declines(x) -> bool:
-    """Calls a plan leaves to the op layer: tensor subclasses, compile / export / tracing, autocast."""
-    # is_compiling() before _is_tracing(): Dynamo cannot trace the latter (a torch.* call returning a bool).
-    if type(x) is not Tensor or torch.compiler.is_compiling() or torch._C._is_tracing():
-        return True
-    return torch.is_autocast_enabled("cuda" if x.is_cuda else x.device.type)
-
-
 def x_key(x: Tensor) -> tuple:
     return (x.shape, x.stride(), x.data_ptr() & 15, x.dtype, x.get_device())
 

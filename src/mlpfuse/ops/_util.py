@@ -1,4 +1,4 @@
-"""Small helpers the ops share: 2-D views of activations, placeholders, and the "is a gradient needed" test."""
+"""Small helpers the ops share: 2-D views of activations, placeholders, and the "is a gradient needed" rule."""
 
 from typing import List, Optional
 
@@ -36,8 +36,12 @@ def leading(x: Tensor) -> int:
     return n
 
 
-def wants_grad(tensors: List[Optional[Tensor]]) -> bool:
-    """True when autograd will need this call's backward. TorchScript-compatible."""
+def needs_grad(tensors: List[Optional[Tensor]]) -> bool:
+    """Whether autograd will need this call's backward, by its own rule: grad mode on and an input requiring grad.
+
+    Read at the entry of a call, where grad mode is still visible: inside a custom op's implementation autograd has
+    turned it off, and a model's Parameters require grad under `torch.no_grad()` / `torch.inference_mode()` too,
+    so no implementation can tell (`needs_input_grad` has the same flaw). TorchScript-compatible."""
     if not torch.is_grad_enabled():
         return False
     for t in tensors:
@@ -47,15 +51,14 @@ def wants_grad(tensors: List[Optional[Tensor]]) -> bool:
 
 
 @torch.jit.unused
-def eager_tensor(x: Tensor) -> bool:
-    """True in plain eager execution, where calling the op's implementation directly is equivalent.
+def plain_eager(x) -> bool:
+    """True for a plain tensor in plain eager execution, where a call may run its path's kernels directly.
 
     Not while torch.compile / torch.export / jit.trace record a graph, nor for tensor subclasses (fake, functional,
-    proxies): those must see the registered custom op.
+    proxies) or non-tensors: those go through the registered custom ops. is_compiling() first: Dynamo cannot trace
+    torch._C._is_tracing() (a torch.* call returning a bool), and under it the rest is never reached.
     """
-    if type(x) is not torch.Tensor or torch.jit.is_tracing():
-        return False
-    return not torch.compiler.is_compiling()
+    return not torch.compiler.is_compiling() and type(x) is Tensor and not torch._C._is_tracing()
 
 
 @torch.jit.unused

@@ -26,9 +26,9 @@ from torch import Tensor
 
 from mlpfuse import activations, csrc, reference
 from mlpfuse.ops import _checks, _plan, dispatch
+from mlpfuse.errors import InputError
 from mlpfuse.ops._util import (
-    autocast_dtype, cast_all, eager_tensor, leading, nothing, op_span, profiling, rows,
-    wants_grad,
+    autocast_dtype, cast_all, leading, needs_grad, nothing, op_span, plain_eager, profiling, rows,
 )
 
 
@@ -52,7 +52,7 @@ def _split(x2, wg, wu, wd, bg, bu, bd, act_id: int, save: bool = False, plan=Non
     return (y, h, g, u) if save else (y, None, None, None)
 
 
-def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training: bool, save: bool, path: str = "",
+def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool, save: bool, path: str = "",
              plan=None):
     """(y [..., dim], h, g, u): with `save`, g and u the 2-D pre-activations and h = act(g)·u; else all None.
     `path` given: the caller already checked the arguments and chose the path. `plan`: on the SPLIT path, the GLU
@@ -61,7 +61,7 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training:
         _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
     act = activations.get(activation)
     x2 = rows(x)
-    path = path or dispatch.gated_mlp_path(backend, x2, wg.shape[0], training)
+    path = path or dispatch.gated_mlp_path(backend, x2, wg.shape[0], grad)
     h = g = u = None
     if path == dispatch.TORCH or x2.shape[0] == 0:
         out = reference.gated_mlp_forward(x2, wg, wu, wd, bg, bu, bd, act, save_preact=save)
@@ -73,7 +73,7 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, training:
     elif path == dispatch.CUDA:
         # The extension's decode kernel keeps no g and u, so only inference may take it.
         ext = csrc.extension()  # the path's choice checked x2 for it
-        y, h, g, u = dispatch.cuda_call(ext.gated_mlp_forward, x2, wg, wu, wd, bg, bu, bd, act.id, save, not training)
+        y, h, g, u = dispatch.cuda_call(ext.gated_mlp_forward, x2, wg, wu, wd, bg, bu, bd, act.id, save, not grad)
     else:
         out = dispatch.kernel("gated_gemm").gated_gemm(
             x2, wg, wu, bg, bu, activation=act.id, save_preact=save, allow_tf32=dispatch.allow_tf32()
@@ -97,10 +97,11 @@ def _gated_mlp_op(
     activation: str,
     backend: str,
 ) -> Tensor:
-    # Called directly with tensors that require grad, the op still must not take the decode kernel.
-    training = any(t is not None and t.requires_grad for t in (x, gate_weight, up_weight, down_weight))
+    # Inference: the caller (gated_mlp_call) decided no gradient is needed — an implementation cannot tell, as a
+    # model's Parameters require grad under no_grad too. The op keeps nothing, so any path may run it, the decode
+    # kernels included; its autograd formula (for a direct call under autograd) recomputes g and u from x.
     args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-    return _forward(*args, activation, backend, training, False)[0]
+    return _forward(*args, activation, backend, False, False)[0]
 
 
 @_gated_mlp_op.register_fake
@@ -421,41 +422,27 @@ class _EagerTraining(torch.autograd.Function):
 
 
 class CallPlan(_plan.Memo):
-    """A module's memo of its eager calls: arguments checked and the path chosen once per layout, not per call.
+    """A module's memo of its plain eager calls: arguments checked and the path chosen once per layout, not per call.
 
-    A module (or patched block) owns one and offers it every call. It serves plain tensors in eager execution, not
-    under autocast; the key of a call holds every property the checks and the path read — x's shape, strides,
-    16-byte alignment, dtype and device; each weight's and bias's address, shape and dtype (and the weights'
-    strides); the backend as resolved for this call; whether a gradient is needed; TF32 for fp32 (see ops._plan). A
-    new key runs the op layer's checks and path choice (same errors, same path) and is remembered. Per call on a
-    hit: the key, then straight to the kernels — for the gated GEMM its launch plan is held here (on the split path
-    the GLU passes'), so the kernel wrapper's own key is not built again.
-
-    Returns None for what it does not serve (tensor subclasses, compile / export / tracing, autocast, sharded
-    weights are the module's business): the caller then takes `gated_mlp_call`.
+    A module (or patched block) owns one and hands it to `gated_mlp_call`, which consults it for plain tensors in
+    eager execution outside autocast. The key of a call holds every property the checks and the path read — x's
+    shape, strides, 16-byte alignment, dtype and device; each weight's and bias's address, shape and dtype (and the
+    weights' strides); the backend as resolved for this call; whether a gradient is needed (decided by the caller);
+    TF32 for fp32 (see ops._plan). A new key runs the op layer's checks and path choice (same errors, same path)
+    and is remembered. Per call on a hit: the key, then straight to the kernels — for the gated GEMM its launch plan
+    is held here (on the split path the GLU passes'), so the kernel wrapper's own key is not built again.
     """
 
     __slots__ = ()
 
-    def __call__(self, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str) -> Optional[Tensor]:
-        if _plan.declines(x):
-            return None
-        grad = torch.is_grad_enabled() and (x.requires_grad or wg.requires_grad or wu.requires_grad
-                                            or wd.requires_grad or (bg is not None and bg.requires_grad)
-                                            or (bu is not None and bu.requires_grad)
-                                            or (bd is not None and bd.requires_grad))
+    def run(self, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool) -> Tensor:
         key = (dispatch.resolve_backend(backend), _plan.x_key(x), _plan.weight_key(wg), _plan.weight_key(wu),
                _plan.weight_key(wd), _plan.bias_key(bg), _plan.bias_key(bu), _plan.bias_key(bd), activation, grad,
                x.dtype is torch.float32 and dispatch.allow_tf32())
         entry = self.entries.get(key)
         if entry is None:
-            _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
-            activations.get(activation)
-            path = dispatch.gated_mlp_path(backend, rows(x), wg.shape[0], grad)
-            entry = self.remember(key, _Entry(path, activation, backend, grad))
-        if profiling():
-            with op_span("mlpfuse::gated_mlp"):
-                return entry(x, wg, wu, wd, bg, bu, bd)
+            _checks.module_input(x, wg, "gate_proj.weight")
+            entry = self.remember(key, _Entry.choose(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, True))
         return entry(x, wg, wu, wd, bg, bu, bd)
 
 
@@ -463,15 +450,25 @@ class _Entry:
     """One layout's call with its path chosen: on the torch path eager PyTorch's own ops in eager's order (under
     autograd when a gradient is needed), else `_forward` on that path, or `_EagerTraining` for a gradient. For
     inference on the gated path the GEMM's launch plan, and on the split path (inference and training) the GLU
-    pass's, looked up after the first call, is held here and run directly."""
+    pass's, looked up after the first call, is held here and run directly (`hold`: a module's plan keeps the entry;
+    a one-off call's entry does not look the plans up)."""
 
     __slots__ = ("path", "activation", "act", "backend", "grad", "held", "held_backward")
 
-    def __init__(self, path: str, activation: str, backend: str, grad: bool):
+    def __init__(self, path: str, activation: str, backend: str, grad: bool, hold: bool):
         self.path, self.activation, self.backend, self.grad = path, activation, backend, grad
         self.act = activations.get(activation)
-        self.held = None  # the kernel's launch plan; False once known there is none to hold
+        self.held = None if hold else False  # the kernel's launch plan; False once known there is none to hold
         self.held_backward = None  # the same for the GLU-backward pass (SPLIT path, training; _triton_backward)
+
+    @classmethod
+    def choose(cls, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool, hold: bool) -> "_Entry":
+        """The entry for this call's layout: the arguments checked, the path chosen (dispatch.gated_mlp_path)."""
+        if _checks.foreign(wg, wu, wd):
+            return cls(dispatch.TORCH, activation, backend, grad, False)
+        _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
+        activations.get(activation)
+        return cls(dispatch.gated_mlp_path(backend, rows(x), wg.shape[0], grad), activation, backend, grad, hold)
 
     def __call__(self, x, wg, wu, wd, bg, bu, bd) -> Tensor:
         if self.path == dispatch.TORCH:  # eager's kernels, under autograd when a gradient is needed
@@ -514,17 +511,40 @@ def gated_mlp_call(
     down_bias: Optional[Tensor],
     activation: str,
     backend: str,
+    plan: Optional[CallPlan] = None,
 ) -> Tensor:
-    """The op a module's forward calls: the training op when a gradient is needed. TorchScript-compatible.
-    Under torch.profiler an eager call shows as a `mlpfuse::gated_mlp` CPU op around the kernels it launches."""
-    if not torch.jit.is_scripting():
-        if not torch.compiler.is_compiling() and profiling():
-            with op_span("mlpfuse::gated_mlp"):
-                return _call(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend)
-    return _call(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend)
+    """Every gated MLP call's one way in (the modules, the patched blocks, `ops.gated_mlp`, tensor parallelism).
+
+    Whether the call needs a gradient is decided here, once, by autograd's own rule (`needs_grad`), and handed on:
+    plain eager calls go to their path's kernels (through the module's `plan` when one is given; the backward then
+    reads what the forward kept), everything else — torch.compile, export, tracing, tensor subclasses — to one of
+    the registered ops (`registered_call`). Under torch.profiler an eager call shows as a `mlpfuse::gated_mlp` CPU
+    op around the kernels it launches. `plan` also marks a module's call: bad input is then named in its terms.
+    """
+    if not plain_eager(x):
+        if plan is not None:
+            _checks.module_input(x, gate_weight, "gate_proj.weight")
+        return registered_call(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation,
+                               backend)
+    if profiling():
+        with op_span("mlpfuse::gated_mlp"):
+            return _eager(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend,
+                          plan)
+    return _eager(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend, plan)
 
 
-def _call(
+def _eager(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, plan: Optional[CallPlan]) -> Tensor:
+    low = autocast_dtype(x)
+    if low is not None:  # the ops are outside autocast's op lists: cast here, as it would for nn.Linear
+        x, wg, wu, wd, bg, bu, bd = cast_all([x, wg, wu, wd, bg, bu, bd], low)
+        plan = None  # fresh copies every call: no layout worth remembering
+    grad = needs_grad([x, wg, wu, wd, bg, bu, bd])
+    if plan is not None and type(wg) in _checks.PLAIN and type(wu) in _checks.PLAIN and type(wd) in _checks.PLAIN:
+        return plan.run(x, wg, wu, wd, bg, bu, bd, activation, backend, grad)
+    return _Entry.choose(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, False)(x, wg, wu, wd, bg, bu, bd)
+
+
+def registered_call(
     x: Tensor,
     gate_weight: Tensor,
     up_weight: Tensor,
@@ -535,27 +555,21 @@ def _call(
     activation: str,
     backend: str,
 ) -> Tensor:
+    """The call as a graph records it: `mlpfuse::gated_mlp_train` when a gradient is needed (it keeps g, u and h for
+    the backward), else `mlpfuse::gated_mlp`, which computes inference only. TorchScript-compatible (a scripted
+    module calls it directly). Weights the kernels cannot read (`_checks.foreign`) take the module's own math
+    instead, in the graph, with no break."""
     if not torch.jit.is_scripting():
+        if not isinstance(x, Tensor):
+            raise InputError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        if _checks.foreign(gate_weight, up_weight, down_weight):
+            return reference.gated_mlp_forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
+                                               activations.get(activation))
         low = autocast_dtype(x)
-        if low is not None:  # the ops are outside autocast's op lists: cast here, as it would for nn.Linear
+        if low is not None:
             cast = cast_all([x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias], low)
             x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias = cast
-    grad = wants_grad([x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias])
-    if not torch.jit.is_scripting():
-        if not grad and eager_tensor(x):
-            # Plain eager inference: skip the dispatcher round trip (it costs more than a decode kernel runs).
-            args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-            return _forward(*args, activation, backend, False, False)[0]
-        if grad and eager_tensor(x):
-            args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-            _checks.gated_mlp_args(*args)
-            path = dispatch.gated_mlp_path(backend, rows(x), gate_weight.shape[0], True)
-            if path == dispatch.TORCH:
-                # The torch path under autograd is eager PyTorch itself: autograd records the reference's ops and
-                # saves what eager saves, so training is never slower than the unfused module.
-                return _forward(*args, activation, backend, True, False, path)[0]
-            return _EagerTraining.apply(*args, activation, backend, path)
-    if grad:
+    if needs_grad([x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias]):
         return torch.ops.mlpfuse.gated_mlp_train(
             x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend,
             dispatch.SAVE_PREACT,

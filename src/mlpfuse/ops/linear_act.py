@@ -14,16 +14,16 @@ from torch import Tensor
 
 from mlpfuse import activations, csrc, reference
 from mlpfuse.ops import _checks, _plan, dispatch
+from mlpfuse.errors import InputError
 from mlpfuse.ops._util import (
-    autocast_dtype, cast_all, eager_tensor, leading, nothing, op_span, profiling, rows,
-    wants_grad,
+    autocast_dtype, cast_all, leading, needs_grad, nothing, op_span, plain_eager, profiling, rows,
 )
 
 
-def _forward(x, weight, bias, activation: str, backend: str, save: bool, checked: bool = False, path: str = ""):
+def _forward(x, weight, bias, activation: str, backend: str, save: bool, path: str = ""):
     """(y [..., out], z) with z the 2-D pre-activation when `save` and an activation needs it, else None.
-    `checked`: the caller already validated the arguments; `path` given: and chose the path."""
-    if not checked and not path:
+    `path` given: the caller already validated the arguments and chose the path."""
+    if not path:
         _checks.linear_act_args(x, weight, bias)
     act = activations.get(activation)
     save = save and act.id != activations.IDENTITY
@@ -115,8 +115,8 @@ def _(dy, x, weight, bias, z, activation, recompute, need_dx, need_dw, need_db):
 def _setup(ctx, inputs, output):
     x, weight, bias, activation = inputs[:4]
     ctx.activation = activation
-    ctx.train = len(inputs) == 6
-    saved = ctx.train and inputs[5] and activations.get(activation).id != activations.IDENTITY
+    ctx.extra_inputs = len(inputs) - 5  # the train op's save_preact
+    saved = ctx.extra_inputs and inputs[5] and activations.get(activation).id != activations.IDENTITY
     ctx.recompute = not saved
     ctx.save_for_backward(x, weight, bias, *((output[1],) if saved else ()))
 
@@ -129,7 +129,7 @@ def _backward(ctx, dy, *_, impl=None):
     grads = (impl or torch.ops.mlpfuse.linear_act_backward)(
         dy, x, weight, bias, z, ctx.activation, ctx.recompute, need[0], need[1], bias is not None and need[2]
     )
-    return (*(t if need[i] else None for i, t in enumerate(grads)), None, None) + ((None,) if ctx.train else ())
+    return (*(t if need[i] else None for i, t in enumerate(grads)), None, None) + (None,) * ctx.extra_inputs
 
 
 _linear_act_op.register_autograd(_backward, setup_context=_setup)
@@ -140,9 +140,9 @@ class _EagerTraining(torch.autograd.Function):
     """Plain eager training without the custom-op machinery's host cost (see ops/gated_mlp.py); same math."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, activation: str, backend: str):
-        y, z = _forward(x, weight, bias, activation, backend, dispatch.SAVE_PREACT, checked=True)
-        ctx.activation, ctx.recompute, ctx.train = activation, z is None, False
+    def forward(ctx, x, weight, bias, activation: str, backend: str, path: str):
+        y, z = _forward(x, weight, bias, activation, backend, dispatch.SAVE_PREACT, path=path)
+        ctx.activation, ctx.recompute, ctx.extra_inputs = activation, z is None, 1  # extra: path
         ctx.save_for_backward(x, weight, bias, *(() if z is None else (z,)))
         return y
 
@@ -155,29 +155,20 @@ class _EagerTraining(torch.autograd.Function):
 
 
 class LinearActPlan(_plan.Memo):
-    """A module's memo of its eager linear+activation calls, as ops.gated_mlp.CallPlan is for the gated MLP: the
-    arguments checked and the path chosen once per layout (the key: x's layout, the weight's and bias's address,
-    shape, dtype and the weight's strides, the resolved backend, the activation, grad mode, TF32 for fp32). Returns
-    None for what it does not serve (see ops._plan.declines): the caller then takes `linear_act_call`."""
+    """A module's memo of its plain eager linear+activation calls, as ops.gated_mlp.CallPlan is for the gated MLP:
+    the arguments checked and the path chosen once per layout (the key: x's layout, the weight's and bias's address,
+    shape, dtype and the weight's strides, the resolved backend, the activation, whether a gradient is needed, TF32
+    for fp32)."""
 
     __slots__ = ()
 
-    def __call__(self, x, weight, bias, activation: str, backend: str) -> Optional[Tensor]:
-        if _plan.declines(x):
-            return None
-        grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                            or (bias is not None and bias.requires_grad))
+    def run(self, x, weight, bias, activation: str, backend: str, grad: bool) -> Tensor:
         key = (dispatch.resolve_backend(backend), _plan.x_key(x), _plan.weight_key(weight), _plan.bias_key(bias),
                activation, grad, x.dtype is torch.float32 and dispatch.allow_tf32())
         entry = self.entries.get(key)
         if entry is None:
-            _checks.linear_act_args(x, weight, bias)
-            act = activations.get(activation)
-            path = dispatch.linear_act_path(backend, rows(x), weight.shape[0], act.id)
-            entry = self.remember(key, _LinearActEntry(path, act, backend, grad))
-        if profiling():
-            with op_span("mlpfuse::linear_act"):
-                return entry(x, weight, bias)
+            _checks.module_input(x, weight, "weight")
+            entry = self.remember(key, _LinearActEntry.choose(x, weight, bias, activation, backend, grad))
         return entry(x, weight, bias)
 
 
@@ -190,41 +181,63 @@ class _LinearActEntry:
     def __init__(self, path: str, act: activations.Activation, backend: str, grad: bool):
         self.path, self.act, self.backend, self.grad = path, act, backend, grad
 
+    @classmethod
+    def choose(cls, x, weight, bias, activation: str, backend: str, grad: bool) -> "_LinearActEntry":
+        """The entry for this call's layout: the arguments checked, the path chosen (dispatch.linear_act_path).
+        Weights the kernels cannot read (a tensor subclass, a non-float dtype) take nn.Linear's own math."""
+        act = activations.get(activation)
+        if _checks.foreign(weight):
+            return cls("torch", act, backend, grad)
+        _checks.linear_act_args(x, weight, bias)
+        return cls(dispatch.linear_act_path(backend, rows(x), weight.shape[0], act.id), act, backend, grad)
+
     def __call__(self, x, weight, bias) -> Tensor:
         if self.path == "torch":
             return reference.linear_act_forward(x, weight, bias, self.act)
         if self.grad:
-            return _EagerTraining.apply(x, weight, bias, self.act.name, self.backend)
+            return _EagerTraining.apply(x, weight, bias, self.act.name, self.backend, self.path)
         return _forward(x, weight, bias, self.act.name, self.backend, False, path=self.path)[0]
 
 
-def linear_act_call(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> Tensor:
-    """The op a module's forward calls: the training op when a gradient is needed. TorchScript-compatible.
-    Under torch.profiler an eager call shows as a `mlpfuse::linear_act` CPU op around the kernels it launches."""
-    if not torch.jit.is_scripting():
-        if not torch.compiler.is_compiling() and profiling():
-            with op_span("mlpfuse::linear_act"):
-                return _call(x, weight, bias, activation, backend)
-    return _call(x, weight, bias, activation, backend)
+def linear_act_call(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str,
+                    plan: Optional[LinearActPlan] = None) -> Tensor:
+    """Every linear+activation call's one way in, as `ops.gated_mlp.gated_mlp_call` is for the gated MLP: whether a
+    gradient is needed is decided here, once; plain eager calls run their path (through the module's `plan` when
+    given), the rest the registered ops. Under torch.profiler an eager call shows as a `mlpfuse::linear_act` CPU op
+    around the kernels it launches."""
+    if not plain_eager(x):
+        if plan is not None:
+            _checks.module_input(x, weight, "weight")
+        return registered_call(x, weight, bias, activation, backend)
+    if profiling():
+        with op_span("mlpfuse::linear_act"):
+            return _eager(x, weight, bias, activation, backend, plan)
+    return _eager(x, weight, bias, activation, backend, plan)
 
 
-def _call(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> Tensor:
+def _eager(x, weight, bias, activation: str, backend: str, plan: Optional[LinearActPlan]) -> Tensor:
+    low = autocast_dtype(x)
+    if low is not None:  # as autocast casts nn.Linear's inputs
+        x, weight, bias = cast_all([x, weight, bias], low)
+        plan = None  # fresh copies every call: no layout worth remembering
+    grad = needs_grad([x, weight, bias])
+    if plan is not None and type(weight) in _checks.PLAIN:
+        return plan.run(x, weight, bias, activation, backend, grad)
+    return _LinearActEntry.choose(x, weight, bias, activation, backend, grad)(x, weight, bias)
+
+
+def registered_call(x: Tensor, weight: Tensor, bias: Optional[Tensor], activation: str, backend: str) -> Tensor:
+    """The call as a graph records it: `mlpfuse::linear_act_train` when a gradient is needed, else
+    `mlpfuse::linear_act`. TorchScript-compatible (a scripted module calls it directly)."""
     if not torch.jit.is_scripting():
+        if not isinstance(x, Tensor):
+            raise InputError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        if _checks.foreign(weight):
+            return reference.linear_act_forward(x, weight, bias, activations.get(activation))
         low = autocast_dtype(x)
-        if low is not None:  # as autocast casts nn.Linear's inputs
+        if low is not None:
             x, weight, bias = cast_all([x, weight, bias], low)
-    grad = wants_grad([x, weight, bias])
-    if not torch.jit.is_scripting():
-        if not grad and eager_tensor(x):
-            return _forward(x, weight, bias, activation, backend, False)[0]  # eager inference: no dispatcher trip
-        if grad and eager_tensor(x):
-            _checks.linear_act_args(x, weight, bias)
-            act_id = activations.get(activation).id
-            if dispatch.linear_act_path(backend, rows(x), weight.shape[0], act_id) == "torch":
-                # eager autograd, as in gated_mlp
-                return _forward(x, weight, bias, activation, backend, False, checked=True)[0]
-            return _EagerTraining.apply(x, weight, bias, activation, backend)
-    if grad:
+    if needs_grad([x, weight, bias]):
         return torch.ops.mlpfuse.linear_act_train(x, weight, bias, activation, backend, dispatch.SAVE_PREACT)[0]
     return torch.ops.mlpfuse.linear_act(x, weight, bias, activation, backend)
 

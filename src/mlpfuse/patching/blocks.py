@@ -100,9 +100,7 @@ class GatedBlock(PatchedBlock):
             # T5 keeps `wo` in fp32 and casts to it; a live dropout sits between the GLU and `wo`.
             return self._source_forward(hidden_states)
         x = hidden_states if self.fused_in_scale == 1.0 else hidden_states * self.fused_in_scale
-        y = self._fused_plan(x, wg, wu, wd, bg, bu, bd, self.fused_activation, self.fused_backend)
-        if y is None:
-            y = gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.fused_activation, self.fused_backend)
+        y = gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.fused_activation, self.fused_backend, self._fused_plan)
         return y if self.fused_out_scale == 1.0 else y * self.fused_out_scale
 
     def _sharded_forward(self, hidden_states: Tensor, w: Tensor, wd: Tensor) -> Tensor:
@@ -149,9 +147,7 @@ class TwoLayerBlock(PatchedBlock):
                 # as one op); backend="triton" forces the kernel's pointer-load path.
                 if dispatch.resolve_backend(backend) == "auto":
                     backend = "torch"
-            h = self._fused_plan(hidden_states, w, b, self.fused_activation, backend)
-            if h is None:
-                h = linear_act_call(hidden_states, w, b, self.fused_activation, backend)
+            h = linear_act_call(hidden_states, w, b, self.fused_activation, backend, self._fused_plan)
         y = proj(h)
         return mods[self.fused_dropout_after](y) if self.fused_dropout_after else y
 
@@ -172,6 +168,4 @@ class LinearActBlock(PatchedBlock):
 
             return sharded.linear(dense, hidden_states, self.fused_activation, self.fused_backend,
                                   self.fused_linears[0], hooks=True)
-        y = self._fused_plan(hidden_states, w, b, self.fused_activation, self.fused_backend)
-        return y if y is not None else linear_act_call(hidden_states, w, b, self.fused_activation,
-                                                       self.fused_backend)
+        return linear_act_call(hidden_states, w, b, self.fused_activation, self.fused_backend, self._fused_plan)
