@@ -3,7 +3,10 @@ inference_mode, a module (and a patched model) computes bit for bit what the sam
 
 A model's Parameters require grad under no_grad too; only the entry of a call, where grad mode is visible, can tell
 that no gradient is needed (ops.gated_mlp.gated_mlp_call). The paths each call took are read from the one function
-that chooses them (dispatch.gated_mlp_path); the outputs are compared with torch.equal.
+that chooses them (dispatch.gated_mlp_path); the outputs are compared with torch.equal. On CUDA the one-launch
+decode kernel sums its partials with fp32 atomics, whose order varies from run to run (eager against eager too), so
+the comparisons there run under torch.use_deterministic_algorithms, which selects the decode kernels' fixed-order
+reduction.
 """
 
 
@@ -18,6 +21,19 @@ from mlpfuse.ops import dispatch
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DIM, HIDDEN = 32, 48
 MODES = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+
+
+@pytest.fixture(autouse=True)
+def bitwise():
+    if DEVICE != "cuda":
+        yield
+        return
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)  # warn_only: cuBLAS asks for a workspace setting
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn)
 
 
 @pytest.fixture

@@ -336,10 +336,21 @@ class _Plan:
             setattr(self, k, v)
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _get_scratch(x: torch.Tensor, acc_numel: int, part_numel: int):
     key = (x.get_device(), torch._C._cuda_getCurrentRawStream(x.get_device())) if x.is_cuda else (-1, 0)
     s = _scratch.get(key)
     if s is None or s[0].numel() < acc_numel or s[2].numel() < part_numel:
+        if _capturing(x):
+            # Made while a CUDA graph is captured, a kept buffer would live in the graph's private pool, which
+            # torch.compile's CUDA-graph trees must account for (an untracked live allocation is an error there):
+            # the graph gets its own zeroed scratch, the fill captured with it, and nothing is kept.
+            return [torch.zeros(max(acc_numel, 1), dtype=torch.float32, device=x.device),
+                    torch.zeros(1, dtype=torch.int32, device=x.device),
+                    torch.empty(max(part_numel, 1), dtype=torch.float32, device=x.device)]
         if s is not None:
             _graveyard.append(s)
         old_acc = s[0].numel() if s is not None else 0
@@ -357,6 +368,8 @@ def _get_hbuf(x: torch.Tensor, numel: int):
     key = (x.get_device(), torch._C._cuda_getCurrentRawStream(x.get_device()) if x.is_cuda else 0, x.dtype)
     buf = _hbufs.get(key)
     if buf is None or buf.numel() < numel:
+        if _capturing(x):  # as in _get_scratch: a graph's own buffer, not kept
+            return torch.empty(max(numel, 1), dtype=x.dtype, device=x.device)
         if buf is not None:
             _graveyard.append(buf)
         buf = _hbufs[key] = torch.empty(max(numel, 1), dtype=x.dtype, device=x.device)
