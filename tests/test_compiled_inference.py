@@ -147,7 +147,10 @@ def test_compiled_patched_model_matches_eager_patched_model():
     with torch.no_grad():
         want = model(ids).logits
         got = compiled(ids).logits
-    assert torch.equal(got, want)
+    if DEVICE == "cpu":
+        assert torch.equal(got, want)
+    else:  # the model's own ops (attention, norms) may take other CUDA kernels once compiled; the blocks do not
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_foreign_weights_take_the_module_math_without_a_graph_break():

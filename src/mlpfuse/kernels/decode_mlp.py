@@ -340,17 +340,21 @@ def _capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def _fresh_scratch(x: torch.Tensor, acc_numel: int, part_numel: int):
+    """Scratch for one call: the accumulator and the counter zeroed by one fill (zero bits are zero in both)."""
+    zeroed = torch.zeros(max(acc_numel, 1) + 1, dtype=torch.float32, device=x.device)
+    return [zeroed[:-1], zeroed[-1:].view(torch.int32),
+            torch.empty(max(part_numel, 1), dtype=torch.float32, device=x.device)]
+
+
 def _get_scratch(x: torch.Tensor, acc_numel: int, part_numel: int):
     key = (x.get_device(), torch._C._cuda_getCurrentRawStream(x.get_device())) if x.is_cuda else (-1, 0)
     s = _scratch.get(key)
     if s is None or s[0].numel() < acc_numel or s[2].numel() < part_numel:
         if _capturing(x):
-            # Made while a CUDA graph is captured, a kept buffer would live in the graph's private pool, which
-            # torch.compile's CUDA-graph trees must account for (an untracked live allocation is an error there):
-            # the graph gets its own zeroed scratch, the fill captured with it, and nothing is kept.
-            return [torch.zeros(max(acc_numel, 1), dtype=torch.float32, device=x.device),
-                    torch.zeros(1, dtype=torch.int32, device=x.device),
-                    torch.empty(max(part_numel, 1), dtype=torch.float32, device=x.device)]
+            # Made while a CUDA graph is captured, a kept buffer would live in the graph's private pool: the graph
+            # gets its own zeroed scratch, the fill captured with it, and nothing is kept.
+            return _fresh_scratch(x, acc_numel, part_numel)
         if s is not None:
             _graveyard.append(s)
         old_acc = s[0].numel() if s is not None else 0
@@ -458,14 +462,17 @@ def _launch(plan, which, grid, args, stream):
 
 
 def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, activation: int,
-                     deterministic: bool = False, allow_tf32: bool = True, _mode: int | None = None,
-                     _config: tuple | None = None):
+                     deterministic: bool = False, allow_tf32: bool = True, keep_scratch: bool = True,
+                     _mode: int | None = None, _config: tuple | None = None):
     """y [M, D] = down(act(x·w_gateᵀ + b_gate) · (x·w_upᵀ + b_up)) + b_down in two small launches.
 
     x [M, D] with M <= MAX_M; w_gate, w_up [H, D]; w_down [D, H]; biases [H], [H], [D] or None; all one dtype
     (bf16/fp16/fp32) and device, any strides. `deterministic=True` gives bit-identical results run to run (the
     split mode; without it the faster of atomics and split is taken per layer size and M, see `_POLICY`).
     `allow_tf32` selects tf32 for fp32 inputs. Graph-capturable; allocates only the output once warm.
+    `keep_scratch` False: the call's scratch is its own (one fill more), not the buffers cached per stream — for
+    calls a compiler records, whose allocations a CUDA-graph tree accounts for (torch.compile's "reduce-overhead"
+    warms up and records inside its own memory pool, where a cached buffer would be an untracked live tensor).
     `_mode` / `_config` override the scheme and the tile config (benchmarks and tests only).
     """
     if _mode is not None and _mode not in (0, 2, 3, 4):
@@ -505,8 +512,13 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
         plan = _plans[key] = _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow_tf32,
                                    bucket, _config)
     n_progs = plan.n_progs
-    acc, cnt, part = _get_scratch(x, MAX_M * d if mode in (0, 3) else 0, n_progs * m * d if mode == 2 else 0)
-    hbuf = _get_hbuf(x, m * h) if mode == 4 else out
+    acc_numel, part_numel = MAX_M * d if mode in (0, 3) else 0, n_progs * m * d if mode == 2 else 0
+    if keep_scratch:
+        acc, cnt, part = _get_scratch(x, acc_numel, part_numel)
+        hbuf = _get_hbuf(x, m * h) if mode == 4 else out
+    else:
+        acc, cnt, part = _fresh_scratch(x, acc_numel, part_numel)
+        hbuf = torch.empty(m * h, dtype=x.dtype, device=x.device) if mode == 4 else out
     stream = torch._C._cuda_getCurrentRawStream(x.get_device()) if x.is_cuda else None
     bd = out if b_down is None else b_down  # `out` stands in for absent biases; never read
     _launch(plan, "", (n_progs, 1), (

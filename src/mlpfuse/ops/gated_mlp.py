@@ -32,13 +32,14 @@ from mlpfuse.ops._util import (
 )
 
 
-def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int) -> Tensor:
+def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int, recorded: bool) -> Tensor:
     """The decode kernels on 2-D x. torch.use_deterministic_algorithms(True) selects their run-to-run identical
-    reduction; fp32 inputs follow torch's tf32 flag."""
+    reduction; fp32 inputs follow torch's tf32 flag. `recorded`: a call inside a registered op (a compiler's graph),
+    which keeps no scratch between calls."""
     return dispatch.kernel("decode_mlp").decode_gated_mlp(
         x2, wg, wu, wd, bg, bu, bd, activation=act_id,
         deterministic=torch.are_deterministic_algorithms_enabled(),
-        allow_tf32=x2.dtype != torch.float32 or dispatch.allow_tf32(),
+        allow_tf32=x2.dtype != torch.float32 or dispatch.allow_tf32(), keep_scratch=not recorded,
     )
 
 
@@ -53,10 +54,10 @@ def _split(x2, wg, wu, wd, bg, bu, bd, act_id: int, save: bool = False, plan=Non
 
 
 def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool, save: bool, path: str = "",
-             plan=None):
+             plan=None, recorded: bool = False):
     """(y [..., dim], h, g, u): with `save`, g and u the 2-D pre-activations and h = act(g)·u; else all None.
     `path` given: the caller already checked the arguments and chose the path. `plan`: on the SPLIT path, the GLU
-    pass's held launch plan (see `_split`)."""
+    pass's held launch plan (see `_split`). `recorded`: called by a registered op's implementation."""
     if not path:
         _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
     act = activations.get(activation)
@@ -67,7 +68,7 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: boo
         out = reference.gated_mlp_forward(x2, wg, wu, wd, bg, bu, bd, act, save_preact=save)
         y, h, g, u = out if save else (out, None, None, None)
     elif path == dispatch.DECODE:
-        y = _decode(x2, wg, wu, wd, bg, bu, bd, act.id)
+        y = _decode(x2, wg, wu, wd, bg, bu, bd, act.id, recorded)
     elif path == dispatch.SPLIT:
         y, h, g, u = _split(x2, wg, wu, wd, bg, bu, bd, act.id, save, plan)
     elif path == dispatch.CUDA:
@@ -101,7 +102,7 @@ def _gated_mlp_op(
     # model's Parameters require grad under no_grad too. The op keeps nothing, so any path may run it, the decode
     # kernels included; its autograd formula (for a direct call under autograd) recomputes g and u from x.
     args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-    return _forward(*args, activation, backend, False, False)[0]
+    return _forward(*args, activation, backend, False, False, recorded=True)[0]
 
 
 @_gated_mlp_op.register_fake
