@@ -358,3 +358,22 @@ def test_module_call_plan_on_gpu_matches_the_reference():
     x = torch.randn(4, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     m(x).sum().backward()
     assert x.grad is not None
+
+
+@pytest.mark.parametrize("make", [lambda: GatedMLP(8, 12), lambda: FusedLinear(8, 12, activation="gelu"),
+                                  lambda: MLP(8, 12)])
+def test_module_calls_check_x_first_in_the_module_terms(make):
+    import numpy as np
+
+    m = make()
+    for bad, name in (([0.5] * 8, "list"), (np.ones((2, 8), dtype=np.float32), "ndarray"), (None, "NoneType")):
+        with pytest.raises(InputError, match=rf"^x: expected a torch.Tensor, got {name}$"):
+            m(bad)
+    with pytest.raises(InputError, match=r"^x: dtype torch.float16 does not match the module's weights "
+                                         r"\((gate_proj\.)?weight: torch.float32\); cast x"):
+        m(torch.randn(2, 8, dtype=torch.float16))
+    with pytest.raises(InputError, match=r"^x: expected last dimension 8 \(the module's input features\), got shape "
+                                         r"\[2, 9\]$"):
+        m(torch.randn(2, 9))
+    with torch.no_grad():  # once refused, the same module still serves good input
+        assert m(torch.randn(2, 8)).shape[-1] == (8 if not isinstance(m, FusedLinear) else 12)
