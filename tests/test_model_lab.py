@@ -2,6 +2,7 @@
 codes, the files written, every variant's status, the logits check against the fp32 run, and bad input as one line."""
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -189,3 +190,149 @@ def test_profile_model_bad_input(flags, expected, tmp_path, capsys):
     assert main(["profile", *flags, "--device", "cpu", "--out", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mlpfuse: error: " + expected), err
+
+
+# --- rounds, decode-step, logits_to_keep=1 beside full logits ------------------------------------------------------
+
+
+@pytest.fixture
+def one_thread():
+    """CPU timings with one intra-op thread: on a loaded 2-core host, threads spinning for each other made a tiny
+    step 200x slower (1 ms -> 230 ms)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def call_log(monkeypatch):
+    """Which timing key each call of a prepared step was, in order: the real steps run, each call noted first."""
+    from mlpfuse.bench import model_lab
+
+    log = []
+    real = model_lab.prepare
+
+    def noting(*args, **kwargs):
+        p = real(*args, **kwargs)
+
+        def wrap(key, step):
+            def call():
+                log.append(key)
+                return step()
+            return call
+
+        p.steps = {key: wrap(key, step) for key, step in p.steps.items()}
+        return p
+
+    monkeypatch.setattr(model_lab, "prepare", noting)
+    return log
+
+
+def collapsed(log):
+    """Consecutive calls of one key as one entry: a round of a variant's repetitions becomes its key once."""
+    return [k for i, k in enumerate(log) if i == 0 or log[i - 1] != k]
+
+
+def assert_rounds_from_samples(row, rounds=5):
+    samples = row["time_rounds_ms"]
+    assert row["rounds"] == rounds and len(samples) == rounds
+    med = statistics.median(samples)
+    assert row["time_ms"] == pytest.approx(med)
+    assert row["spread_pct"] == pytest.approx(abs(max(samples) - min(samples)) / abs(med) * 100)
+
+
+def test_every_timing_is_interleaved_rounds_with_the_spread_of_its_samples(tmp_path, one_thread, call_log):
+    code, data, out = run_lab(tmp_path, "--model", "llama3-8b", "--mode", "prefill,decode", "--rounds", "5",
+                              "--tokens", "1x8,2x8", "--variants", "eager,mlpfuse", "--new-tokens", "2")
+    assert code == 0
+    for row in data["rows"]:
+        assert row["status"] == "ok", row["error"]
+        assert_rounds_from_samples(row)
+        if row["mode"] == "prefill":  # logits_to_keep=1 beside every position's logits, each in its rounds
+            full = row["full_logits_rounds_ms"]
+            assert len(full) == 5 and row["full_logits_ms"] == pytest.approx(statistics.median(full))
+            assert row["full_logits_spread_pct"] == pytest.approx((max(full) - min(full)) / statistics.median(full)
+                                                                   * 100)
+        else:  # generate: host wall ms/token; no GPU busy time on a CPU
+            assert row["unit"] == "ms/token" and row["wall_ms"] == row["time_ms"] and row["gpu_busy_ms"] is None
+        assert row["logits_vs_eager"] < 1e-5  # fp32, the torch path: the same function as eager
+    # Interleaved: in the timed part, the variants' keys take turns, 5 times over (A B A B ...), not A A A B B B
+    runs = collapsed(call_log)
+    for keys in (["eager", "eager|full", "mlpfuse", "mlpfuse|full"], ["eager|1", "eager|3", "mlpfuse|1", "mlpfuse|3"]):
+        assert any(runs[i:i + 20] == keys * 5 for i in range(len(runs))), (keys, runs)
+    md = (out / "results.md").read_text()
+    decode_table = md.split("decode 1x8, 2 new tokens")[1].split("###")[0]
+    assert "GPU busy ms/token" in decode_table and "| n/a |" in decode_table
+    assert "full logits ms" in md.split("prefill 1x8")[1].split("###")[0]
+    csv_head = (out / "results.csv").read_text().splitlines()[0].split(",")
+    assert {"rounds", "gpu_busy_ms", "do_bench_ms", "full_logits_ms", "logits_vs_eager"} <= set(csv_head)
+
+
+def test_decode_step_is_one_static_cache_step_for_every_variant(tmp_path, one_thread, call_log):
+    code, data, out = run_lab(tmp_path, "--model", "llama3-8b", "--mode", "decode-step", "--tokens", "1x8,2x8",
+                              "--rounds", "5",
+                              "--variants", "eager,compile,liger,mlpfuse,mlpfuse-compile", "--compile-backend",
+                              "aot_eager")
+    assert code == 0
+    rows = {(r["batch"], r["variant"]): r for r in data["rows"]}
+    for batch in (1, 2):
+        for v in ("eager", "compile", "mlpfuse", "mlpfuse-compile"):
+            row = rows[(batch, v)]
+            assert row["status"] == "ok", row["error"]
+            assert row["unit"] == "ms" and row["do_bench_ms"] is None  # no CUDA graph, no do_bench on a CPU
+            assert_rounds_from_samples(row)
+            assert row["rel_err"] < 1e-5 and row["logits_vs_eager"] < 1e-5  # fp32: what eager computes
+        assert rows[(batch, "liger")]["status"] == "skipped"
+        assert rows[(batch, "mlpfuse")]["patched"] == rows[(batch, "mlpfuse-compile")]["patched"] == 2
+    runs = collapsed(call_log)
+    keys = ["eager", "compile", "mlpfuse", "mlpfuse-compile"]
+    assert any(runs[i:i + 20] == keys * 5 for i in range(len(runs))), runs
+    table = (out / "results.md").read_text().split("decode-step 2x8")[1]
+    assert "do_bench ms" in table and "logits diff vs eager" in table and "| n/a |" in table
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "gpt2", "gemma2-2b"])
+def test_the_static_step_computes_the_next_token_s_logits_at_a_fixed_position(name, one_thread):
+    """Oracle: the same model's forward on prompt + token without any cache. Called again, the step writes the
+    same cache slot and returns the same logits."""
+    from mlpfuse.bench import decode_step, models
+
+    built = models.build(name, layers=None, tiny=True, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    ids, token = torch.randint(3, 500, (2, 12), generator=g), torch.randint(3, 500, (2, 1), generator=g)
+    step = decode_step.inference(decode_step.StaticStep(built.model, ids, token))
+    first, again = step(), step()
+    with torch.no_grad():
+        want = built.model(input_ids=torch.cat([ids, token], 1)).logits[:, -1:].double()
+    assert torch.equal(first, again)
+    assert ((first.double() - want).norm() / want.norm()).item() < 1e-5
+
+
+def test_decode_step_refuses_a_masked_lm_and_a_prompt_without_room(tmp_path, one_thread):
+    code, data, _ = run_lab(tmp_path, "--model", "bert-base", "--mode", "decode-step", "--variants", "eager")
+    assert code == 0 and data["rows"][0]["error"] == "skipped: a masked LM does not generate"
+    code, data, _ = run_lab(tmp_path, "--model", "gpt2", "--mode", "decode-step,prefill", "--tokens", "1x512",
+                            "--variants", "eager")
+    rows = rows_by(data)
+    assert rows[("decode-step", "eager")]["status"] == "skipped" and rows[("prefill", "eager")]["status"] == "ok"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and do_bench need a GPU")
+def test_decode_step_on_a_gpu_replays_a_graph_timed_by_two_harnesses(tmp_path):
+    out = tmp_path / "lab"
+    assert main(["bench", "--tiny", "--model", "llama3-8b", "--mode", "decode-step,decode", "--tokens", "1x16",
+                 "--variants", "eager,mlpfuse,compile,mlpfuse-compile", "--new-tokens", "4", "--target-ms", "20",
+                 "--out", str(out)]) == 0
+    data = json.loads((out / "results.json").read_text())
+    for row in data["rows"]:
+        assert row["status"] == "ok", row["error"]
+        assert_rounds_from_samples(row)
+        if row["mode"] == "decode-step":
+            bench = row["do_bench_rounds_ms"]
+            assert len(bench) == 5 and row["do_bench_ms"] == pytest.approx(statistics.median(bench))
+            assert 0.5 < row["do_bench_ms"] / row["time_ms"] < 2.0  # the two harnesses agree on the order
+            assert row["logits_vs_eager"] < 2e-2  # bf16
+        else:
+            busy = row["gpu_busy_rounds_ms"]
+            assert len(busy) == 5 and 0 < row["gpu_busy_ms"] == pytest.approx(statistics.median(busy))

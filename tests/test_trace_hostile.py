@@ -443,6 +443,69 @@ def test_a_gzip_bomb_is_refused_without_inflating_it(tmp_path):
         assert peak_mib < 200, peak_mib  # inflating it all would take 512 MiB more
 
 
+def _one_member_bomb(path, inflated: int) -> None:
+    """One gzip member of `inflated` spaces, written without compressing them all: after a full flush deflate
+    forgets its history, so every 16 MiB of spaces compresses to the same block, which is written again and again."""
+    chunk = b" " * (1 << 24)
+    comp = zlib.compressobj(9, zlib.DEFLATED, -15)  # raw deflate: the gzip header and trailer are written here
+    block = comp.compress(chunk) + comp.flush(zlib.Z_FULL_FLUSH)
+    crc, count = 0, inflated // len(chunk)
+    with open(path, "wb") as fh:
+        fh.write(b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff")
+        for _ in range(count):
+            fh.write(block)
+            crc = zlib.crc32(chunk, crc)
+        fh.write(comp.flush())
+        fh.write(crc.to_bytes(4, "little") + (count * len(chunk) & 0xFFFFFFFF).to_bytes(4, "little"))
+
+
+def _analyze_capped(path, address_space: int, *how):
+    """`python3 -m mlpfuse analyze PATH` with its address space capped like `ulimit -v` does."""
+    import resource
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+
+    env = {**os.environ, "PYTHONPATH": SRC}
+    env.pop(trace_mod.MAX_BYTES_ENV, None)
+    return subprocess.run([sys.executable, "-m", "mlpfuse", "analyze", str(path), *how], capture_output=True,
+                          text=True, timeout=300, env=env, preexec_fn=cap)
+
+
+def test_the_bomb_builder_writes_a_valid_gzip(tmp_path):
+    small = tmp_path / "small.json.gz"
+    _one_member_bomb(small, 48 << 20)
+    assert gzip.decompress(small.read_bytes()) == b" " * (48 << 20)  # gzip checks the CRC and the length
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS is enforced on Linux")
+def test_a_gzip_bomb_under_a_memory_cap_is_one_error_line(tmp_path):
+    # 2 GiB of spaces in one member, under `ulimit -v 3000000`: at the default 2 GiB limit inflating stops one byte
+    # past it, which a 3 GB address space cannot hold; with a larger limit, the same
+    bomb = tmp_path / "bomb.json.gz"
+    _one_member_bomb(bomb, (2 << 30) + (1 << 24))
+    assert bomb.stat().st_size < 4 << 20
+    for how in ([], ["--max-bytes", "100G"]):
+        proc = _analyze_capped(bomb, 3000000 * 1024, *how)
+        one_error_line(proc.returncode, proc.stderr, str(bomb), "not enough memory", "--max-bytes")
+        assert proc.stdout == ""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS is enforced on Linux")
+def test_a_trace_too_large_to_parse_under_a_memory_cap_is_one_error_line(tmp_path):
+    # 120 MB of valid events read whole within the cap, but the parsed objects take several times that
+    event = json.dumps({"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": 1, "pid": 0, "tid": 7}).encode()
+    path = tmp_path / "large.json"
+    with open(path, "wb") as fh:
+        fh.write(b"[")
+        batch = b",".join([event] * 100_000)
+        for i in range((120 << 20) // len(batch) + 1):
+            fh.write((b"," if i else b"") + batch)
+        fh.write(b"]")
+    proc = _analyze_capped(path, 700 << 20)
+    one_error_line(proc.returncode, proc.stderr, str(path), "not enough memory")
+
+
 def test_gzip_members_padding_and_trailing_garbage(tmp_path, capsys):
     raw = json.dumps(gpu_trace()).encode()
     half = len(raw) // 2

@@ -182,6 +182,23 @@ def test_deeper_than_fast_depth_goes_to_json():
     assert same(jsondecode._fast()(nested(jsondecode.FAST_DEPTH)), json.loads(nested(jsondecode.FAST_DEPTH)))
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_under_a_memory_cap_room_is_the_cap_less_what_is_mapped():
+    """msgspec crashes the process when an allocation fails, so under a cap the fast path needs room: the room
+    measured against /proc's own account of the mapped address space, read in the same capped process."""
+    import subprocess
+    import sys
+
+    cap = 900 << 20
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (%d, %d)); "
+            "from mlpfuse.profiling import jsondecode; room = jsondecode.room(); "
+            "vm = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmSize:')); "
+            "print(room, vm * 1024)" % (cap, cap))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    room, mapped = float(out[0]), int(out[1])
+    assert abs(room - (cap - mapped)) < 1 << 20, (room, cap, mapped)
+
+
 # ---------------------------------------------------------------- fuzzed documents
 
 _SCALARS = (st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats(allow_nan=True)

@@ -3,6 +3,9 @@ results folder complete, and the walkthrough's CPU-side facts visible in its own
 
 import json
 import os
+import statistics
+import subprocess
+import sys
 from html import escape
 
 import pytest
@@ -17,7 +20,7 @@ def results(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("walkthrough")
     before = torch.get_num_threads()
-    assert main(["walkthrough", "--device", "cpu", "--out", str(out), "--steps", "3", "--threads", "1"]) == 0
+    assert main(["walkthrough", "--device", "cpu", "--out", str(out), "--steps", "3", "--threads", "1"]) == 0  # 3 rounds
     assert torch.get_num_threads() == before  # the pinned thread count is the run's only
     with open(out / "summary.json") as fh:
         return out, json.load(fh)
@@ -115,3 +118,147 @@ def test_walkthrough_ends_with_a_patched_model_layer(results):
     assert "mlpfuse::gated_mlp" in {o["name"] for o in d["ops_added"]}  # the layer's MLP, now one op
     assert f"## diff {keys[0]}" in (out / "summary.md").read_text()
     assert {"model-eager.pt.trace.json.gz", "model-mlpfuse.pt.trace.json.gz"} <= set(os.listdir(out / "model"))
+
+
+RUN_ORDER = ["linear-eager", "linear-compile", "linear-mlpfuse", "geglu-mlp-eager", "geglu-mlp-compile",
+             "geglu-mlp-mlpfuse"]
+
+
+def test_rounds_are_interleaved_and_every_case_ran_in_each(results):
+    _, summary = results
+    rounds = summary["rounds"]
+    assert rounds["rounds"] == 3  # the default
+    ran = [c for c in RUN_ORDER if c in summary["cases"]]
+    assert [tuple(x) for x in rounds["order"]] == [(r, c) for r in range(3) for c in ran]
+
+
+def test_medians_and_spreads_come_from_the_recorded_samples(results):
+    out, summary = results
+    text = (out / "summary.md").read_text()
+    table = (out / "readme-table.md").read_text()
+    for case, entry in summary["rounds"]["cases"].items():
+        step = entry["figures"]["step_us"]
+        samples = step["samples"]
+        assert len(samples) == 3 and all(v > 0 for v in samples)
+        assert step["median"] == statistics.median(samples)
+        assert (step["min"], step["max"]) == (min(samples), max(samples))
+        # the case's tables, trace and analysis are its median round's
+        assert summary["cases"][case]["per_step"]["step_us"] == samples[entry["median_round"]] == step["median"]
+        saved = json.loads((out / f"{case}.analysis.json").read_text())
+        assert saved["per_step"]["step_us"] == step["median"]
+        cell = f"{statistics.median(samples):.1f}"
+        if min(samples) != max(samples):
+            cell += f" ({min(samples):.1f}–{max(samples):.1f})"
+        assert f"| {case} | " in text and cell in text.split(f"| {case} | ")[1].split("\n")[0]
+        row = table.split(f"| {case} | ")[1].split("\n")[0]
+        assert row.startswith(cell) and row.count("n/a") == 4  # GPU busy, GPU start, kernels, launches
+        # a CPU run measures no GPU figure: none recorded
+        assert all(entry["figures"][k] is None for k in ("gpu_busy_us", "cpu_ahead_us", "gpu_kernels",
+                                                          "launch_calls"))
+    assert not (out / "rounds").exists()  # the other rounds' traces are gone; the median round's kept
+    assert "Median of 3 interleaved rounds" in table and "CPU (cpu)" in table
+    assert "`python3 -m mlpfuse walkthrough --device cpu --out " in table and "--steps 3`" in table
+
+
+def test_verdict_sentences_follow_the_medians(results):
+    out, summary = results
+    steps = {c: e["figures"]["step_us"]["median"] for c, e in summary["rounds"]["cases"].items()}
+    assert summary["verdicts"]  # eager and mlpfuse ran for both workloads
+    for workload in ("linear", "geglu-mlp"):
+        sentence = next(v for v in summary["verdicts"] if v.startswith(workload + ":"))
+        mine = steps[f"{workload}-mlpfuse"]
+        others = {v: steps[f"{workload}-{v}"] for v in ("eager", "compile") if f"{workload}-{v}" in steps}
+        assert f"mlpfuse's step, {mine:.1f} µs (median of 3 rounds)" in sentence
+        if mine < min(others.values()):
+            assert "is the shortest" in sentence
+        else:
+            best = min(others, key=others.get)
+            assert f"is not the shortest: {best}'s is {others[best]:.1f} µs" in sentence
+            assert "Why: on a CPU the step is its ops' own time" in sentence
+        assert sentence in (out / "summary.md").read_text()
+        assert escape(sentence) in (out / "report.html").read_text()
+
+
+def test_cpu_tables_show_na_and_the_timeline_no_gpu_legend(results):
+    out, summary = results
+    html = (out / "report.html").read_text()
+    verdicts = html.split('<table class="verdicts">')[1].split("</table>")[0]
+    for case in summary["cases"]:
+        row = verdicts.split(f'>{case}</a>')[1].split("</tr>")[0]
+        assert row.count(">n/a<") == 6, row  # kernels, launches, GPU busy, idle, busy share, in launch calls
+    assert "kernel: GEMM" not in html and "another step&#x27;s GPU work" not in html  # no GPU lanes to explain
+    assert "GPU busy / idle / window</td><td>n/a" in html
+
+
+def _capture_with_fixture_steps(name):
+    """A real GPU capture's steps as rounds: each ProfilerStep of a committed H200 trace becomes one round's
+    analysis (its per-step figures are that step's own)."""
+    from mlpfuse.profiling import analyze
+    from mlpfuse.profiling.analysis import Analysis
+
+    a = analyze(os.path.join(os.path.dirname(__file__), "fixtures", "traces", f"{name}.json.gz"))
+    return [Analysis({**a.data, "per_step": {**a.per_step, **row}}) for row in a.data["step_table"]]
+
+
+def test_a_gpu_verdict_says_which_part_of_the_step_grew():
+    from mlpfuse.walkthrough_rounds import Rounds, verdicts
+
+    fast, slow = _capture_with_fixture_steps("geglu_eager"), _capture_with_fixture_steps("geglu_compile")
+    rounds = Rounds({"w-eager": ("w", "eager"), "w-mlpfuse": ("w", "mlpfuse")})
+    for r, (a, b) in enumerate(zip(fast, slow)):
+        rounds.add(r, "w-eager", a)
+        rounds.add(r, "w-mlpfuse", b)
+    [sentence] = verdicts(rounds)
+
+    def med(runs, key):
+        return statistics.median(x.per_step[key] for x in runs)
+
+    step_f, step_s = med(fast, "step_us"), med(slow, "step_us")
+    assert step_s > step_f
+    assert f"is not the shortest: eager's is {step_f:.1f} µs ({step_s / step_f:.2f}× its time)" in sentence
+    pieces = {"GPU busy time": med(slow, "gpu_busy_us") - med(fast, "gpu_busy_us"),
+              "the wait before the GPU starts": med(slow, "cpu_ahead_us") - med(fast, "cpu_ahead_us")}
+    pieces["GPU idle after it starts"] = step_s - step_f - sum(pieces.values())
+    main_part = max(pieces, key=pieces.get)
+    assert f"of the {step_s - step_f:.1f} µs more, most is {main_part} (+{pieces[main_part]:.1f} µs)" in sentence
+    assert (f"its GPU work started {med(slow, 'cpu_ahead_us'):.1f} µs after the step's CPU start, eager's "
+            f"{med(fast, 'cpu_ahead_us'):.1f}") in sentence
+    assert f"GPU busy {med(slow, 'gpu_busy_us'):.1f} µs against {med(fast, 'gpu_busy_us'):.1f}" in sentence
+
+    swapped = Rounds({"w-eager": ("w", "eager"), "w-mlpfuse": ("w", "mlpfuse")})
+    for r, (a, b) in enumerate(zip(fast, slow)):
+        swapped.add(r, "w-eager", b)
+        swapped.add(r, "w-mlpfuse", a)
+    [sentence] = verdicts(swapped)
+    assert f"mlpfuse's step, {step_f:.1f} µs (median of 3 rounds), is the shortest, against eager's {step_s:.1f}" \
+        in sentence
+
+
+def test_rounds_must_be_positive(tmp_path, capsys):
+    assert main(["walkthrough", "--device", "cpu", "--out", str(tmp_path), "--rounds", "0"]) == 2
+    assert "--rounds: expected an integer >= 1, got 0" in capsys.readouterr().err
+
+
+SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+
+
+def test_without_transformers_every_output_says_what_was_skipped_and_how_to_get_it(tmp_path):
+    # transformers made unimportable in the walkthrough's own process, as where it is not installed; output piped
+    code = ("import sys; sys.modules['transformers'] = None; from mlpfuse.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    out = tmp_path / "w"
+    proc = subprocess.run([sys.executable, "-c", code, "walkthrough", "--device", "cpu", "--out", str(out),
+                           "--rounds", "1", "--steps", "3"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": SRC, "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr
+    how = "pip install 'mlpfuse[models]'"
+    case = "llama3-8b layer: eager -> mlpfuse.patch"
+    last = proc.stdout.strip().splitlines()
+    assert any(line.startswith(f"not run: {case}") and how in line for line in last[-6:]), last[-6:]
+    row = (out / "summary.md").read_text().split("| linear-eager | ")[1].split("\n")[0]
+    assert row.count("| n/a ") == 4  # GPU busy, GPU start, kernels, launches
+    assert f"- {case}: unavailable: transformers is not installed ({how})" in (out / "summary.md").read_text()
+    html = (out / "report.html").read_text()
+    assert f"Not run: {escape(case)} — unavailable: transformers is not installed ({escape(how)})" in html
+    assert html.count(f"Not run: unavailable: transformers is not installed ({escape(how)})") == 1  # its section
+    assert "GPU window" in proc.stdout and "n/a" in proc.stdout.split("GPU window")[1].split("\n")[0]

@@ -1,11 +1,12 @@
 """`mlpfuse walkthrough`: the nn.Linear -> fused MLP story, end to end, on this machine.
 
 Profiles Linear eager vs torch.compile, the GeGLU MLP eager vs torch.compile, and the MLP through mlpfuse's fused
-modules where they import; prints each profile and the diffs between them; where transformers is installed, ends
-with one Llama-3-8B-shaped layer before and after `mlpfuse.patch` (toy widths on a CPU); writes traces, analysis
-JSON, a summary.md and report.html (`mlpfuse.report`) to the results folder, each file replaced atomically. A
-variant that fails (no C++ compiler for torch.compile on CPU, fused modules not importable) is recorded with its
-one-line reason and the walkthrough goes on.
+modules where they import, each in interleaved rounds (`walkthrough_rounds`); prints each case's median round and
+the diffs between them, then the medians with their min–max and the verdict sentences; where transformers is
+installed, ends with one Llama-3-8B-shaped layer before and after `mlpfuse.patch` (toy widths on a CPU); writes
+traces, analysis JSON, a summary.md, readme-table.md and report.html (`mlpfuse.report`) to the results folder, each
+file replaced atomically. A variant that fails (no C++ compiler for torch.compile on CPU, fused modules not
+importable) is recorded with its one-line reason and the walkthrough goes on; every output lists what did not run.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import json
 import os
 import time
 
-# (case name, workload, variant)
+# (case name, workload, variant), in the order each round runs them
 CASES = [
     ("linear-eager", "linear", "eager"),
     ("linear-compile", "linear", "compile"),
+    ("linear-mlpfuse", "linear", "mlpfuse"),
     ("geglu-mlp-eager", "geglu-mlp", "eager"),
     ("geglu-mlp-compile", "geglu-mlp", "compile"),
-    ("linear-mlpfuse", "linear", "mlpfuse"),
     ("geglu-mlp-mlpfuse", "geglu-mlp", "mlpfuse"),
 ]
 DIFFS = [
@@ -39,6 +40,9 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", help="bf16 | fp16 | fp32 (default bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--out", help="results folder (default ./mlpfuse-results/walkthrough-<device>)")
     p.add_argument("--steps", type=int, default=5, help="profiled steps per case: 1 wait, 1 warm-up, rest active")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="profiled runs of every case, interleaved (eager, compile, mlpfuse, eager, ...); the tables "
+                        "show the median over rounds with its min-max (default 3)")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU intra-op threads during the run (default 1: threads competing for a few cores make CPU "
                         "timings swing from run to run; the previous setting is restored afterwards)")
@@ -50,6 +54,13 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
 
 
+def _positive(value, flag: str, low: int) -> None:
+    from mlpfuse.errors import InputError
+
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InputError(f"{flag}: expected an integer >= {low}, got {value!r}")
+
+
 def run(args) -> int:
     import torch
 
@@ -59,8 +70,8 @@ def run(args) -> int:
     device = workloads.resolve_device(args.device)
     if args.steps < 3:
         raise InputError(f"--steps: expected >= 3 (1 wait + 1 warm-up + >= 1 active), got {args.steps}")
-    if isinstance(args.threads, bool) or not isinstance(args.threads, int) or args.threads < 1:
-        raise InputError(f"--threads: expected an integer >= 1, got {args.threads!r}")
+    _positive(args.threads, "--threads", 1)
+    _positive(getattr(args, "rounds", 3), "--rounds", 1)
     out = args.out or os.path.join("mlpfuse-results", f"walkthrough-{device.split(':')[0]}")
     workloads.results_folder(out, "--out")
     previous = torch.get_num_threads()
@@ -71,17 +82,12 @@ def run(args) -> int:
         torch.set_num_threads(previous)
 
 
-def _run(args, device: str, out: str) -> int:
-    from rich.console import Console
-
+def _build_cases(device, dtype, console, failed) -> dict:
+    """Every case's workload, built once: the rounds then profile the same modules (compiled once)."""
     from mlpfuse import workloads
-    from mlpfuse._io import atomic_write_text
     from mlpfuse.errors import InputError
-    from mlpfuse.profiling import diff, profile, render
 
-    console = Console()
-    analyses, described, failed = {}, {}, {}
-    started = time.perf_counter()
+    built = {}
     for case, workload, variant in CASES:
         ok, reason = workloads.VARIANTS[variant].available()
         if not ok:
@@ -89,24 +95,85 @@ def _run(args, device: str, out: str) -> int:
             console.print(f"[yellow]{case}: skipped ({failed[case]})[/yellow]")
             continue
         try:
-            built = workloads.build(workload, variant=variant, device=device, dtype=args.dtype)
-            console.rule(f"{case}: {built.describe()}")
-            result = profile(built.fn, built.x, steps=args.steps, wait=1, warmup=1, active=args.steps - 2,
-                             label=case, trace_path=os.path.join(out, f"{case}.pt.trace.json.gz"))
+            built[case] = workloads.build(workload, variant=variant, device=device, dtype=dtype)
         except InputError:
             raise
-        except Exception as exc:  # e.g. torch.compile without a working C++ compiler: record it and go on
+        except Exception as exc:  # noqa: BLE001 - recorded, and the walkthrough goes on
             failed[case] = _one_line(exc)
             console.print(f"[red]{case}: failed ({failed[case]})[/red]")
-            continue
+    return built
+
+
+def _profile_rounds(args, built, staging, console, failed):
+    """Each case profiled once per round, the cases interleaved; a case that fails is dropped with its reason."""
+    from mlpfuse.errors import InputError
+    from mlpfuse.profiling import profile
+    from mlpfuse.walkthrough_rounds import Rounds
+
+    rounds = Rounds({case: (workload, variant) for case, workload, variant in CASES if case in built})
+    for r in range(args.rounds):
+        console.rule(f"round {r + 1} of {args.rounds}")
+        for case, b in built.items():
+            if case in failed:
+                continue
+            try:
+                result = profile(b.fn, b.x, steps=args.steps, wait=1, warmup=1, active=args.steps - 2, label=case,
+                                 trace_path=os.path.join(staging, f"{case}.round{r + 1}.pt.trace.json.gz"))
+            except InputError:
+                raise
+            except Exception as exc:  # e.g. torch.compile without a working C++ compiler: record it and go on
+                failed[case] = _one_line(exc)
+                rounds.drop(case)
+                console.print(f"[red]{case}: failed ({failed[case]})[/red]")
+                continue
+            rounds.add(r, case, result)
+            p = result.per_step
+            gpu = f", GPU busy {p['gpu_busy_us']:.1f} us" if rounds.gpu(case) else ""
+            console.print(f"{case}: step {p['step_us']:.1f} us{gpu}", markup=False, highlight=False)
+    return rounds
+
+
+def _keep_median_traces(out, staging, rounds) -> None:
+    """The median round's trace of each case becomes `<case>.pt.trace.json.gz`; the other rounds' are removed."""
+    import shutil
+
+    for case in rounds.runs:
+        analysis = rounds.representative(case)
+        final = os.path.join(out, f"{case}.pt.trace.json.gz")
+        os.replace(os.path.join(staging, f"{case}.round{rounds.median_round(case) + 1}.pt.trace.json.gz"), final)
+        analysis.data["trace"] = final
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _run(args, device: str, out: str) -> int:
+    from rich.console import Console
+
+    from mlpfuse._io import atomic_write_text
+    from mlpfuse.profiling import diff, render
+    from mlpfuse.walkthrough_rounds import readme_table, verdicts
+
+    console = Console()
+    failed = {}
+    started = time.perf_counter()
+    built = _build_cases(device, args.dtype, console, failed)
+    described = {case: b.describe() for case, b in built.items()}
+    staging = os.path.join(out, "rounds")
+    os.makedirs(staging, exist_ok=True)
+    rounds = _profile_rounds(args, built, staging, console, failed)
+    _keep_median_traces(out, staging, rounds)
+
+    analyses = {}
+    for case in rounds.runs:
+        result = analyses[case] = rounds.representative(case)
         data = result.to_dict()
-        data["workload"] = described[case] = built.describe()
+        data["workload"] = described[case]
         atomic_write_text(os.path.join(out, f"{case}.analysis.json"), json.dumps(data, indent=1))
+        console.rule(f"{case}: {described[case]} (round {rounds.median_round(case) + 1}: the median step of "
+                     f"{rounds.count})")
         tables = render.analysis_tables(data, console.width)
         console.print(tables[0])
         console.print(tables[1])  # the kernel table, or the CPU op table on a CPU-only run
         console.print(render.verdict_line(data))
-        analyses[case] = result
 
     diffs = {}
     for a, b in DIFFS:
@@ -120,19 +187,75 @@ def _run(args, device: str, out: str) -> int:
     if model_part is not None:
         diffs[f"{model_part.label}: eager -> mlpfuse.patch"] = model_part.diff.to_dict()
 
-    summary = _summary_md(device, analyses, described, failed, diffs, time.perf_counter() - started, args.threads)
+    _print_rounds(rounds, console)
+    sentences = verdicts(rounds)
+    gpu_name = _gpu_name(analyses)
+    summary = _summary_md(device, analyses, described, failed, diffs, time.perf_counter() - started, args.threads,
+                          rounds, sentences, gpu_name)
     atomic_write_text(os.path.join(out, "summary.md"), summary)
     atomic_write_text(os.path.join(out, "summary.json"), json.dumps(
-        {"device": device, "threads": args.threads, "cases": {c: a.to_dict() for c, a in analyses.items()},
-         "failed": failed, "diffs": diffs}, indent=1))
-    report = _report(out, device, analyses, described, failed, diffs)
-    console.print(f"results: {out}/ (report.html, summary.md, traces *.pt.trace.json.gz open in "
+        {"device": device, "gpu": gpu_name, "threads": args.threads, "rounds": rounds.to_dict(),
+         "verdicts": sentences, "cases": {c: a.to_dict() for c, a in analyses.items()}, "failed": failed,
+         "diffs": diffs}, indent=1))
+    atomic_write_text(os.path.join(out, "readme-table.md"),
+                      readme_table(rounds, gpu_name or f"CPU ({device})", _command(args), _versions(analyses)))
+    report = _report(out, device, analyses, described, failed, diffs, rounds, sentences)
+    for case, reason in failed.items():
+        console.print(f"not run: {case} — {reason}", markup=False, highlight=False, style="yellow")
+    console.print(f"results: {out}/ (report.html, summary.md, readme-table.md, traces *.pt.trace.json.gz open in "
                   "https://ui.perfetto.dev)")
     console.print(f"report: {report}", markup=False, highlight=False)
     return 0
 
 
-def _report(out, device, analyses, described, failed, diffs) -> str:
+def _gpu_name(analyses) -> str:
+    return ", ".join(sorted({d for a in analyses.values() for d in a.data.get("devices", [])}))
+
+
+def _versions(analyses) -> str:
+    import torch
+
+    parts = [f"torch {torch.__version__}"]
+    try:
+        import triton
+
+        parts.append(f"Triton {triton.__version__}")
+    except ImportError:
+        pass
+    dtypes = sorted({a.data.get("workload", "").rpartition("dtype=")[2].split()[0] for a in analyses.values()
+                     if "dtype=" in a.data.get("workload", "")})
+    return ", ".join(parts + dtypes)
+
+
+def _command(args) -> str:
+    """The command line that repeats this run (its non-default flags)."""
+    words = ["python3 -m mlpfuse walkthrough"]
+    for flag, value, default in (("--device", args.device, None), ("--dtype", args.dtype, None),
+                                 ("--out", args.out, None), ("--steps", args.steps, 5),
+                                 ("--rounds", getattr(args, "rounds", 3), 3), ("--threads", args.threads, 1)):
+        if value is not None and value != default:
+            words.append(f"{flag} {value}")
+    return " ".join(words)
+
+
+def _print_rounds(rounds, console) -> None:
+    from rich.table import Table
+
+    from mlpfuse.profiling.render import cell
+    from mlpfuse.walkthrough_rounds import FIGURES, cells, verdicts
+
+    n = rounds.count
+    table = Table(title=f"Median over {n} interleaved round{'s' * (n != 1)} (min–max)")
+    for head in ["case", *(h for _, h, _ in FIGURES), "verdict"]:
+        table.add_column(head, justify="left" if head in ("case", "verdict") else "right")
+    for case in rounds.runs:
+        table.add_row(*(cell(v) for v in [case, *cells(rounds, case), rounds.representative(case).verdict["kind"]]))
+    console.print(table)
+    for sentence in verdicts(rounds):
+        console.print(cell(sentence))
+
+
+def _report(out, device, analyses, described, failed, diffs, rounds, sentences) -> str:
     from mlpfuse.report import Variant, write
 
     variants = []
@@ -142,12 +265,32 @@ def _report(out, device, analyses, described, failed, diffs) -> str:
                                     trace_path=os.path.join(out, f"{case}.pt.trace.json.gz")))
         elif case in failed:
             variants.append(Variant(case, error=failed[case]))
-    notes = []
+    known = {case for case, _, _ in CASES}
+    # the model step, skipped or failed: its place on the page says why
+    variants += [Variant(case, error=reason) for case, reason in failed.items() if case not in known]
+    notes = [f"Not run: {case} — {reason}" for case, reason in failed.items()]
     if not any(a.data.get("devices") for a in analyses.values()):
-        notes.append("No GPU in this run: the pages show CPU ops only. Kernels, launches, GPU lanes and the "
+        notes.append("No GPU in this run: the pages show CPU ops only, and n/a where a CPU run measures nothing "
+                     "(GPU window, busy and idle time, kernels, launches). Kernels, launches, GPU lanes and the "
                      "fused MLP's story need a CUDA device.")
     return write(os.path.join(out, "report.html"), f"mlpfuse walkthrough ({device})", variants,
-                 diffs=list(diffs.items()), notes=notes, what="--out")
+                 diffs=list(diffs.items()), notes=notes, what="--out",
+                 sections=[("Rounds", _rounds_html(rounds, sentences))] if rounds.runs else [])
+
+
+def _rounds_html(rounds, sentences) -> str:
+    from mlpfuse.report.markup import esc
+    from mlpfuse.report.tables import table
+    from mlpfuse.walkthrough_rounds import FIGURES, cells
+
+    n = rounds.count
+    rows = [[esc(case), *map(esc, cells(rounds, case)), esc(rounds.representative(case).verdict["kind"])]
+            for case in rounds.runs]
+    heads = ["case", *(esc(h) for _, h, _ in FIGURES), "verdict (median round)"]
+    return (f"<p>Every case was profiled in {n} interleaved round{'s' * (n != 1)} (eager, compile, mlpfuse, eager, "
+            "...): each figure is the median over rounds, with the rounds' min–max in brackets. The sections below "
+            "show each case's median round.</p>" + table(heads, rows, "rounds", numeric=range(1, len(FIGURES) + 1))
+            + "<ul>" + "".join(f"<li>{esc(s, 2000)}</li>" for s in sentences) + "</ul>")
 
 
 # What a run on the CPU can tell, said once in its summary.
@@ -190,25 +333,27 @@ def _model_layer(device, dtype, out, console, failed):
     return result
 
 
-def _summary_md(device, analyses, described, failed, diffs, seconds, threads=1) -> str:
+def _summary_md(device, analyses, described, failed, diffs, seconds, threads, rounds, sentences, gpu_name) -> str:
     from mlpfuse.profiling.render import short
+    from mlpfuse.walkthrough_rounds import FIGURES, markdown_table
 
     lines = [f"# mlpfuse walkthrough ({device})", ""]
-    devices = sorted({d for a in analyses.values() for d in a.data.get("devices", [])})
-    lines += [f"GPU: {', '.join(devices) or 'none (CPU activity only)'}; total time {seconds:.0f} s.", ""]
+    n = rounds.count
+    lines += [f"GPU: {gpu_name or 'none (CPU activity only)'}; {n} interleaved round{'s' * (n != 1)}; total time "
+              f"{seconds:.0f} s.", ""]
     if not device.startswith("cuda"):
         lines += [CPU_NOTE.format(threads=threads), ""]
-    lines += ["| case | workload | kernels/step | launches/step | GPU busy us | step us | verdict |",
-              "|---|---|---|---|---|---|---|"]
-    for case, a in analyses.items():
-        p = a.per_step
-        lines.append(f"| {case} | {described[case]} | {p['gpu_kernels']:g} | {p['launch_calls']:g} | "
-                     f"{p['gpu_busy_us']:.1f} | {p['step_us']:.1f} | {a.verdict['kind']} |")
+    if failed:
+        lines += ["Not run:", ""] + [f"- {case}: {reason}" for case, reason in failed.items()] + [""]
+    lines += ["Median over the rounds, min–max in brackets; n/a where this run cannot measure the figure.", ""]
+    lines += markdown_table(rounds, described)
     for case, reason in failed.items():
-        lines.append(f"| {case} | - | - | - | - | - | not run: {reason} |")
+        lines.append(f"| {case} | - | " + "- | " * len(FIGURES) + f"not run: {reason} |")
     lines.append("")
+    if sentences:
+        lines += ["## Verdicts", ""] + [f"- {s}" for s in sentences] + [""]
     for case, a in analyses.items():
-        lines += [f"## {case}", ""]
+        lines += [f"## {case}", "", f"- the median round: round {rounds.median_round(case) + 1} of {n}"]
         for k in a.kernels:
             lines.append(f"- `{short(k['name'], 100)}` ({k['family']}) x{k['per_step']:g}/step, "
                          f"{k['avg_us']:.1f} us, launched by {', '.join(k['ops'])}")

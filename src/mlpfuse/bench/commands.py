@@ -19,6 +19,7 @@ model lab (a whole transformers model; eager, compile, liger, mlpfuse, mlpfuse-c
   mlpfuse bench --model llama3-8b --tokens 1x8192                      prefill, 32 layers
   mlpfuse bench --model llama3-8b --layers 4 --mode decode,train --tokens 2x2048
   mlpfuse bench --model gpt2 --tokens 1x128,8x128 --mode prefill,decode,train
+  mlpfuse bench --model llama3-8b --layers 4 --mode decode-step --tokens 1x128,8x128   one static-cache step
   mlpfuse bench --model gpt2 --tiny --device cpu                       a CPU-sized run of the same code
   mlpfuse bench --model ./my-model-folder --layers 2                   a local config.json (and its weights)
 exit status: 0 ok, 1 a variant disagreed with the fp64 reference (model lab: gave non-finite logits), 2 bad input.
@@ -288,7 +289,7 @@ def run_model_lab(args) -> int:
     if args.tiny and not args.tokens:
         default_shapes = ("1x16",)
     settings = model_lab.LabSettings(
-        rounds=args.rounds or (2 if on_cpu else 5),
+        rounds=args.rounds or 5,
         target_ms=args.target_ms or (50.0 if on_cpu else 200.0),
         new_tokens=args.new_tokens or (4 if args.tiny else 32),
         backend=backend,

@@ -2,11 +2,16 @@
 table per case) and the terminal tables. Files are replaced atomically, as the other bench outputs are.
 
 Row fields: model, model_type, weights, layers, mode, batch, seq, new_tokens, case, variant, dtype, status (ok |
-skipped | error | wrong), error, time_ms (GPU time per call for prefill and train on CUDA, else wall time; decode:
-wall ms per generated token), spread_pct, wall_ms, unit, peak_mem_mb (CUDA: the peak above what was allocated
-before the call, the weights' gradients freed first), first_call_ms (compilation included), rel_err (last-position
-logits against the fp32 run, relative Frobenius), err_vs_eager, vs_eager (time ratio, < 1 is faster), vs_compile,
-mem_vs_eager, patched (blocks mlpfuse swapped).
+skipped | error | wrong), error, time_ms (GPU time per call for prefill, decode-step and train on CUDA, else wall
+time; decode: the host's wall ms per generated token), spread_pct, rounds, time_rounds_ms (each round's value),
+wall_ms, unit, gpu_busy_ms (decode on CUDA: the GPU's busy ms per token, profiled), do_bench_ms (decode-step on CUDA:
+the same graph replay under triton.testing.do_bench), full_logits_ms (prefill of a causal LM returning every
+position's logits; time_ms keeps only the last, as generate does) — each of these three with its _spread_pct and
+_rounds_ms —, peak_mem_mb (CUDA: the peak above what was allocated before the call, the weights' gradients freed
+first), first_call_ms (compilation included; decode-step: building, compiling and capturing the step), rel_err
+(last-position logits against the fp32 run, relative Frobenius), err_vs_eager, logits_vs_eager (relative difference
+from eager's logits on the same input), vs_eager (time ratio, < 1 is faster), vs_compile, mem_vs_eager, patched
+(blocks mlpfuse swapped).
 """
 
 from __future__ import annotations
@@ -20,8 +25,9 @@ from mlpfuse.bench.outputs import to_json, write_json  # noqa: F401 - same JSON 
 from mlpfuse.bench.sweep import BenchResult
 
 CSV_FIELDS = (
-    "model layers mode batch seq new_tokens variant dtype status error time_ms unit spread_pct wall_ms peak_mem_mb "
-    "first_call_ms rel_err err_vs_eager vs_eager vs_compile mem_vs_eager patched"
+    "model layers mode batch seq new_tokens variant dtype status error time_ms unit spread_pct rounds wall_ms "
+    "gpu_busy_ms gpu_busy_spread_pct do_bench_ms do_bench_spread_pct full_logits_ms full_logits_spread_pct "
+    "peak_mem_mb first_call_ms rel_err err_vs_eager logits_vs_eager vs_eager vs_compile mem_vs_eager patched"
 ).split()
 
 
@@ -39,19 +45,33 @@ def _ratio(value) -> str:
 
 def _status(row) -> str:
     if row["status"] == "ok":
-        return "ok"
+        return f"ok ({row['error']})" if row["error"] else "ok"
     return row["error"] if row["status"] == "skipped" else f"{row['status']}: {row['error']}"
+
+
+def _timed(row, field: str, modes: tuple[str, ...], gpu_only: bool = True) -> str:
+    """A second timing beside `time`, with its spread; n/a where it needs a GPU and this run had none."""
+    if row["mode"] not in modes or row["status"] != "ok":
+        return "–"
+    if row[field] is None:
+        return "n/a" if gpu_only else "–"
+    base = field[:-3]
+    return f"{row[field]:.3f} ±{row[base + '_spread_pct']:.1f}%"
 
 
 COLUMNS = (
     ("variant", lambda r: r["variant"] + (" *" if r["variant"].startswith("mlpfuse") else "")),
     ("time", lambda r: "–" if r["time_ms"] is None else f"{r['time_ms']:.3f} {r['unit']} ±{r['spread_pct']:.1f}%"),
+    ("GPU busy ms/token", lambda r: _timed(r, "gpu_busy_ms", ("decode",))),
+    ("do_bench ms", lambda r: _timed(r, "do_bench_ms", ("decode-step",))),
+    ("full logits ms", lambda r: _timed(r, "full_logits_ms", ("prefill",), gpu_only=False)),
     ("vs eager", lambda r: _ratio(r["vs_eager"])),
     ("vs compile", lambda r: _ratio(r["vs_compile"])),
     ("peak MiB", lambda r: _num(r["peak_mem_mb"], "{:.0f}")),
     ("mem vs eager", lambda r: _ratio(r["mem_vs_eager"])),
     ("logits rel. err vs fp32", lambda r: _num(r["rel_err"], "{:.2e}")),
     ("err vs eager", lambda r: _ratio(r["err_vs_eager"])),
+    ("logits diff vs eager", lambda r: _num(r["logits_vs_eager"], "{:.2e}")),
     ("1st call s", lambda r: _num(None if r["first_call_ms"] is None else r["first_call_ms"] / 1e3, "{:.1f}")),
     ("status", _status),
 )
@@ -77,11 +97,17 @@ def markdown(result: BenchResult) -> str:
         f"{meta.get('transformers')}, liger-kernel {meta['liger_kernel']}, mlpfuse {meta['mlpfuse']}  ",
         f"Model: {lab['model']} ({lab['layers']} layers, weights: {lab['weights']}), {lab['dtype']}, dropout off; "
         f"mlpfuse backend {lab['backend']}; compile backend {lab['compile_backend']}.  ",
-        f"{lab['rounds']} interleaved rounds, median with spread (max − min) / median. prefill: a no_grad forward "
-        "keeping the last position's logits; train: forward, loss and backward (all gradients); decode: greedy "
-        "generate, (T(N+1 tokens) − T(1)) / N per token — plain generate for eager, liger and mlpfuse, a static "
-        "cache with transformers' CompileConfig for compile and mlpfuse-compile. Times are GPU time (CUDA events) "
-        "on a GPU for prefill and train, else wall time. Ratios < 1 are faster or smaller. `*` = mlpfuse.",
+        f"{lab['rounds']} interleaved rounds, median with spread (max − min) / median (results.json keeps every "
+        "round). prefill: a no_grad forward keeping the last position's logits (`logits_to_keep=1`, what generate "
+        "runs), and beside it the forward returning every position's logits; train: forward, loss and backward "
+        "(all gradients); decode: greedy generate, (T(N+1 tokens) − T(1)) / N per token of host wall time, and on "
+        "a GPU the GPU's busy time per token from a profile of the same calls — plain generate for eager, liger and "
+        "mlpfuse, a static cache with transformers' CompileConfig for compile and mlpfuse-compile; decode-step: "
+        "one decode step with a static cache at a fixed position, the same prompt and token for every variant, "
+        "compiled with fullgraph=True for the compile variants, replayed from a CUDA graph on a GPU (CUDA events, "
+        "and triton.testing.do_bench of the same replay as a second harness), uncaptured on a CPU. Times are GPU "
+        "time (CUDA events) on a GPU for prefill, decode-step and train, else wall time; n/a: not measurable on "
+        "this device. Ratios < 1 are faster or smaller. `*` = mlpfuse.",
     ]
     for note in meta.get("notes", []):
         lines.append(f"\nNote: {note}")

@@ -7,12 +7,16 @@ Variants, each on its own copy of the model's module tree sharing one set of wei
     liger             Liger's MLP patch for the model's type (apply_liger_kernel_to_<type>(swiglu/geglu only))
     mlpfuse           mlpfuse.patch(model)
     mlpfuse-compile   mlpfuse.patch(model), then as `compile`
-Modes: prefill (a forward under no_grad keeping the last position's logits), decode (greedy generate: ms per token
-is (T(N+1 new tokens) − T(1)) / N, so the prompt's prefill cancels), train (forward, loss, backward; gradients of
-every parameter). Every case first runs the fp32 model on the same input: each variant's last-position logits are
-compared with those (relative Frobenius error), beside eager's own error. Timing reuses bench.timing: rounds
-interleave the variants (A B C A B C ...), medians over rounds with the spread; GPU time from CUDA events for
-prefill and train, wall time for decode (generate synchronises the host every step).
+Modes: prefill (a forward under no_grad keeping the last position's logits, `logits_to_keep=1` as generate runs
+it, and beside it the same forward returning every position's logits), decode (greedy generate: ms per token is
+(T(N+1 new tokens) − T(1)) / N, so the prompt's prefill cancels; host wall time, and on CUDA the GPU's busy time per
+token from a profile of the same calls), decode-step (one decode step with a static cache at a fixed position,
+replayed from a CUDA graph on CUDA and cross-checked with Triton's do_bench: `bench.decode_step`), train (forward,
+loss, backward; gradients of every parameter). Every case first runs the fp32 model on the same input: each
+variant's last-position logits are compared with those (relative Frobenius error), beside eager's own error, and
+with eager's logits in the measured dtype. Timing reuses bench.timing: rounds interleave the variants
+(A B C A B C ...), medians over rounds with the spread and every round's value kept; GPU time from CUDA events for
+prefill, decode-step and train, wall time for decode (generate synchronises the host every step).
 """
 
 from __future__ import annotations
@@ -29,13 +33,15 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from mlpfuse.bench import models, timing
+from mlpfuse.bench import decode_step, models, timing
 from mlpfuse.bench.sweep import BenchResult, environment
 from mlpfuse.errors import InputError
 
-MODES = ("prefill", "decode", "train")
+MODES = ("prefill", "decode", "decode-step", "train")
+GENERATES = ("decode", "decode-step")  # modes a masked LM cannot run
 VARIANTS = ("eager", "compile", "liger", "mlpfuse", "mlpfuse-compile")
-_MODE_ALIASES = {"fwd": "prefill", "forward": "prefill", "generate": "decode", "fwd+bwd": "train"}
+_MODE_ALIASES = {"fwd": "prefill", "forward": "prefill", "generate": "decode", "fwd+bwd": "train",
+                 "step": "decode-step"}
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,7 @@ class LabCase:
 
 @dataclass
 class LabSettings:
-    rounds: int = 5
+    rounds: int = 5  # at least 5 for a spread worth reading
     target_ms: float = 200.0
     warmup: int = 2
     new_tokens: int = 32
@@ -162,6 +168,16 @@ class Prepared:
     module: torch.nn.Module
     steps: dict  # timing key -> step()
     logits: object  # () -> [B, 1, V] logits
+    main: str | None = None  # the step whose first call, peak memory and time are the row's (default: the last)
+    setup_ms: float | None = None  # building the step took this (compile and graph capture), when not its first call
+
+    @property
+    def main_key(self) -> str:
+        return self.main or list(self.steps)[-1]
+
+    @property
+    def main_step(self):
+        return self.steps[self.main_key]
 
 
 def _loss(logits, ids, kind):
@@ -195,6 +211,8 @@ def prepare(variant: str, built: models.Built, case: LabCase, ids: torch.Tensor,
 
     if case.mode == "decode":
         return _prepare_decode(variant, module, built, case, ids, settings, device, compiled)
+    if case.mode == "decode-step":
+        return _prepare_decode_step(variant, module, case, ids, settings, device, compiled)
 
     fn = module
     if compiled:
@@ -205,7 +223,10 @@ def prepare(variant: str, built: models.Built, case: LabCase, ids: torch.Tensor,
             with torch.no_grad():
                 return _forward_last(fn, ids, kind)
 
-        return Prepared(variant, module, {variant: step}, step)
+        steps = {variant: step}
+        if kind == models.CAUSAL:  # beside logits_to_keep=1, every position's logits (a masked LM has only those)
+            steps[f"{variant}|full"] = decode_step.inference(lambda: fn(input_ids=ids).logits)
+        return Prepared(variant, module, steps, step, main=variant)
 
     def train_step():
         module.zero_grad(set_to_none=True)
@@ -254,12 +275,49 @@ def _prepare_decode(variant, module, built, case, ids, settings, device, compile
                     logits)
 
 
+def _prepare_decode_step(variant, module, case, ids, settings, device, compiled) -> Prepared:
+    """The static-cache step of `bench.decode_step`, compiled with fullgraph=True for the compile variants, captured
+    in a CUDA graph on CUDA (replays timed); on a CPU it runs as it is."""
+    import time
+
+    started = time.perf_counter()
+    step = decode_step.StaticStep(module, ids, _token(case, module.config.vocab_size, device, settings.seed))
+    if compiled:
+        step = torch.compile(step, backend=settings.compile_backend, mode=settings.compile_mode, fullgraph=True)
+    step = decode_step.inference(step)
+    if device.type == "cuda":
+        replay, out = decode_step.capture(step, device)
+
+        def logits():
+            replay()
+            return out.clone()
+    else:
+        replay = logits = step
+        logits()  # the first call (compilation included) belongs to the setup time
+    setup = (time.perf_counter() - started) * 1e3
+    return Prepared(variant, module, {variant: replay}, logits, main=variant, setup_ms=setup)
+
+
 # --- running ---------------------------------------------------------------------------------------------------
 
 
 def _inputs(case: LabCase, vocab: int, device: torch.device, seed: int) -> torch.Tensor:
     g = torch.Generator(device="cpu").manual_seed(seed + 1000 * case.batch + case.seq)
     return torch.randint(3, vocab, (case.batch, case.seq), generator=g).to(device)
+
+
+def _token(case: LabCase, vocab: int, device: torch.device, seed: int) -> torch.Tensor:
+    """The token every variant's decode step feeds, one per sequence."""
+    g = torch.Generator(device="cpu").manual_seed(seed + 7 + case.batch)
+    return torch.randint(3, vocab, (case.batch, 1), generator=g).to(device)
+
+
+def _reference(built, case, ids, settings, device) -> torch.Tensor:
+    """The fp32 model's last logits for the case: the prompt's last position, or the decode step's token."""
+    if case.mode == "decode-step":
+        step = decode_step.StaticStep(built.model, ids, _token(case, built.vocab, device, settings.seed))
+        return decode_step.inference(step)()
+    return _forward_last(built.model, ids, built.kind)
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -275,9 +333,13 @@ def _row(built, layers, case, variant, dtype_name, settings) -> dict:
         "mode": case.mode, "batch": case.batch, "seq": case.seq,
         "new_tokens": settings.new_tokens if case.mode == "decode" else None,
         "case": case.label, "variant": variant, "dtype": dtype_name, "status": "ok", "error": None,
-        "time_ms": None, "spread_pct": None, "wall_ms": None, "unit": "ms/token" if case.mode == "decode" else "ms",
-        "peak_mem_mb": None, "first_call_ms": None, "rel_err": None, "err_vs_eager": None, "vs_eager": None,
-        "vs_compile": None, "mem_vs_eager": None, "patched": None,
+        "time_ms": None, "spread_pct": None, "rounds": settings.rounds, "time_rounds_ms": None, "wall_ms": None,
+        "unit": "ms/token" if case.mode == "decode" else "ms",
+        "gpu_busy_ms": None, "gpu_busy_spread_pct": None, "gpu_busy_rounds_ms": None,
+        "do_bench_ms": None, "do_bench_spread_pct": None, "do_bench_rounds_ms": None,
+        "full_logits_ms": None, "full_logits_spread_pct": None, "full_logits_rounds_ms": None,
+        "peak_mem_mb": None, "first_call_ms": None, "rel_err": None, "err_vs_eager": None, "logits_vs_eager": None,
+        "vs_eager": None, "vs_compile": None, "mem_vs_eager": None, "patched": None,
     }
 
 
@@ -302,18 +364,18 @@ def run(name: str, *, layers: int | None, tiny: bool, shapes: list[tuple[int, in
         raise InputError(f"--tokens: {longest} positions but the model has {built.max_positions} position embeddings")
     too_long = {}  # decode cases whose prompt leaves no room for the new tokens: skipped, the others still run
     for case in cases:
-        need = case.seq + settings.new_tokens + 1
-        if case.mode == "decode" and built.max_positions is not None and need > built.max_positions:
+        need = case.seq + (settings.new_tokens + 1 if case.mode == "decode" else 1)
+        if case.mode in GENERATES and built.max_positions is not None and need > built.max_positions:
             too_long[case] = (f"skipped: {need} positions (prompt + new tokens) but the model has "
                               f"{built.max_positions} position embeddings; ask for a shorter prompt with --tokens")
     refs = {}
     for case in cases:  # fp32 references first, then the weights go to the measured dtype in place
-        if (case.mode == "decode" and built.kind != models.CAUSAL) or case in too_long:
+        if (case.mode in GENERATES and built.kind != models.CAUSAL) or case in too_long:
             continue
         progress(f"fp32 reference: {case.label}")
         ids = _inputs(case, built.vocab, device, settings.seed)
         with torch.no_grad(), _no_tf32():
-            refs[case] = _forward_last(built.model, ids, built.kind).double()
+            refs[case] = _reference(built, case, ids, settings, device).double()
     if dtype != torch.float32:
         models.cast_parameters(built.model, dtype)
     _free(device)
@@ -383,7 +445,7 @@ def _reset_compiler():
 
 
 def _skip_reason(variant: str, built: models.Built, case: LabCase, device: torch.device) -> str | None:
-    if case.mode == "decode" and built.kind != models.CAUSAL:
+    if case.mode in GENERATES and built.kind != models.CAUSAL:
         return f"a {built.kind} LM does not generate"
     if variant == "liger":
         missing = liger_missing(device)
@@ -395,9 +457,9 @@ def _skip_reason(variant: str, built: models.Built, case: LabCase, device: torch
 
 
 def _run_case(built, case, variants, rows, ref, settings, device, progress) -> None:
-    cuda = device.type == "cuda"
     ids = _inputs(case, built.vocab, device, settings.seed)
     prepared: dict[str, Prepared] = {}
+    outputs: dict[str, torch.Tensor] = {}
     for v in variants:
         row = rows[v]
         reason = _skip_reason(v, built, case, device)
@@ -411,57 +473,111 @@ def _run_case(built, case, variants, rows, ref, settings, device, progress) -> N
                 from mlpfuse.patching import PatchedBlock
 
                 row["patched"] = sum(1 for m in p.module.modules() if isinstance(m, PatchedBlock))
-            longest = list(p.steps)[-1]
-            _, row["first_call_ms"] = timing.first_call_ms(p.steps[longest], device)
+            _, row["first_call_ms"] = timing.first_call_ms(p.main_step, device)
+            if p.setup_ms is not None:
+                row["first_call_ms"] = p.setup_ms
             if case.mode == "decode" and v.endswith("compile") and not hasattr(p.module, "_compiled_call"):
                 raise RuntimeError("generate did not compile the decode step (transformers' criteria not met)")
-            row["rel_err"] = rel_error(p.logits(), ref)
+            out = p.logits()
+            row["rel_err"] = rel_error(out, ref)
             if row["rel_err"] == float("inf"):
                 row.update(status="wrong", error="non-finite logits")
                 continue
+            outputs[v] = out.detach().double()
             for _ in range(settings.warmup):
                 for step in p.steps.values():
                     step()
-            if cuda:
-                p.module.zero_grad(set_to_none=True)  # the peak above the weights: a train step's gradients count
-                timing.sync(device)
-                torch.cuda.reset_peak_memory_stats(device)
-                base = torch.cuda.memory_allocated(device)
-                p.steps[longest]()
-                timing.sync(device)
-                row["peak_mem_mb"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+            row["peak_mem_mb"] = _peak_mb(p, device)
             prepared[v] = p
         except Exception as exc:  # noqa: BLE001 - one failing variant must not stop the others
             row.update(status="error", error=timing.one_line(exc))
             _free(device)
+    if "eager" in outputs:  # the same input through every variant: how far each lands from eager's logits
+        for v, out in outputs.items():
+            rows[v]["logits_vs_eager"] = rel_error(out, outputs["eager"])
     if not prepared:
         return
     progress(f"{case.label}: timing {len(prepared)} variants in {settings.rounds} rounds")
+    _time_case(case, prepared, rows, settings, device, progress)
+
+
+def _peak_mb(p: Prepared, device) -> float | None:
+    """CUDA: the allocator's peak during the main step, above what was allocated before it."""
+    if device.type != "cuda":
+        return None
+    p.module.zero_grad(set_to_none=True)  # the peak above the weights: a train step's gradients count
+    timing.sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    p.main_step()
+    timing.sync(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def _put(row: dict, field: str, stat: timing.Stat, scale: float = 1e-3) -> None:
+    """A timing's median, spread and every round's value into `field`, `field`'s spread and rounds (ms)."""
+    base = field[:-3] if field.endswith("_ms") else field
+    spread_key = "spread_pct" if field == "time_ms" else f"{base}_spread_pct"
+    row[field], row[spread_key] = stat.median_us * scale, abs(stat.spread_pct)
+    row["time_rounds_ms" if field == "time_ms" else f"{base}_rounds_ms"] = [v * scale for v in stat.rounds_us]
+
+
+def _time_case(case, prepared, rows, settings, device, progress) -> None:
+    cuda = device.type == "cuda"
     steps = {key: step for p in prepared.values() for key, step in p.steps.items()}
     # Decode: wall time only (generate synchronizes every token), and at least 3 generate calls per round, whose
     # mean is the round's figure: a single call per round left the host's noise in (±50–70 % on a busy host).
     decode = case.mode == "decode"
     gpu, wall, errors = timing.interleaved(steps, device, rounds=settings.rounds, target_ms=settings.target_ms,
                                            reps_bounds=(3, 50) if decode else (1, 50), gpu_clock=not decode)
+    timed = {}
     for v, p in prepared.items():
         row = rows[v]
         failed = [errors[k] for k in p.steps if k in errors]
         if failed:
             row.update(status="error", error=failed[0])
             continue
+        timed[v] = p
         if decode:
             # Per round: the two generate calls of that round, so a slow round cancels in the difference.
             k1, kn = list(p.steps)
-            per_token = [(long - short) / settings.new_tokens / 1e3
+            per_token = [(long - short) / settings.new_tokens
                          for short, long in zip(wall[k1].rounds_us, wall[kn].rounds_us)]
-            stat = timing.Stat.of_rounds(per_token, len(per_token))
-            row["time_ms"] = row["wall_ms"] = stat.median_us
-            row["spread_pct"] = abs(stat.spread_pct)
-        else:
-            key = next(iter(p.steps))
-            stat = gpu.get(key) or wall[key]
-            row["time_ms"], row["spread_pct"] = stat.median_us / 1e3, stat.spread_pct
-            row["wall_ms"] = wall[key].median_us / 1e3
+            _put(row, "time_ms", timing.Stat.of_rounds(per_token, len(per_token)))
+            row["wall_ms"] = row["time_ms"]
+            continue
+        key = p.main_key
+        _put(row, "time_ms", gpu.get(key) or wall[key])
+        row["wall_ms"] = wall[key].median_us / 1e3
+        full = f"{v}|full"
+        if full in p.steps:
+            _put(row, "full_logits_ms", gpu.get(full) or wall[full])
+    if cuda and timed and case.mode == "decode-step":
+        progress(f"{case.label}: the same replays under triton.testing.do_bench, {settings.rounds} rounds")
+        for v, stat in decode_step.do_bench_rounds({v: p.main_step for v, p in timed.items()},
+                                                   settings.rounds).items():
+            _put(rows[v], "do_bench_ms", stat)
+    if cuda and timed and decode:
+        progress(f"{case.label}: GPU busy time per token, profiled, {settings.rounds} rounds")
+        for v, stat in _busy_per_token(timed, settings).items():
+            _put(rows[v], "gpu_busy_ms", stat)
+
+
+def _busy_per_token(prepared: dict[str, Prepared], settings) -> dict[str, timing.Stat]:
+    """GPU busy µs per generated token, (busy(N+1 tokens) − busy(1)) / N from one profiled generate call each,
+    per round, the variants interleaved: what the GPU itself spends per token, beside the host's wall time."""
+    from mlpfuse.profiling import profile
+
+    def busy(step) -> float:
+        return profile(step, steps=1, wait=0, warmup=0, active=1, record_shapes=False).per_step["gpu_busy_us"]
+
+    values: dict[str, list[float]] = {v: [] for v in prepared}
+    for _ in range(settings.rounds):
+        for v, p in prepared.items():
+            k1, kn = list(p.steps)
+            short, long = busy(p.steps[k1]), busy(p.steps[kn])
+            values[v].append((long - short) / settings.new_tokens)
+    return {v: timing.Stat.of_rounds(vals, len(vals)) for v, vals in values.items()}
 
 
 def _derive(rows: list[dict]) -> None:

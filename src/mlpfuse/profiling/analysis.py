@@ -511,6 +511,18 @@ def verdict(per_step: dict, has_gpu: bool, whole_trace: bool = False, unread: di
     }
 
 
+NA = "n/a"  # what renderers show for a figure the run could not measure (not a zero it measured)
+
+
+def gpu_measured(data: dict) -> tuple[bool, bool]:
+    """(GPU activity recorded, CUDA launches recorded) in an analysis dict: a CPU-only run has neither, a trace
+    captured without CUDA activity tracing has launches only. The per-step figures keep their numbers (a CPU run's
+    GPU window is its step); renderers show NA where the run cannot have measured them."""
+    verdict = data.get("verdict") if isinstance(data, dict) else None
+    kind = verdict.get("kind") if isinstance(verdict, dict) else None
+    return kind not in ("cpu-only", "gpu-not-traced"), kind != "cpu-only"
+
+
 class Analysis:
     """Result of analysing one trace. `to_dict()` is the JSON schema; `check()` tests expectations."""
 

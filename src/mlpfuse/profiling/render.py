@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mlpfuse.errors import printable
+from mlpfuse.profiling.analysis import NA, gpu_measured
 
 NAME_WIDTH = 70
 
@@ -123,17 +124,19 @@ def analysis_tables(data: dict, width: int = WIDE) -> list[Table]:
     head.add_column("value")
     window = p["gpu_window_us"]
     share = f" ({p['gpu_busy_us'] / window:.0%} busy)" if window > 0 and p["gpu_busy_us"] else ""
+    gpu, launches = gpu_measured(data)
     rows = [
         ("step wall time", f"{p['step_us']:.1f} us"),
-        ("GPU window", f"{window:.1f} us"),
-        ("GPU busy / idle", f"{p['gpu_busy_us']:.1f} / {p['gpu_idle_us']:.1f} us{share}"),
-        ("GPU work starts", _after_step(p)),
-        ("GPU kernels", f"{p['gpu_kernels']:g}"),
-        ("memsets / memcpys", f"{p['gpu_memsets']:g} / {p['gpu_memcpys']:g}"),
-        ("launch calls", ", ".join(f"{k} {v:g}" for k, v in p["launch_calls_by_name"].items()) or "0"),
-        ("occupancy queries", f"{p['occupancy_queries']:g}"),
+        ("GPU window", f"{window:.1f} us" if gpu else NA),
+        ("GPU busy / idle", f"{p['gpu_busy_us']:.1f} / {p['gpu_idle_us']:.1f} us{share}" if gpu else NA),
+        ("GPU work starts", _after_step(p) if gpu else NA),
+        ("GPU kernels", f"{p['gpu_kernels']:g}" if gpu else NA),
+        ("memsets / memcpys", f"{p['gpu_memsets']:g} / {p['gpu_memcpys']:g}" if gpu else NA),
+        ("launch calls", ", ".join(f"{k} {v:g}" for k, v in p["launch_calls_by_name"].items()) or "0"
+         if launches else NA),
+        ("occupancy queries", f"{p['occupancy_queries']:g}" if launches else NA),
         ("CPU ops", f"{p['cpu_ops']:g}"),
-        ("kernel families", ", ".join(f"{k} {v:g}" for k, v in p["families"].items()) or "-"),
+        ("kernel families", ", ".join(f"{k} {v:g}" for k, v in p["families"].items()) or "-" if gpu else NA),
     ]
     for what, value in rows:
         if value is not None:

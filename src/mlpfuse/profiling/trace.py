@@ -281,10 +281,26 @@ def _decode(raw: bytes, path: str) -> Any:
         raise InputError(f"TRACE {path}: a number in the JSON cannot be read ({str(exc).split(':')[0]})") from None
 
 
+def within_memory(path: str, fn: Callable[..., Any], *args) -> Any:
+    """`fn(*args)`, with running out of memory (a capped address space, a large --max-bytes) turned into one
+    InputError line. The error is raised after the handler has ended, so the failed attempt's buffers (held by the
+    MemoryError's traceback) are freed first and the message itself has room to be made."""
+    try:
+        return fn(*args)
+    except MemoryError:
+        pass
+    raise InputError(f"TRACE {path}: not enough memory to read it (the file, inflated or parsed, needs more than "
+                     "this process may allocate); free memory, or lower --max-bytes to refuse such files sooner")
+
+
+def _read_json(path: str, max_bytes: int | str | None) -> Any:
+    return _decode(_read_bytes(path, max_bytes), path)
+
+
 def load_json(path: str | os.PathLike, max_bytes: int | str | None = None) -> Any:
     """Read a .json or gzipped JSON file (detected by content, not suffix), at most `max_bytes` read or inflated."""
     path = os.fspath(path)
-    return _decode(_read_bytes(path, max_bytes), path)
+    return within_memory(path, _read_json, path, max_bytes)
 
 
 # ---------------------------------------------------------------- events: every field is checked
@@ -539,7 +555,7 @@ def _from_own_json(data: Any, path: str) -> Trace:
     order the parser made them. A list frees its items last to first, so it is reversed first: a million parsed
     events then take 0.3 s to free instead of 0.5 (measured; memory is walked forwards, as it was filled)."""
     try:
-        return from_json(data, path)
+        return within_memory(path, from_json, data, path)
     finally:
         events = data.get("traceEvents") if isinstance(data, dict) else data
         if isinstance(events, list):

@@ -114,7 +114,7 @@ def _pictures(v: Variant, trace, budget: Budget) -> str:
             head += ('<p class="missing">No GPU events in this trace (a CPU run, or CUDA activity tracing was '
                      "off): the timeline shows the CPU side only.</p>")
         svg = timeline.timeline_svg(view, tables.decoded_by_name(data))
-        return (head + page.legend() + f'<figure><div class="scroll">{svg}</div>'
+        return (head + page.legend(bool(trace.gpu), bool(trace.runtime)) + f'<figure><div class="scroll">{svg}</div>'
                 f"<figcaption>{timeline.caption(view)}</figcaption></figure>")
 
     def draw_flame() -> str:
@@ -164,15 +164,17 @@ def _variant_section(v: Variant, report_path: str, budget: Budget) -> str:
 
 
 def build_page(title: str, variants: list[Variant] = (), diffs: list[tuple[str, dict]] = (),
-               bench: Bench | None = None, notes: list[str] = (), report_path: str = "report.html") -> str:
-    """The whole page as a string. `diffs`: (title, diff dict) pairs; `notes`: lines shown under the title."""
+               bench: Bench | None = None, notes: list[str] = (), report_path: str = "report.html",
+               sections: list[tuple[str, str]] = ()) -> str:
+    """The whole page as a string. `diffs`: (title, diff dict) pairs; `notes`: lines shown under the title;
+    `sections`: (heading, HTML the caller escaped) shown after the verdicts."""
     from mlpfuse.profiling.trace import no_gc
 
     with no_gc():  # traces read here hold millions of small objects, as in the analysis
-        return _build_page(title, list(variants), diffs, bench, notes, report_path)
+        return _build_page(title, list(variants), diffs, bench, notes, report_path, sections)
 
 
-def _build_page(title, variants, diffs, bench, notes, report_path) -> str:
+def _build_page(title, variants, diffs, bench, notes, report_path, sections=()) -> str:
     for i, v in enumerate(variants):
         v.anchor = _anchor(v.name, i)
     stamp = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
@@ -180,7 +182,9 @@ def _build_page(title, variants, diffs, bench, notes, report_path) -> str:
             f'<p class="sub">mlpfuse report, written {esc(stamp, 60)}. One self-contained file: it loads nothing '
             "and runs no script.</p>"]
     body += [f"<p>{esc(n, 2000)}</p>" for n in notes]
-    links = ([('verdicts', 'Verdicts')] if variants else []) + ([('diffs', 'Diffs')] if diffs else []) \
+    extra = [(f"s{i}", heading, html) for i, (heading, html) in enumerate(sections)]
+    links = ([('verdicts', 'Verdicts')] if variants else []) + [(a, t) for a, t, _ in extra] \
+        + ([('diffs', 'Diffs')] if diffs else []) \
         + [(v.anchor, v.name) for v in variants] + ([('bench', 'Bench')] if bench else [])
     body.append("<nav>" + "".join(f'<a href="#{a}">{esc(t, 80)}</a>' for a, t in links) + "</nav></header>")
     if variants:
@@ -189,6 +193,7 @@ def _build_page(title, variants, diffs, bench, notes, report_path) -> str:
                     + '<p class="note">Per step, averaged over the profiled steps. GPU busy is the time the GPU '
                     "ran any kernel, memset or memcpy in the step's GPU window; host µs is the step's wall time "
                     "on the CPU; in launch calls, the CPU time spent inside the launch calls.</p></section>")
+    body += [f'<section id="{a}"><h2>{esc(t, 200)}</h2>{html}</section>' for a, t, html in extra]
     budget = Budget()
     if diffs:
         body.append('<section id="diffs"><h2>Diffs</h2>')
@@ -230,12 +235,13 @@ def check_target(path: str | os.PathLike, what: str = "--html") -> str:
 
 
 def write(path: str | os.PathLike, title: str, variants: list[Variant] = (), diffs: list[tuple[str, dict]] = (),
-          bench: Bench | None = None, notes: list[str] = (), what: str = "--html") -> str:
+          bench: Bench | None = None, notes: list[str] = (), what: str = "--html",
+          sections: list[tuple[str, str]] = ()) -> str:
     """Build the page and write it atomically to `path`; a path that cannot be written is one InputError."""
     from mlpfuse._io import atomic_write_text
 
     path = check_target(path, what)
-    html = build_page(title, variants, diffs, bench, notes, report_path=path)
+    html = build_page(title, variants, diffs, bench, notes, report_path=path, sections=sections)
     try:
         atomic_write_text(path, html)
     except OSError as exc:

@@ -96,12 +96,16 @@ def section(what: str, build: Callable[[], str]) -> str:
                 f"{esc(exc, 300)}</p>")
 
 
-def legend() -> str:
-    items = [("kernel: GEMM", "fam-gemm"), ("elementwise", "fam-elementwise"), ("reduction", "fam-reduction"),
-             ("Triton (Inductor / mlpfuse)", "fam-triton_pointwise"), ("attention", "fam-attention"),
-             ("memset", "memset"), ("memcpy", "memcpy"), ("other kernel", "fam-other"),
-             ("another step's GPU work", "other-step"), ("CPU op", "op"), ("annotation", "annotation"),
-             ("Python frame", "py"), ("launch call", "launch"), ("other runtime call", "runtime")]
+def legend(gpu: bool = True, runtime: bool = True) -> str:
+    """The timeline's colours; without GPU events (a CPU run) the GPU lanes' entries are left out, without CUDA
+    runtime events the launch calls'."""
+    gpu_items = [("kernel: GEMM", "fam-gemm"), ("elementwise", "fam-elementwise"), ("reduction", "fam-reduction"),
+                 ("Triton (Inductor / mlpfuse)", "fam-triton_pointwise"), ("attention", "fam-attention"),
+                 ("memset", "memset"), ("memcpy", "memcpy"), ("other kernel", "fam-other"),
+                 ("another step's GPU work", "other-step")]
+    runtime_items = [("launch call", "launch"), ("other runtime call", "runtime")]
+    items = (gpu_items if gpu else []) + [("CPU op", "op"), ("annotation", "annotation"), ("Python frame", "py")] \
+        + (runtime_items if runtime else [])
     return '<div class="legend">' + "".join(
         f'<span><svg width="12" height="12" viewBox="0 0 12 12"><rect class="{cls}" width="12" height="12"/>'
         f"</svg> {label}</span>" for label, cls in items) + "</div>"

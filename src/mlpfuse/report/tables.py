@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+from mlpfuse.profiling.analysis import NA, gpu_measured
 from mlpfuse.report.markup import esc, finite, num, pct, us
 
 MAX_ROWS = 200
@@ -117,10 +118,13 @@ def verdict_table(variants: list) -> str:
             continue
         p = _get(v.analysis, "per_step", default={})
         verdict = _get(v.analysis, "verdict", default={})
+        gpu, launches = gpu_measured(v.analysis)
         busy, idle = p.get("gpu_busy_us"), p.get("gpu_idle_us")
-        rows.append([name, verdict_badge(verdict.get("kind")), num(p.get("gpu_kernels")), num(p.get("launch_calls")),
-                     us(busy), us(idle), busy_bar(busy, idle) + " " + pct(verdict.get("gpu_busy_share")),
-                     us(p.get("step_us")), us(p.get("launch_cpu_us")), num(p.get("cpu_ops"))])
+        gpu_cells = ([num(p.get("gpu_kernels")), num(p.get("launch_calls")) if launches else NA, us(busy), us(idle),
+                      busy_bar(busy, idle) + " " + pct(verdict.get("gpu_busy_share"))] if gpu else
+                     [NA, num(p.get("launch_calls")) if launches else NA, NA, NA, NA])
+        rows.append([name, verdict_badge(verdict.get("kind")), *gpu_cells, us(p.get("step_us")),
+                     us(p.get("launch_cpu_us")) if launches else NA, num(p.get("cpu_ops"))])
         about = f" ({esc(v.about, 200)})" if v.about else ""
         reasons.append(f"<li><b>{esc(v.name, 120)}</b>{about}: {esc(verdict.get('reason', ''), 600)}</li>")
     return (table(heads, rows, "verdicts", numeric=(2, 3, 4, 5, 7, 8, 9))
@@ -134,18 +138,19 @@ def per_step_table(data: dict) -> str:
     p = _get(data, "per_step", default={})
     launches = ", ".join(f"{esc(k, 60)} {num(v)}" for k, v in _get(p, "launch_calls_by_name", default={}).items())
     families = ", ".join(f"{esc(k, 40)} {num(v)}" for k, v in _get(p, "families", default={}).items())
+    gpu, launched = gpu_measured(data)
     rows = [
         ("steps", f"{num(data.get('steps'))} ({esc(data.get('step_source', '–'), 120)})"),
         ("step wall time (host)", f"{us(p.get('step_us'))} µs"),
         ("GPU busy / idle / window", f"{us(p.get('gpu_busy_us'))} / {us(p.get('gpu_idle_us'))} / "
-                                     f"{us(p.get('gpu_window_us'))} µs"),
+                                     f"{us(p.get('gpu_window_us'))} µs" if gpu else NA),
         ("GPU kernels / memsets / memcpys", f"{num(p.get('gpu_kernels'))} / {num(p.get('gpu_memsets'))} / "
-                                            f"{num(p.get('gpu_memcpys'))}"),
-        ("launch calls", launches or "0"),
-        ("CPU time in launch calls", f"{us(p.get('launch_cpu_us'))} µs"),
-        ("occupancy queries", num(p.get("occupancy_queries"))),
+                                            f"{num(p.get('gpu_memcpys'))}" if gpu else NA),
+        ("launch calls", launches or "0" if launched else NA),
+        ("CPU time in launch calls", f"{us(p.get('launch_cpu_us'))} µs" if launched else NA),
+        ("occupancy queries", num(p.get("occupancy_queries")) if launched else NA),
         ("CPU ops", num(p.get("cpu_ops"))),
-        ("kernel families", families or "–"),
+        ("kernel families", families or "–" if gpu else NA),
     ]
     return table(["per step (average)", ""], rows, "kv")
 

@@ -1,0 +1,86 @@
+"""One decode step with a static cache, as deployments run it (gpt-fast-style loops, graph-replaying servers).
+
+The prompt is prefilled into a transformers StaticCache once; the step then feeds one new token per sequence at a
+fixed cache position. Each call first rewinds the cache's write position to the prompt's end, so every call writes
+the same slot with the same keys and values: the step can be called, compiled and replayed any number of times and
+computes the same logits each time. On CUDA the step (compiled first for the compile variants, with
+`fullgraph=True`) is captured in a CUDA graph and timed by replays; `do_bench_rounds` times the same replays with
+Triton's `do_bench`, a second harness to cross-check the CUDA-event timing.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from mlpfuse.bench import timing
+
+
+def _cache_kwarg(module: torch.nn.Module) -> str:
+    """The forward's name for the cache: `cache` in transformers 5.2x, `past_key_values` before."""
+    params = inspect.signature(module.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class StaticStep:
+    """`step()` -> logits [B, 1, vocab] of the token after `ids`'s prompt, the cache holding the prompt."""
+
+    def __init__(self, module: torch.nn.Module, ids: torch.Tensor, token: torch.Tensor):
+        import transformers
+
+        seq = ids.shape[1]
+        self.module, self.token, self.seq = module, token, seq
+        self.cache = transformers.StaticCache(config=module.config, max_cache_len=seq + 1)
+        self.kwarg = _cache_kwarg(module)
+        self.position = torch.full((1, 1), seq, dtype=torch.long, device=ids.device)
+        with torch.no_grad():
+            module(input_ids=ids, use_cache=True, **{self.kwarg: self.cache})
+        layers = self.cache.layers
+        self.lengths = [layer.cumulative_length for layer in layers]
+        self.starts = [torch.full_like(length, seq) for length in self.lengths]
+        self.sliding = [layer for layer in layers if hasattr(layer, "cumulative_length_int")]
+
+    def __call__(self) -> torch.Tensor:
+        # Back to the prompt's end: the write position is a tensor per layer (rewound inside a captured graph too);
+        # sliding-window layers also keep a Python int, which decides their branch when traced
+        torch._foreach_copy_(self.lengths, self.starts)
+        for layer in self.sliding:
+            layer.cumulative_length_int = self.seq
+        return self.module(input_ids=self.token, position_ids=self.position, use_cache=True,
+                           **{self.kwarg: self.cache}).logits
+
+
+def inference(fn):
+    def call():
+        with torch.no_grad():
+            return fn()
+    return call
+
+
+def capture(step, device: torch.device):
+    """`step` recorded in a CUDA graph: (replay, the graph's output tensor, refreshed by each replay). Warmed up on a
+    side stream first, as capture needs: lazy initialisation, autotuning and workspace allocation happen there."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    torch.cuda.synchronize(device)
+    return graph.replay, out
+
+
+def do_bench_rounds(steps: dict, rounds: int) -> dict[str, timing.Stat]:
+    """Per step, Triton's `do_bench` median (it flushes the L2 before each call) once per round, the steps
+    interleaved as in `timing.interleaved`: µs, median over rounds with the spread."""
+    from triton.testing import do_bench
+
+    values: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            values[name].append(do_bench(step, warmup=25, rep=100, return_mode="median") * 1e3)
+    return {name: timing.Stat.of_rounds(v, len(v)) for name, v in values.items()}
