@@ -37,14 +37,17 @@ class StaticStep:
         with torch.no_grad():
             module(input_ids=ids, use_cache=True, **{self.kwarg: self.cache})
         layers = self.cache.layers
-        self.lengths = [layer.cumulative_length for layer in layers]
+        # Releases that keep no write position on the device write at the position given: nothing to rewind.
+        self.lengths = [n for n in (getattr(layer, "cumulative_length", None) for layer in layers)
+                        if isinstance(n, torch.Tensor)]
         self.starts = [torch.full_like(length, seq) for length in self.lengths]
         self.sliding = [layer for layer in layers if hasattr(layer, "cumulative_length_int")]
 
     def __call__(self) -> torch.Tensor:
         # Back to the prompt's end: the write position is a tensor per layer (rewound inside a captured graph too);
         # sliding-window layers also keep a Python int, which decides their branch when traced
-        torch._foreach_copy_(self.lengths, self.starts)
+        if self.lengths:
+            torch._foreach_copy_(self.lengths, self.starts)
         for layer in self.sliding:
             layer.cumulative_length_int = self.seq
         return self.module(input_ids=self.token, position_ids=self.position, use_cache=True,
