@@ -60,6 +60,13 @@ def allowed(ref: torch.Tensor, var: torch.Tensor, dtype: torch.dtype, k: int) ->
     return rounding + arithmetic
 
 
+def chain_tol(dtype: torch.dtype, *, roundings: int, gain: float = 1.0, k: int = 1) -> float:
+    """A relative error bound where no per-element model is kept: `roundings` independent roundings to `dtype`
+    (each ≤ eps/√12 relative in root mean square), amplified up to `gain` on their way to the result, and the
+    accumulator's arithmetic over sums of `k` terms."""
+    return gain * eps(dtype) * math.sqrt(roundings / 12) + eps(accumulator(dtype)) * (math.sqrt(max(k, 1)) + ACT_ULPS)
+
+
 def assert_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str, *, k: int = 1,
                  var: torch.Tensor | None = None) -> float:
     """`got` within what its roundings explain of the float64 `ref`; `var` the per-element rounding variance of
@@ -91,8 +98,9 @@ def gated_forward(x, wg, wu, wd, bg, bu, bd, activation: str, dtype: torch.dtype
     bg, bu, bd = (t.detach().double().cpu() if t is not None else None for t in (bg, bu, bd))
     g = torch.nn.functional.linear(x, wg, bg).requires_grad_()
     u = torch.nn.functional.linear(x, wu, bu)
-    a = PLAIN[activation](g)
-    (da,) = torch.autograd.grad(a.sum(), g)
+    with torch.enable_grad():  # act'(g), also when the caller runs under no_grad
+        a = PLAIN[activation](g)
+        (da,) = torch.autograd.grad(a.sum(), g)
     g, a = g.detach(), a.detach()
     h = a * u
     y = torch.nn.functional.linear(h, wd, bd)
