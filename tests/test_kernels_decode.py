@@ -3,8 +3,8 @@
 Tiny D/H keep the interpreter fast; every M from 1 to 64 is covered in every reduction mode, and odd sizes
 exercise every mask. The interpreter runs programs one after another, so it checks the arithmetic and the
 indexing, not inter-program ordering: the one-launch mode's ticket and tail are checked on a GPU by
-test_one_launch_every_m_on_gpu (and bf16, races and CUDA-graph capture by benchmarks/bench_decode.py; the
-interpreter mis-computes bf16 dots).
+test_one_launch_every_m_on_gpu (and bf16 by benchmarks/numerics_gpu.py; the interpreter mis-computes bf16
+dots).
 """
 
 from __future__ import annotations
