@@ -2,14 +2,15 @@
 # One GPU run: the steps named on the command line, in order, each under its own time limit, then one archive
 # of everything they wrote and a short summary printed last.
 #   bash benchmarks/gpu_run.sh OUTDIR STEP[:SECONDS] ...
-# Steps: numerics, tests, gpu-tests (the files whose path changes on CUDA), plan-tests, walkthrough, model-lab,
-#        model-prefill-32, model-decode-32, decode-step, model-gpt2, model-bert,
-#        bench-blog, bench-linear, bench-large, bench-large-train, bench-train-mid,
-#        bench-decode, bench-small,
-#        bench-sweep, bench-sweep-small, bench-sweep-small-large, bench-sweep-mid, bench-sweep-mid-large, bench-sweep-train, bench-sweep-large, bench-sweep-large-train, kernels, tune-mid-m, tune-small-m, tune-linear, tune-blog, tune-llama, decode, decode-sweep, host,
-#        host-paths, host-paths-train, host-floor, host-profile, host-breakdown, memory, one-launch, profile-train, cuda-backend, decode-kernels,
+# Steps: numerics, int64 (tensors past 2**31 elements; ~80 GB), tests, gpu-tests (the files whose path changes on
+#        CUDA), plan-tests, walkthrough, model-lab, model-prefill-32, model-decode-32, model-gpt2, model-bert,
+#        bench-blog, bench-linear, bench-large, bench-large-train, bench-train-mid, bench-decode, bench-small,
+#        bench-sweep, bench-sweep-small, bench-sweep-small-large, bench-sweep-mid, bench-sweep-mid-large,
+#        bench-sweep-train, bench-sweep-large, bench-sweep-large-train, kernels, tune-mid-m, tune-small-m,
+#        tune-linear, tune-blog, tune-llama, host-paths, host-paths-train, cuda-backend, decode-kernels,
 #        decode-shapes (the CUDA decode kernels' launch shapes, benchmarks/decode_shapes.cu; needs nvcc and sm_90),
 #        multi-gpu, multi-gpu-sp (every visible GPU, tensor parallel; NCCL with NVLink multicast off).
+#        benchmarks/README.md says what each answers and where its latest result is.
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
 cd "$(dirname "$0")/.."
@@ -38,11 +39,13 @@ for spec in "$@"; do
     step=${spec%%:*}; secs=${spec#*:}; [ "$secs" = "$spec" ] && secs=300
     case $step in
         numerics) run_step numerics "$secs" python3 benchmarks/numerics_gpu.py --workers 12 --budget-s $((secs - 30)) --out "$W/numerics-h200.txt" ;;
+        int64) run_step int64 "$secs" python3 benchmarks/numerics_gpu.py --int64 --out "$W/int64.json" ;;
         tests) run_step tests "$secs" python3 -m pytest -q -p no:cacheprovider tests ;;
         plan-tests) run_step plan-tests "$secs" python3 -m pytest -q -p no:cacheprovider tests/test_call_plan.py ;;
         gpu-tests) run_step gpu-tests "$secs" python3 -m pytest -q -p no:cacheprovider --durations=10 \
             tests/test_kernels_plans.py tests/test_kernels_decode.py tests/test_kernels_gemm.py \
-            tests/test_kernels_int64.py tests/test_ops.py tests/test_modules.py tests/test_compile.py tests/test_call_plan.py ;;
+            tests/test_kernels_int64.py tests/test_ops.py tests/test_modules.py tests/test_compile.py tests/test_call_plan.py \
+            tests/test_module_repeats.py ;;
         walkthrough) run_step walkthrough "$secs" python3 -m mlpfuse walkthrough --out "$W/walkthrough" ;;
         model-lab) run_step model-lab "$secs" python3 -m mlpfuse bench --model llama3-8b --layers 4 --tokens 1x2048 \
             --mode prefill,decode,train --variants eager,liger,mlpfuse --out "$W/model-lab" ;;
@@ -50,7 +53,6 @@ for spec in "$@"; do
             --mode prefill --variants eager,mlpfuse --out "$W/model-prefill-32" ;;
         model-decode-32) run_step model-decode-32 "$secs" python3 -m mlpfuse bench --model llama3-8b --tokens 1x128 \
             --mode decode --variants eager,compile,mlpfuse,mlpfuse-compile --out "$W/model-decode-32" ;;
-        decode-step) run_step decode-step "$secs" python3 benchmarks/decode_step.py --out "$W/decode-step" ;;
         model-gpt2) run_step model-gpt2 "$secs" python3 -m mlpfuse bench --model gpt2 --tokens 1x128,8x128 \
             --mode prefill,decode,train --variants eager,mlpfuse --out "$W/model-gpt2" ;;
         model-bert) run_step model-bert "$secs" python3 -m mlpfuse bench --model bert-base --tokens 1x128,8x128 \
@@ -75,21 +77,12 @@ for spec in "$@"; do
         tune-linear) run_step tune-linear "$secs" python3 benchmarks/tune_kernels.py --skip-numerics --only linear --out "$W" ;;
         tune-llama) run_step tune-llama "$secs" python3 benchmarks/tune_kernels.py --skip-numerics --only llama --out "$W" ;;
         tune-blog) run_step tune-blog "$secs" python3 benchmarks/tune_kernels.py --skip-numerics --only blog --out "$W" ;;
-        decode) run_step decode "$secs" python3 benchmarks/bench_decode.py --out "$W/decode" ;;
-        decode-sweep) run_step decode-sweep "$secs" python3 benchmarks/bench_decode.py --sweep --out "$W/decode" ;;
-        host) run_step host "$secs" python3 benchmarks/host_overhead.py --out "$W/host" ;;
         host-paths) run_step host-paths "$secs" python3 benchmarks/host_paths.py --out "$W/host-paths" ;;
         host-paths-train) run_step host-paths-train "$secs" python3 benchmarks/host_paths.py --only train --out "$W/host-paths-train" ;;
-        host-floor) run_step host-floor "$secs" python3 benchmarks/host_floor.py --out "$W/host-floor" ;;
-        host-profile) run_step host-profile "$secs" python3 benchmarks/host_profile.py --out "$W/host-profile" ;;
-        host-breakdown) run_step host-breakdown "$secs" python3 benchmarks/host_breakdown.py --out "$W/host_breakdown.json" ;;
-        memory) run_step memory "$secs" python3 benchmarks/train_anatomy.py --parts memory --out "$W/memory" ;;
         bench-sweep-large) run_step bench-sweep-large "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 4096 --hidden 14336 --workload geglu,swiglu --mode fwd --variants eager,compile,liger,mlpfuse --out "$W/bench-sweep-large" ;;
         bench-sweep-large-train) run_step bench-sweep-large-train "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 4096 --hidden 14336 --workload geglu,swiglu --mode fwd+bwd --variants eager,compile,liger,mlpfuse --out "$W/bench-sweep-large-train" ;;
-        one-launch) run_step one-launch "$secs" python3 benchmarks/decode_one_launch.py ;;
         multi-gpu) run_step multi-gpu "$secs" python3 benchmarks/multi_gpu.py --out "$W/multi-gpu" ;;
         multi-gpu-sp) run_step multi-gpu-sp "$secs" python3 benchmarks/multi_gpu.py --sequence-parallel --out "$W/multi-gpu-sp" ;;
-        profile-train) run_step profile-train "$secs" python3 benchmarks/profile_training.py --out "$W/profile-train" ;;
         cuda-backend) MLPFUSE_CACHE_DIR=$W/cache run_step cuda-backend "$secs" python3 benchmarks/cuda_backend_gpu.py --out "$W/cuda-backend.md" ;;
         decode-kernels) MLPFUSE_CACHE_DIR=/tmp/mlpfuse-cache run_step decode-kernels "$secs" python3 benchmarks/cuda_backend_gpu.py --only decode --out "$W/decode-kernels.md" ;;
         decode-shapes) run_step decode-shapes "$secs" bash -c "nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -o '$W/decode_shapes' benchmarks/decode_shapes.cu && '$W/decode_shapes' 15" ;;

@@ -23,10 +23,32 @@ import statistics
 import time
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import mlpfuse
-from bench_decode import wall_us  # this folder is on sys.path when run: the same loops as the other scripts
-from host_overhead import Eager
+
+
+class Eager(nn.Module):
+    """The GeGLU block as transformers writes it: three nn.Linear and the activation, no bias."""
+
+    def __init__(self, d, h):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(d, h, bias=False), nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+def wall_us(fn, n):
+    """µs per call of n calls back to back between two synchronizes."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / n * 1e6
 
 
 def spin_up(seconds=0.5):

@@ -49,23 +49,24 @@ def kernels_launched_in(doc, step_name: str) -> list:
     return [e for e in complete(doc) if e.get("cat") == "kernel" and e.get("args", {}).get("correlation") in launched]
 
 
-def hostile_doc() -> dict:
-    """geglu_eager with a kernel, an op and the step label renamed to markup, and a bidi override in another op."""
+def hostile_doc(label: str = HOSTILE["label"]) -> dict:
+    """geglu_eager with a kernel, an op and the step label renamed to markup (or to `label`), and a bidi override in
+    another op."""
     doc = raw("geglu_eager")
     events = complete(doc)
     kernel = next(e["name"] for e in events if e.get("cat") == "kernel" and "elementwise" in e["name"])
-    label = next(e["name"] for e in events if e.get("cat") == "user_annotation"
-                 and not e["name"].startswith("ProfilerStep"))
+    step = next(e["name"] for e in events if e.get("cat") == "user_annotation"
+                and not e["name"].startswith("ProfilerStep"))
     for e in events:
         if e["name"] == kernel:
             e["name"] = HOSTILE["kernel"]
         elif e["name"] == "aten::gelu":
             e["name"] = HOSTILE["op"]
-        elif e["name"] == label:
-            e["name"] = HOSTILE["label"]
+        elif e["name"] == step:
+            e["name"] = label
         elif e["name"] == "aten::view":
             e["name"] = HOSTILE["bidi"]
-    doc["mlpfuse_label"] = HOSTILE["label"]
+    doc["mlpfuse_label"] = label
     return doc
 
 
@@ -120,6 +121,25 @@ class Elements(HTMLParser):
 
     def find(self, tag: str, cls: str | None = None) -> list[dict]:
         return [a for t, a in self.tags if t == tag and (cls is None or cls in (a.get("class") or "").split())]
+
+
+class _StartTags(HTMLParser):
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.tags: list[tuple[str, list]] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, attrs))
+
+    handle_startendtag = handle_starttag
+
+
+def start_tags(html: str) -> list[tuple[str, list[tuple[str, str | None]]]]:
+    """Every start tag with its attributes as parsed, in order, repeats kept (a dict would hide a duplicate)."""
+    parser = _StartTags()
+    parser.feed(html)
+    parser.close()
+    return parser.tags
 
 
 class _Timelines(HTMLParser):

@@ -13,6 +13,8 @@ import warnings
 import pytest
 import torch
 
+import numerics
+from conftest import HAS_CUDA
 from mlpfuse import activations as A
 from mlpfuse.kernels import available
 
@@ -29,7 +31,6 @@ if available():
     from mlpfuse.kernels.glu_backward import matmul_glu_backward
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 ACTS = [a for a in A.NAMES] + ["identity"]
 # Small tiles: several tiles per output and ragged edges even at these sizes (the persistent loop then also runs).
 TILES = {
@@ -55,10 +56,10 @@ def poisoned(*shape, dtype, n):
     return tuple(torch.full(shape, float("nan"), device=DEVICE, dtype=dtype) for _ in range(n))
 
 
-def assert_close(out, ref, dtype, what):
-    assert not torch.isnan(out).any(), f"{what}: NaN in output (unwritten or spurious)"
-    err = ((out.double().cpu() - ref.cpu()).norm() / ref.norm().clamp_min(1e-30)).item()
-    assert err <= TOL[dtype], f"{what}: relative error {err:.2e} > {TOL[dtype]:.0e}"
+def assert_close(out, ref, dtype, what, k=1):
+    """`out` within one rounding to `dtype` of the float64 `ref`, computed in fp32 over sums of `k` terms (the
+    error bound is derived in tests/numerics.py)."""
+    numerics.assert_close(out, ref, dtype, what, k=k)
 
 
 def gated_ref(x, wg, wu, bg, bu, act):
@@ -83,9 +84,9 @@ def test_gated_gemm_every_activation(act_name, dtype, path):
                          config=TILES[path])
     assert h is out[0] and g is out[1] and u is out[2]
     hr, gr, ur = gated_ref(x, wg, wu, bg, bu, act)
-    assert_close(h, hr, dtype, "h")
-    assert_close(g, gr, dtype, "g")
-    assert_close(u, ur, dtype, "u")
+    assert_close(h, hr, dtype, "h", k=K)
+    assert_close(g, gr, dtype, "g", k=K)
+    assert_close(u, ur, dtype, "u", k=K)
 
 
 @pytest.mark.parametrize("path", ["tma", "pointer"])
@@ -100,7 +101,7 @@ def test_gated_gemm_shapes_and_biases(M, N, K, bias, path):
     bu = randn(N, dtype=dtype, gen=gen) if bias in ("up", "both") else None
     (out,) = poisoned(M, N, dtype=dtype, n=1)
     h = gated_gemm(x, wg, wu, bg, bu, activation=act.id, allow_tf32=False, out=out, config=TILES[path])
-    assert_close(h, gated_ref(x, wg, wu, bg, bu, act)[0], dtype, "h")
+    assert_close(h, gated_ref(x, wg, wu, bg, bu, act)[0], dtype, "h", k=K)
 
 
 def test_gated_gemm_up_before_gate_in_memory():
@@ -112,7 +113,7 @@ def test_gated_gemm_up_before_gate_in_memory():
     wg, wu = packed[24:], packed[:24]
     (out,) = poisoned(20, 24, dtype=dtype, n=1)
     h = gated_gemm(x, wg, wu, activation=act.id, out=out, config=TILES["tma"])
-    assert_close(h, gated_ref(x, wg, wu, None, None, act)[0], dtype, "h")
+    assert_close(h, gated_ref(x, wg, wu, None, None, act)[0], dtype, "h", k=32)
 
 
 def test_gated_gemm_non_contiguous_inputs():
@@ -124,10 +125,10 @@ def test_gated_gemm_non_contiguous_inputs():
     wu = randn(N, 2 * K, dtype=dtype, gen=gen)[:, ::2]  # every other column: stride 2 along K
     (out,) = poisoned(M, N, dtype=dtype, n=1)
     h = gated_gemm(x, wg, wu, activation=act.id, allow_tf32=False, out=out)
-    assert_close(h, gated_ref(x, wg, wu, None, None, act)[0], dtype, "h")
+    assert_close(h, gated_ref(x, wg, wu, None, None, act)[0], dtype, "h", k=K)
     # the default launch (no out=) agrees with the reference as well
     assert_close(gated_gemm(x, wg, wu, activation=act.id, allow_tf32=False), gated_ref(x, wg, wu, None, None, act)[0],
-                 dtype, "h default")
+                 dtype, "h default", k=K)
 
 
 @pytest.mark.parametrize("path", ["tma", "pointer"])
@@ -143,11 +144,11 @@ def test_gemm_act(act_name, dtype, path):
     out = poisoned(M, N, dtype=dtype, n=2)
     y, z = gemm_act(x, w, b, activation=act.id, save_preact=True, allow_tf32=False, out=out, config=TILES[path])
     zr = x.double() @ w.double().T + b.double()
-    assert_close(z, zr, dtype, "z")
-    assert_close(y, act.forward(zr), dtype, "y")
+    assert_close(z, zr, dtype, "z", k=K)
+    assert_close(y, act.forward(zr), dtype, "y", k=K)
     (out1,) = poisoned(M, N, dtype=dtype, n=1)
     y1 = gemm_act(x, w, None, activation=act.id, allow_tf32=False, out=out1, config=TILES[path])
-    assert_close(y1, act.forward(x.double() @ w.double().T), dtype, "y without bias")
+    assert_close(y1, act.forward(x.double() @ w.double().T), dtype, "y without bias", k=K)
 
 
 @pytest.mark.parametrize("path", ["tma", "pointer", "prefetch"])
@@ -163,8 +164,8 @@ def test_glu_backward(act_name, dtype, path):
     out = poisoned(M, N, dtype=dtype, n=3)
     dg, du, h = matmul_glu_backward(dy, wd, g, u, activation=act.id, allow_tf32=False, out=out, config=TILES[path])
     dh, gd, ud = dy.double() @ wd.double(), g.double(), u.double()
-    assert_close(dg, dh * ud * act.grad(gd), dtype, "dg")
-    assert_close(du, dh * act.forward(gd), dtype, "du")
+    assert_close(dg, dh * ud * act.grad(gd), dtype, "dg", k=D)
+    assert_close(du, dh * act.forward(gd), dtype, "du", k=D)
     assert_close(h, act.forward(gd) * ud, dtype, "h")
 
 
@@ -179,8 +180,8 @@ def test_glu_backward_non_contiguous():
     out = poisoned(M, N, dtype=dtype, n=3)
     dg, du, h = matmul_glu_backward(dy, wd, g, u, activation=act.id, allow_tf32=False, out=out)
     dh, gd, ud = dy.double() @ wd.double(), g.double(), u.double()
-    assert_close(dg, dh * ud * act.grad(gd), dtype, "dg")
-    assert_close(du, dh * act.forward(gd), dtype, "du")
+    assert_close(dg, dh * ud * act.grad(gd), dtype, "dg", k=D)
+    assert_close(du, dh * act.forward(gd), dtype, "du", k=D)
     assert_close(h, act.forward(gd) * ud, dtype, "h")
 
 
@@ -255,8 +256,8 @@ def test_glu_backward_split(act_name, dtype):
     assert_close(du, du_ref, dtype, "du")
     assert_close(h, act.forward(gd) * ud, dtype, "h")
     assert dbg.dtype == dbu.dtype == torch.float32
-    assert_close(dbg, dg_ref.sum(0), torch.float32 if dtype == torch.float32 else dtype, "dgate_bias")
-    assert_close(dbu, du_ref.sum(0), torch.float32 if dtype == torch.float32 else dtype, "dup_bias")
+    assert_close(dbg, dg_ref.sum(0), torch.float32, "dgate_bias", k=M)
+    assert_close(dbu, du_ref.sum(0), torch.float32, "dup_bias", k=M)
     # Without the extras nothing else is computed.
     assert glu_backward_split(dh, g, u, activation=act.id)[2:] == (None, None, None)
 
@@ -279,7 +280,7 @@ def test_glu_backward_split_gpu_tiles(rows):
     dg_ref, du_ref = dhd * ud * act.grad(gd), dhd * act.forward(gd)
     for got, want, what in ((dg, dg_ref, "dg"), (du, du_ref, "du"), (h, act.forward(gd) * ud, "h"),
                             (dbg, dg_ref.sum(0), "dgate_bias"), (dbu, du_ref.sum(0), "dup_bias")):
-        assert_close(got, want, torch.float32, what)
+        assert_close(got, want, torch.float32, what, k=M)
 
 
 def test_glu_backward_cached_plan_serves_only_the_layout_it_was_made_for():
@@ -362,6 +363,67 @@ def test_glu_forward_bad_input_and_empty():
     assert glu_forward(g[:0], g[:0], activation=A.SILU).shape == (0, 6)
 
 
+def padded(rows, cols, pad, dtype, gen):
+    """[rows, cols] random values in a buffer of rows of cols + pad elements: its own allocation and row stride;
+    the padding holds NaN, so a read through another tensor's stride lands on it."""
+    buf = torch.full((rows, cols + pad), float("nan"), dtype=dtype, device=DEVICE)
+    buf[:, :cols] = randn(rows, cols, dtype=dtype, gen=gen)
+    return buf[:, :cols]
+
+
+# The interpreter stores fp32 into bf16 by chopping the low bits (round toward zero): its results are checked
+# against chopping; a GPU rounds to nearest.
+CHOPPED_BF16 = not HAS_CUDA
+
+
+def pointwise_close(out, ref, dtype, what):
+    var = numerics.rounding_var(ref, dtype, chopped=CHOPPED_BF16 and dtype == torch.bfloat16)
+    numerics.assert_close(out, ref, dtype, what, var=var)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("act_name", ["gelu_tanh", "silu", "relu2"])
+def test_glu_forward_reads_each_operand_with_its_own_row_stride(act_name, dtype):
+    # g, u and h in three buffers with three row strides (37 + 5, 37 + 11, 37 + 2): an operand addressed with
+    # another's stride reads the NaN padding or the wrong row. Twice: the second call runs the kept launch plan.
+    from mlpfuse.kernels.glu import glu_forward
+
+    gen = torch.Generator().manual_seed(41 + ACTS.index(act_name))
+    act = A.get(act_name)
+    M, N = 9, 37
+    g, u = padded(M, N, 5, dtype, gen), padded(M, N, 11, dtype, gen)
+    want = act.forward(g.double()) * u.double()
+    for _ in range(2):
+        buf = torch.full((M, N + 2), float("nan"), dtype=dtype, device=DEVICE)
+        h = glu_forward(g, u, activation=act.id, out=buf[:, :N])
+        assert len({g.stride(0), u.stride(0), h.stride(0)}) == 3
+        pointwise_close(h, want, dtype, "h")
+        assert torch.isnan(buf[:, N:]).all()  # nothing written past a row
+    pointwise_close(glu_forward(g, u, activation=act.id), want, dtype, "h (fresh)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_glu_backward_split_reads_each_operand_with_its_own_row_stride(dtype):
+    # dh, g, u, dg, du and h in six buffers with six row strides; the bias sums come back in fp32.
+    from mlpfuse.kernels.glu_backward import glu_backward_split
+
+    gen = torch.Generator().manual_seed(43)
+    act = A.get("gelu_tanh")
+    M, N = 21, 37
+    dh, g, u = (padded(M, N, pad, dtype, gen) for pad in (1, 3, 6))
+    outs = [padded(M, N, pad, dtype, gen).fill_(float("nan")) for pad in (2, 5, 9)]
+    dg, du, h, dbg, dbu = glu_backward_split(dh, g, u, activation=act.id, want_h=True, bias_sums=True,
+                                             out=outs[:2], out_h=outs[2])
+    assert all(a is b for a, b in zip((dg, du, h), outs))
+    dhd, gd, ud = dh.double(), g.double(), u.double()
+    dg_ref, du_ref = dhd * ud * act.grad(gd), dhd * act.forward(gd)
+    pointwise_close(dg, dg_ref, dtype, "dg")
+    pointwise_close(du, du_ref, dtype, "du")
+    pointwise_close(h, act.forward(gd) * ud, dtype, "h")
+    numerics.assert_close(dbg, dg_ref.sum(0), torch.float32, "dgate_bias", k=M)
+    numerics.assert_close(dbu, du_ref.sum(0), torch.float32, "dup_bias", k=M)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the cached direct launch runs on CUDA only")
 def test_cached_launch_reuses_kernels_across_m_and_respecializes_on_alignment():
     # The second call with the same layout launches the cached compiled kernel directly: it must be right for any M
@@ -378,11 +440,11 @@ def test_cached_launch_reuses_kernels_across_m_and_respecializes_on_alignment():
     for M in (1000, 37, 1, 513):
         x = big[: M * K].view(M, K)
         assert_close(gated_gemm(x, wg, wu, activation=act.id), gated_ref(x, wg, wu, None, None, act)[0],
-                     torch.float16, f"M={M}")
+                     torch.float16, f"M={M}", k=K)
     after_aligned = len(gg._launch._compiled)
     assert after_aligned - before <= 1  # one entry served every M
     for M in (300, 5):
         x = big[1: 1 + M * K].view(M, K)  # 2-byte offset: not 16-byte aligned
         assert_close(gated_gemm(x, wg, wu, activation=act.id), gated_ref(x, wg, wu, None, None, act)[0],
-                     torch.float16, f"misaligned M={M}")
+                     torch.float16, f"misaligned M={M}", k=K)
     assert len(gg._launch._compiled) == after_aligned + 1

@@ -6,7 +6,7 @@ KB. With 32-bit index math the kernels read and write the wrong place -- wrong r
 address is unmapped -- so the kernels run in a child process and the test reads its report.
 
 Runs through Triton's interpreter on CPU (fp32). The same check at real sizes on a GPU (160k tokens × 14336, bf16,
-forward and backward) is benchmarks/int64_gpu.py.
+forward and backward) is `benchmarks/numerics_gpu.py --int64`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from conftest import HAS_CUDA
 from mlpfuse.kernels import available
 
 # A CUDA machine runs the suite's kernels on the GPU and keeps its own numpy, which Triton 3.6's interpreter may not
-# accept (numpy >= 2.4); there benchmarks/int64_gpu.py checks the same at real sizes.
+# accept (numpy >= 2.4); there `benchmarks/numerics_gpu.py --int64` checks the same at real sizes.
 pytestmark = pytest.mark.skipif(not available() or HAS_CUDA,
                                 reason="interpreter check: runs where the suite runs the kernels on CPU")
 

@@ -169,7 +169,8 @@ class Launcher:
     The first call for a key goes through Triton (`kernel[grid](...)`: binding, specialization, compile or cache
     lookup) and keeps the CompiledKernel it returns; later calls with the same key hand the arguments straight to
     its launcher. Triton's per-call binding and specialization of a ~30-argument kernel costs more host time than a
-    small GEMM runs on the GPU (benchmarks/host_overhead.py measures both paths).
+    small GEMM runs on the GPU (measured on both paths by the retired benchmarks/host_overhead.py:
+    benchmarks/results/nvidia-h200/host/).
 
     The key is the caller's promise: equal keys mean equal specialization, so it must determine every constexpr,
     the launch options, the dtypes, the 16-byte alignment of every pointer argument, and the value class (== 1,

@@ -40,10 +40,10 @@ from mlpfuse.activations import act_fwd
 from mlpfuse.errors import InputError
 from mlpfuse.kernels import _common as C
 
-# Largest M for which `auto` dispatch should use these kernels. Measured on an H200 by benchmarks/bench_decode.py
-# (benchmarks/results/decode-h200.md): up to 64 rows they beat eager, torch.compile and Liger in wall time per
-# call on 768×3072 and 4096×14336 (at 64×4096×14336 by 2 % only, and inside a CUDA graph they lose 4 % there);
-# at 96 and 128 rows they lose on 4096×14336. The kernels themselves accept up to MAX_M rows.
+# Largest M for which `auto` dispatch should use these kernels. Measured on an H200 by benchmarks/bench_decode.py,
+# retired since (benchmarks/README.md; benchmarks/results/decode-h200.md): up to 64 rows they beat eager, torch.compile
+# and Liger in wall time per call on 768×3072 and 4096×14336 (at 64×4096×14336 by 2 % only, and inside a CUDA graph they
+# lose 4 % there); at 96 and 128 rows they lose on 4096×14336. The kernels themselves accept up to MAX_M rows.
 DECODE_MAX_M = 64
 MAX_M = 128
 
@@ -228,12 +228,12 @@ def _block_m(bucket: int) -> int:
     return max(16, bucket)  # tl.dot needs N >= 16; rows past M are masked
 
 
-# Measured on an H200 with `benchmarks/bench_decode.py --sweep` (best GPU time per call in a 20-call CUDA graph;
-# log in benchmarks/results/decode-h200.md). Size class "small": H·D <= 4M weights per matrix (e.g. 768×3072);
-# "large": bigger (e.g. 4096×14336). Families: "atomic" (mode 3, and mode 0 where "one" has no entry), "one"
-# (mode 0) and "det" (mode 2) give (BLOCK_H, BLOCK_D, BLOCK_O, num_warps, num_stages); "split" (mode 4) gives the
-# gate/up kernel's (BLOCK_H, BLOCK_D, -, num_warps, num_stages) followed by the down kernel's (BLOCK_O, BLOCK_K,
-# num_warps, num_stages).
+# Measured on an H200 with the retired `benchmarks/bench_decode.py --sweep` (best GPU time per call in a 20-call CUDA
+# graph; log in benchmarks/results/decode-h200.md). Size class "small": H·D <= 4M weights per matrix (e.g. 768×3072);
+# "large": bigger (e.g. 4096×14336). Families: "atomic" (mode 3, and mode 0 where "one" has no entry), "one" (mode 0)
+# and "det" (mode 2) give (BLOCK_H, BLOCK_D, BLOCK_O, num_warps, num_stages); "split" (mode 4) gives the gate/up
+# kernel's (BLOCK_H, BLOCK_D, -, num_warps, num_stages) followed by the down kernel's (BLOCK_O, BLOCK_K, num_warps,
+# num_stages).
 _CONFIGS = {
     ("small", 4, "one"): (64, 128, 128, 8, 3),
     ("small", 16, "one"): (64, 128, 128, 8, 3),
@@ -273,11 +273,11 @@ _CONFIGS = {
     ("small", 128, "split"): (32, 128, 0, 4, 3, 64, 128, 8, 3),
 }
 
-# Which mode a call gets, per (size class, bucket, deterministic): the fastest mode by wall time per call (within
-# 5 %: the lower GPU time), from `bench_decode.py --sweep` on an H200. Small layers, wall / GPU µs per call by mode
-# 0 | 3 | 4: 1 row 13.0/10.2 | 17.8/9.8 | 18.9/11.8; 16 rows 13.3/12.3 | 17.7/9.7 | 18.7/11.9; 32 rows
-# 17.6/16.8 | 18.1/12.0 | 19.1/12.2; 64 rows 26.0/25.2 | 18.1/15.5 | 19.4/14.6 (the one launch saves ~5 µs of host
-# time; its one-SM tail grows with M·D). 4096×14336 at 1 row: 87.8/86.3 | 87.9/85.9 | 100.2/96.6.
+# Which mode a call gets, per (size class, bucket, deterministic): the fastest mode by wall time per call (within 5 %:
+# the lower GPU time), from the retired `bench_decode.py --sweep` on an H200. Small layers, wall / GPU µs per call by
+# mode 0 | 3 | 4: 1 row 13.0/10.2 | 17.8/9.8 | 18.9/11.8; 16 rows 13.3/12.3 | 17.7/9.7 | 18.7/11.9; 32 rows 17.6/16.8 |
+# 18.1/12.0 | 19.1/12.2; 64 rows 26.0/25.2 | 18.1/15.5 | 19.4/14.6 (the one launch saves ~5 µs of host time; its one-SM
+# tail grows with M·D). 4096×14336 at 1 row: 87.8/86.3 | 87.9/85.9 | 100.2/96.6.
 _POLICY = {
     **{(size, b, True): 4 for size in ("small", "large") for b in (4, 16, 32, 64, 128)},
     ("small", 4, False): 0, ("small", 16, False): 0, ("small", 32, False): 3, ("small", 64, False): 3,

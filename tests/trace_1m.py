@@ -1,25 +1,17 @@
-"""How long `mlpfuse analyze` takes on a trace of 1,000,000 events.
+"""A Kineto-shaped trace of any number of events, for the profiler's and the report's bounds on large traces.
 
-Builds a Kineto-shaped trace (ProfilerStep spans; per launch: a CPU op with two metadata-only children, a runtime
-launch call, the kernel on the GPU stream, and the two ac2g flow events that Kineto writes) with N events in total,
-writes it as .json and .json.gz, then times load + analysis end to end (the work `mlpfuse analyze --json` does,
-minus printing), median of --repeat runs.
+ProfilerStep spans; per launch a CPU op with two metadata-only children, a runtime launch call, the kernel on the
+GPU stream, and the two ac2g flow events Kineto writes. tests/test_report.py builds 1,000,000 of them in memory; to
+time the product on it, write it out and run the command (benchmarks/README-profiler.md):
 
-    python benchmarks/analyze_1m_events.py [--events 1000000] [--repeat 3]
-
-Measured result (command, machine, date): benchmarks/README-profiler.md.
+    python tests/trace_1m.py /tmp/1m.json.gz && time PYTHONPATH=src python -m mlpfuse analyze /tmp/1m.json.gz --json
 """
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
-import os
-import statistics
 import sys
-import tempfile
-import time
 
 EVENTS_PER_LAUNCH = 7  # op, 2 child ops, runtime call, kernel, 2 flow events
 
@@ -65,39 +57,7 @@ def make_trace(n_events: int, launches_per_step: int = 1000) -> dict:
     return {"schemaVersion": 1, "traceEvents": events}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--events", type=int, default=1_000_000)
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args(argv)
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-    from mlpfuse.profiling.analysis import analyze
-
-    folder = tempfile.mkdtemp(prefix="mlpfuse-bench-")
-    trace = make_trace(args.events)
-    n = len(trace["traceEvents"])
-    plain = os.path.join(folder, "trace.json")
-    gz = plain + ".gz"
-    with open(plain, "w") as fh:
-        json.dump(trace, fh)
-    with gzip.open(gz, "wt", compresslevel=6) as fh:
-        json.dump(trace, fh)
-    del trace
-    print(f"{n} events; {os.path.getsize(plain) / 1e6:.0f} MB json, {os.path.getsize(gz) / 1e6:.0f} MB gz; "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (other work slows the numbers)")
-    for path in (plain, gz):
-        times = []
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            result = analyze(path)
-            times.append(time.perf_counter() - t0)
-        assert result.steps > 0 and result.per_step["gpu_kernels"] > 0
-        print(f"{os.path.basename(path):14s} median {statistics.median(times):.2f} s "
-              f"(min {min(times):.2f}, max {max(times):.2f}, {args.repeat} runs; "
-              f"{result.steps} steps, {result.per_step['gpu_kernels']:g} kernels/step)")
-    return 0
-
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with gzip.open(sys.argv[1], "wt", compresslevel=6) as fh:
+        json.dump(make_trace(int(sys.argv[2]) if len(sys.argv) > 2 else 1_000_000), fh)
