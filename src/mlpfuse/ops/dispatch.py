@@ -36,7 +36,7 @@ SAVE_PREACT = True
 # Gated GEMM vs cuBLAS gate+up + eager GELU·mul, µs: M=1024 at 768/3072 33.5 → 52.1 (eager wins), M=2048 54.1 →
 # 52.9, M=4096 99.8 → 69.9; at 4096/14336: M=1024 397 → 381, M=4096 1643 → 1525. Below that the kernel's host
 # cost decides (30.6 µs a call even with the cached launch, vs 9.2 µs for one cuBLAS GEMM, measured with
-# benchmarks/host_overhead.py), so small problems stay on cuBLAS.
+# benchmarks/host_overhead.py, since retired: benchmarks/README.md), so small problems stay on cuBLAS.
 # Those figures are obsolete for inference: with the flattened persistent loop and the held launch plan,
 # `benchmarks/tune_mid_m.py` (L2 flushed, each call alone; benchmarks/results/nvidia-h200/auto-sweeps) measured the
 # gated GEMM against eager's two GEMMs + GELU·mul, as pure GPU time (the host queued ahead) at 128 / 256 / 512 / 1024

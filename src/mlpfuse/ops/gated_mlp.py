@@ -367,8 +367,8 @@ _gated_mlp_train_op.register_autograd(_backward_train, setup_context=_setup)
 class _EagerTraining(torch.autograd.Function):
     """Plain eager training: the same forward and backward as the registered ops, without the custom-op machinery.
 
-    Measured with benchmarks/profile_training.py on an H200 (8192×768×3072 bf16): through torch.library's autograd
-    wrapper the two Python ops cost ~640 µs of host time per step, more than the GPU work they launch, and autograd
+    Measured with benchmarks/profile_training.py (since retired) on an H200 (8192×768×3072 bf16): through
+    torch.library's autograd wrapper the two Python ops cost ~640 µs of host time per step, more than the GPU work they launch, and autograd
     zero-filled gradients for the saved g and u outputs. torch.compile, export and TorchScript still see the ops.
 
     g and u are kept in a plain list on ctx, not through save_for_backward (which would hold them until the node
