@@ -13,6 +13,8 @@ class Swapped:
     layout: str  # "gated" | "two-layer" | "linear-act"
     family: str
     activation: str
+    matched: str = "name"  # "name": a row of the family table; "structure": its children, proven on numbers
+    roles: str = ""  # which child plays which part ("gate=w1 up=w3 down=w2")
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,8 @@ class PatchReport:
         lines = [head + ", ".join(parts)]
         groups: dict[tuple, list[str]] = {}
         for s in self.swapped:
-            groups.setdefault(("swapped", f"{s.source} -> {s.layout} ({s.activation})"), []).append(s.path)
+            how = f", by {s.matched}" + (f": {s.roles}" if s.roles else "")
+            groups.setdefault(("swapped", f"{s.source} -> {s.layout} ({s.activation}{how})"), []).append(s.path)
         for item in self.left:
             groups.setdefault(("left", f"{item.source}: {item.reason}"), []).append(item.path)
         for p in self.already_patched:
