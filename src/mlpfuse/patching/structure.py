@@ -211,16 +211,16 @@ def _plain_attributes(module: nn.Module) -> dict:
 
 
 def owns_grouped(module: nn.Module) -> bool:
-    """The module itself holds a mixture of experts' grouped weights: 3-D (or larger) floating-point parameters,
-    one slice per expert (a convolution's kernels are not that)."""
+    """The module itself holds a mixture of experts' grouped weights: [experts, out, in]-like parameters, a matrix
+    per expert (not a convolution's kernels, a [1, tokens, dim] position table or a [dim, 1, 1] scale)."""
     return bool(_grouped(module))
 
 
 def _grouped(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     if isinstance(module, nn.modules.conv._ConvNd):
         return []
-    return [(n, p) for n, p in module._parameters.items()
-            if p is not None and p.dim() >= 3 and p.is_floating_point()]
+    return [(n, p) for n, p in module._parameters.items() if p is not None and p.dim() == 3
+            and p.is_floating_point() and min(p.shape) > 1]
 
 
 def grouped_parameters(module: nn.Module) -> str:

@@ -92,7 +92,7 @@ def _walk(parent: nn.Module, prefix: str, report: PatchReport, backend: str, ver
                 report.left.append(Left(path, type(child).__name__, f"a mixture of experts: {reading.why_not}"))
             before = (len(report.swapped), len(report.left))
             _walk(child, path, report, backend, verify, verdicts, config, experts)
-            if table.looks_like_mlp(child) and (len(report.swapped), len(report.left)) == before:
+            if not experts and table.looks_like_mlp(child) and (len(report.swapped), len(report.left)) == before:
                 report.left.append(Left(path, type(child).__name__, f"no layout mlpfuse fuses: {reading.why_not}"))
 
 

@@ -19,11 +19,16 @@ _HEADS = ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads
           "swa_num_attention_heads", "linear_num_value_heads")
 _SMALL = {"head_dim": HEAD_DIM, "d_kv": HEAD_DIM, "v_head_dim": HEAD_DIM, "qk_nope_head_dim": HEAD_DIM,
           "qk_rope_head_dim": HEAD_DIM, "qk_head_dim": 2 * HEAD_DIM, "kv_lora_rank": 16, "q_lora_rank": 16,
-          "index_head_dim": HEAD_DIM, "index_n_heads": 2, "swa_head_dim": HEAD_DIM, "linear_key_head_dim": HEAD_DIM,
+          "index_head_dim": HEAD_DIM, "index_n_heads": 2, "n_groups": 1, "rotary_dim": HEAD_DIM, "vocab_size_per_layer_input": VOCAB,
+          "hidden_size_per_layer_input": HEAD_DIM, "swa_head_dim": HEAD_DIM, "linear_key_head_dim": HEAD_DIM,
           "linear_value_head_dim": HEAD_DIM, "linear_num_key_heads": 2, "vocab_size": VOCAB,
           "max_position_embeddings": POSITIONS, "n_positions": POSITIONS, "max_source_positions": POSITIONS,
           "max_target_positions": POSITIONS, "num_experts": EXPERTS, "num_local_experts": EXPERTS,
-          "n_routed_experts": EXPERTS, "image_size": 32, "patch_size": 8, "n_group": 1, "topk_group": 1}
+          "n_routed_experts": EXPERTS, "image_size": 32, "patch_size": 8, "n_group": 1, "topk_group": 1,
+          # state-space layers: heads × head size = the (expanded) width, a short chunk and state
+          "mamba_d_ssm": 2 * WIDTH, "mamba_n_heads": 2 * WIDTH // HEAD_DIM, "mamba_d_head": HEAD_DIM,
+          "mamba_num_heads": 2 * WIDTH // HEAD_DIM, "mamba_head_dim": HEAD_DIM, "mamba_d_state": 8,
+          "ssm_state_size": 8, "state_size": 8, "mamba_chunk_size": 8, "chunk_size": 8}
 _TOP_K = ("num_experts_per_tok", "top_k", "moe_topk", "num_selected_experts")
 _LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "encoder_layers", "decoder_layers", "num_decoder_layers")
 
@@ -43,17 +48,24 @@ def shrink(config: dict, *, layers: int | None = None) -> dict:
             out[key] = shrink(value, layers=layers)
         elif key in _WIDTHS and _size(value):
             out[key] = WIDTH
-        elif key in _FFNS:
-            out[key] = [FFN] * len(value) if isinstance(value, list) and all(map(_size, value)) else (
-                FFN if _size(value) else value)
+        elif key in _FFNS and isinstance(value, list) and value and all(map(_size, value)):
+            out[key] = [FFN] * (min(len(value), layers) if layers is not None and len(value) == depth else len(value))
+        elif key in _FFNS and _size(value):
+            out[key] = FFN
         elif key in _HEADS and _size(value):
             out[key] = HEADS
-        elif key == "num_key_value_heads" and _size(value):
-            out[key] = HEADS if heads is None or value >= heads else 2  # keep grouped-query attention grouped
+        elif key == "num_key_value_heads" and (_size(value) or value is None and heads):
+            out[key] = HEADS if heads is None or value is None or value >= heads else 2  # keep GQA grouped
+        elif key in ("image_size", "attention_window") and isinstance(value, list) and all(map(_size, value)):
+            out[key] = [32 if key == "image_size" else 8] * len(value)  # [height, width]; Longformer's per layer
+        elif key == "attention_window" and _size(value):
+            out[key] = 8
         elif key in _SMALL and _size(value):
-            out[key] = min(value, _SMALL[key]) if key in ("n_group", "topk_group") else _SMALL[key]
+            out[key] = min(value, _SMALL[key]) if key in ("n_group", "topk_group", "n_groups") else _SMALL[key]
         elif key in _TOP_K and _size(value):
             out[key] = min(value, 2)
+        elif layers is not None and key == "num_kv_shared_layers" and _size(value):
+            out[key] = 0  # Gemma-3n's last layers reuse earlier layers' caches: none to reuse in a short stack
         elif layers is not None and key in _LAYERS and _size(value):
             out[key] = layers
         elif layers is not None and isinstance(value, list) and depth and len(value) == depth > layers:
