@@ -8,8 +8,8 @@ The projections' shapes say which layouts fit, with every name:
     2 projections  dim→2h, h→dim              packed gate_up: gate half first or second
                    dim→h, h→dim               two-layer: fc then proj (either order when h = dim)
     1 projection   dim→h, a known activation  linear-act
-Activations tried: those the module holds (children, functions, names) that mlpfuse knows, else the config's
-hidden_act, else every one mlpfuse computes. Gate and down multipliers: (1, 1), then the module's float attributes
+Activations tried: those the module holds (children, functions, names) that mlpfuse knows, then the config's
+hidden_act, then every other one mlpfuse computes. Gate and down multipliers: (1, 1), then the module's float attributes
 named like multipliers. Names never decide; the verification does, and the first assignment whose output equals
 the module's is kept.
 """
@@ -142,12 +142,11 @@ def read(module: nn.Module, config=None) -> Reading:
     if not layouts:
         shapes = ", ".join(f"{p.name} {p.d_in}→{p.d_out}" for p in projs)
         return Reading([], f"projection shapes match no fused layout ({shapes})")
-    tried = list(dict.fromkeys(acts))
-    if not tried:
-        # The config's first; then every activation mlpfuse computes: a module may call F.gelu without holding it,
-        # and one mlpfuse does not name may still compute one it knows (Bloom's gelu is tanh's).
-        tried = [a for a in _config_activations(module, config) if a != "identity"]
-        tried += [a for a in activations.NAMES if a not in tried]
+    # Held first, then the config's, then every other one mlpfuse computes: a module may call F.gelu without holding
+    # it, square what its ReLU gives, or hold an activation mlpfuse does not name that computes one it knows
+    # (Bloom's gelu is tanh's). Only a module no reading verifies pays for the later ones.
+    tried = list(dict.fromkeys([*acts, *_config_activations(module, config), *activations.NAMES]))
+    tried = [a for a in tried if a != "identity"]
     dropout = drops[0] if len(drops) == 1 else ""
     if len(drops) > 1:
         return Reading([], f"{len(drops)} dropouts ({', '.join(drops)}): the fused block can stand aside for one")
