@@ -17,14 +17,16 @@ from mlpfuse.errors import InputError
 from mlpfuse.ops import dispatch
 from mlpfuse.patching import blocks, checks, structure, table
 from mlpfuse.patching.report import Left, PatchReport, Swapped
-from mlpfuse.patching.verify import verify_block
+from mlpfuse.patching.verify import one_line, verify_block
 
 
 def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = True) -> PatchReport:
-    """Swap, in place, every MLP block of `model` that mlpfuse recognises for a fused one; return the report.
+    """Swap, in place, every MLP block of `model` that mlpfuse recognises (by class name or by structure) for a
+    fused one; return the report.
 
     backend: "auto" | "triton" | "torch" for the fused blocks, or None to read MLPFUSE_BACKEND at each call.
-    verify: compare each new block's output with the replaced module's on random input before keeping it.
+    verify: compare each new block's output with the replaced module's on random input before keeping it (False:
+    the family table's rows are taken at their word, and nothing is swapped on its structure alone).
     Parameters are reused (same objects), state_dict keys do not change, a second call changes nothing, and
     `unpatch(model)` puts the original modules back.
     """
@@ -131,8 +133,12 @@ def decide(module: nn.Module, backend: str, verify: bool, verdicts: dict, config
             weight = module._modules[match.linears[0]].weight
             key = (structure.fingerprint(module), weight.dtype, weight.device, backend, match.reading, match.how)
             if key not in verdicts:
-                block = build(module, match, backend)
-                verdicts[key] = verify_block(module, block, training=match.how == structure.STRUCTURE)
+                try:
+                    block = build(module, match, backend)
+                except Exception as exc:  # noqa: BLE001 - a module the block cannot adopt is left, with why
+                    verdicts[key] = f"the fused forward failed: the block cannot be built ({one_line(exc)})"
+                else:
+                    verdicts[key] = verify_block(module, block, training=match.how == structure.STRUCTURE)
             reason = verdicts[key]
             if reason is None:
                 return match, None, reading
