@@ -190,10 +190,3 @@ def test_profile_model_bad_input(flags, expected, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mlpfuse: error: " + expected), err
 
-
-def test_olmo2_runs_through_the_lab_patched_by_structure(tmp_path):
-    # OLMo-2 has no row in mlpfuse's family table: the mlpfuse variant is there because its MLP's structure is read.
-    code, data, _ = run_lab(tmp_path, "--model", "olmo2-7b", "--mode", "prefill", "--variants", "eager,mlpfuse")
-    assert code == 0
-    rows = rows_by(data)
-    assert rows[("prefill", "mlpfuse")]["status"] == "ok" and rows[("prefill", "mlpfuse")]["patched"] == 2

@@ -240,3 +240,19 @@ def test_a_copy_of_a_patched_model_and_a_second_patch():
 def test_a_structural_mlp_as_the_model_itself_is_left_with_advice():
     report = mlpfuse.patch(Gated())
     assert report.left[0].path == "" and "the model itself is an MLP block" in report.left[0].reason
+
+
+def test_the_model_lab_runs_olmo2_patched_by_structure(tmp_path):
+    # OLMo-2 has no row in mlpfuse's family table: the lab's mlpfuse variant is there because its MLP's structure
+    # is read (the GPU rows of `mlpfuse bench --model olmo2-7b` run the same code at the real size).
+    pytest.importorskip("transformers")
+    import json
+
+    from mlpfuse.cli import main
+
+    out = tmp_path / "lab"
+    code = main(["bench", "--model", "olmo2-7b", "--tiny", "--device", "cpu", "--rounds", "1", "--target-ms", "1",
+                 "--mode", "prefill", "--variants", "eager,mlpfuse", "--out", str(out)])
+    assert code == 0
+    rows = {r["variant"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert rows["mlpfuse"]["status"] == "ok" and rows["mlpfuse"]["patched"] == 2
