@@ -123,7 +123,8 @@ def test_a_local_model_folder(tmp_path):
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--model", "gpt5"], "--model: expected one of llama3-8b, gemma2-2b, qwen3-4b, olmo2-7b, gpt2, bert-base or a local"),
+    (["--model", "gpt5"],
+     "--model: expected one of llama3-8b, gemma2-2b, qwen3-4b, olmo2-7b, gpt2, bert-base or a local"),
     (["--model", "gpt2", "--mode", "backward"], "--mode: unknown mode 'backward' for --model"),
     (["--model", "gpt2", "--variants", "eager,cudagraph"], "--variants: unknown variant 'cudagraph' for --model"),
     (["--model", "gpt2", "--tokens", "1x0"], "--tokens: expected BATCHxSEQ shapes"),
@@ -189,4 +190,3 @@ def test_profile_model_bad_input(flags, expected, tmp_path, capsys):
     assert main(["profile", *flags, "--device", "cpu", "--out", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("mlpfuse: error: " + expected), err
-
