@@ -109,10 +109,14 @@ def nothing_to_gain(match: Match, backend: str) -> Optional[str]:
 
 def _dropout_active(module: nn.Module, match: Match) -> Optional[str]:
     drop = module._modules.get(match.dropout) if match.dropout else None
-    if drop is not None and drop.training and drop.p > 0:
-        return (f"dropout (p={drop.p:g}) between the activation and {match.linears[-1]} is active in training "
-                f"mode; call model.eval() (or set its p to 0) before patching")
-    return None
+    if drop is None or not drop.training or drop.p <= 0:
+        return None
+    # Read from structure, where the dropout sits is not known: the block runs the module's own forward whenever
+    # it is live, so patching now would gain nothing.
+    where = (f"between the activation and {match.linears[-1]}" if match.how == NAME else
+             f"({match.dropout}), which the fused block leaves to the module's own forward,")
+    return f"dropout (p={drop.p:g}) {where} is active in training mode; call model.eval() (or set its p to 0) " \
+           f"before patching"
 
 
 def _multipliers_problem(module: nn.Module, match: Match) -> Optional[str]:
