@@ -37,6 +37,13 @@ STEPS = [
     ("gemma2-2b", 90, ["--model", "gemma2-2b", "--tokens", "1x128,8x128", "--mode", "prefill,train"], QUICK),
     ("gpt2", 60, ["--model", "gpt2", "--tokens", "1x128,8x128", "--mode", "prefill,decode,train"], QUICK),
     ("bert-base", 45, ["--model", "bert-base", "--tokens", "1x128,8x128", "--mode", "prefill,train"], QUICK),
+    # A family outside mlpfuse's name table, patched by structure: the same rows as Llama's (past the default
+    # budget: run them with --only olmo2-7b-prefill-32l,olmo2-7b-decode-4l,olmo2-7b-train-4l).
+    ("olmo2-7b-prefill-32l", 150, ["--model", "olmo2-7b", "--tokens", "1x4096", "--mode", "prefill"], QUICK),
+    ("olmo2-7b-decode-4l", 150, ["--model", "olmo2-7b", "--layers", "4", "--tokens", "1x128", "--mode", "decode"],
+     QUICK),
+    ("olmo2-7b-train-4l", 90, ["--model", "olmo2-7b", "--layers", "4", "--tokens", "2x2048", "--mode", "train"],
+     QUICK),
 ]
 
 # (step, mode, variant, field, bound, what the issue asks)
@@ -50,6 +57,10 @@ TARGETS = [
     ("gpt2", "train", "mlpfuse", "vs_eager", 0.85, "GPT-2 small training step"),
     ("bert-base", "prefill", "mlpfuse", "vs_eager", 0.85, "BERT-base forward"),
     ("bert-base", "train", "mlpfuse", "vs_eager", 0.85, "BERT-base training step"),
+    ("olmo2-7b-prefill-32l", "prefill", "mlpfuse", "vs_eager", 0.96, "OLMo-2-7B (by structure) 32 layers, prefill"),
+    ("olmo2-7b-decode-4l", "decode", "mlpfuse", "vs_eager", 1.00, "OLMo-2-7B decode, plain generate"),
+    ("olmo2-7b-train-4l", "train", "mlpfuse", "vs_eager", 0.97, "OLMo-2-7B training step"),
+    ("olmo2-7b-train-4l", "train", "mlpfuse", "mem_vs_eager", 0.90, "OLMo-2-7B training peak memory"),
 ]
 ERROR_BOUND = 1.1  # every family: logits error against fp32 at most 1.1x eager bf16's
 

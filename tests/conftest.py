@@ -18,3 +18,15 @@ try:
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The family sweep's table (tests/family_sweep.py), shown whatever the output capture: CI's log lists which
+    transformers families mlpfuse.patch swaps, by layout, and what it leaves, with why."""
+    import sys
+
+    sweep = sys.modules.get("family_sweep")
+    if sweep is not None and sweep.TABLE:
+        terminalreporter.write_sep("=", "mlpfuse.patch over the installed transformers families")
+        for line in sweep.TABLE:
+            terminalreporter.write_line(line)

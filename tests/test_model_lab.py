@@ -124,7 +124,8 @@ def test_a_local_model_folder(tmp_path):
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--model", "gpt5"], "--model: expected one of llama3-8b, gemma2-2b, qwen3-4b, gpt2, bert-base or a local"),
+    (["--model", "gpt5"],
+     "--model: expected one of llama3-8b, gemma2-2b, qwen3-4b, olmo2-7b, gpt2, bert-base or a local"),
     (["--model", "gpt2", "--mode", "backward"], "--mode: unknown mode 'backward' for --model"),
     (["--model", "gpt2", "--variants", "eager,cudagraph"], "--variants: unknown variant 'cudagraph' for --model"),
     (["--model", "gpt2", "--tokens", "1x0"], "--tokens: expected BATCHxSEQ shapes"),

@@ -34,18 +34,21 @@ def sequential(act=None):
 class LlamaMLP(nn.Module):
     """Named like transformers' class (the table matches class names); the same forward."""
 
-    def __init__(self, dim=16, hidden=24, swap_gate_up=False):
+    def __init__(self, dim=16, hidden=24, kind="llama"):
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
         self.act_fn = nn.SiLU()
-        self.swap = swap_gate_up
+        self.kind = kind
 
     def forward(self, x):
-        if self.swap:  # a forward that is not what the table says: the check must catch it
-            return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        g, u = self.gate_proj(x), self.up_proj(x)
+        if self.kind == "up-gated":  # not what the table says; the structure reads it (gate = up_proj)
+            return self.down_proj(self.act_fn(u) * g)
+        if self.kind == "extra-term":  # no fused reading computes it
+            return self.down_proj(self.act_fn(g) * u) + x
+        return self.down_proj(self.act_fn(g) * u)
 
 
 class Layers(nn.Module):
@@ -152,8 +155,18 @@ def test_deepcopy_of_a_patched_model_is_independent():
     assert type(twin.layers[0]).__name__ == "LlamaMLP" and isinstance(model.layers[0], GatedBlock)
 
 
-def test_a_forward_that_is_not_what_the_table_says_is_left_alone():
-    model = Layers(n=2, swap_gate_up=True)
+def test_a_forward_that_is_not_what_the_table_says_is_read_from_its_structure():
+    model = Layers(n=2, kind="up-gated")
+    x = torch.randn(3, 16)
+    before = model(x)
+    report = mlpfuse.patch(model, backend="torch")
+    assert [(s.matched, s.roles) for s in report.swapped] == [
+        ("structure", "gate=up_proj up=gate_proj down=down_proj")] * 2
+    torch.testing.assert_close(model(x), before)
+
+
+def test_a_forward_no_fused_reading_computes_is_left_alone():
+    model = Layers(n=2, kind="extra-term")
     x = torch.randn(3, 16)
     before = model(x)
     report = mlpfuse.patch(model, backend="torch")
@@ -262,7 +275,8 @@ def test_unknown_mlp_classes_are_reported_not_patched():
     model = nn.Sequential(FancyMLP())
     report = mlpfuse.patch(model)
     left = [(i.path, i.source, i.reason) for i in report.left]
-    assert left == [("0", "FancyMLP", "class not in mlpfuse's family table")]
+    assert left == [("0", "FancyMLP", "no layout mlpfuse fuses: one projection and no activation mlpfuse knows on "
+                                      "the module")]
     assert "left 1" in report.summary()
 
 
@@ -302,8 +316,10 @@ def test_report_dict_and_folded_paths():
     d = report.to_dict()
     assert d["model"] == "Layers" and d["backend"] == "torch" and len(d["swapped"]) == 4
     assert d["swapped"][0] == {"path": "layers.0", "source": "LlamaMLP", "layout": "gated",
-                               "family": "swiglu/geglu", "activation": "silu"}
-    assert "layers.{0..3}  LlamaMLP -> gated (silu)  [4x]" in report.summary()
+                               "family": "swiglu/geglu", "activation": "silu", "matched": "name",
+                               "roles": "gate=gate_proj up=up_proj down=down_proj"}
+    assert ("layers.{0..3}  LlamaMLP -> gated (silu, by name: gate=gate_proj up=up_proj down=down_proj)  [4x]"
+            in report.summary())
     assert fold_paths(["a.1.b", "a.3.b", "a.4.b"]) == "a.{1,3,4}.b"
     assert fold_paths(["x.0.y.2", "x.1.y.2"]) == "x.{0..1}.y.2"
     assert fold_paths(["a.0", "b"]) == "a.0, b"

@@ -18,6 +18,7 @@ _COMMAND_MODULES = (
     "mlpfuse.walkthrough",
     "mlpfuse.profiling.commands",
     "mlpfuse.bench.commands",
+    "mlpfuse.commands.patch",
 )
 
 

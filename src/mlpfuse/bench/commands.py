@@ -57,7 +57,8 @@ def register(subparsers) -> None:
     p.add_argument("--list", action="store_true", help="list presets, workloads and variants, then exit")
     lab = p.add_argument_group("model lab (with --model; --tokens, --mode, --variants, --dtype, --rounds, "
                                "--target-ms, --device, --out, --json apply too)")
-    lab.add_argument("--model", help="llama3-8b, gemma2-2b, qwen3-4b, gpt2, bert-base, or a local model folder")
+    lab.add_argument("--model", help="llama3-8b, gemma2-2b, qwen3-4b, olmo2-7b, gpt2, bert-base, or a local model "
+                     "folder")
     lab.add_argument("--layers", type=int, help="decoder layers to build (default: the model's own count)")
     lab.add_argument("--tiny", action="store_true", help="the built-in model at toy widths (CPU runs, tests)")
     lab.add_argument("--new-tokens", type=int, help="decode: tokens generated per timed call (default 32)")

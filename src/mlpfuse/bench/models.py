@@ -68,6 +68,18 @@ MODELS: dict[str, ModelSpec] = {
             tokens=("1x2048",),
         ),
         ModelSpec(
+            "olmo2-7b", "OLMo-2-7B shape: 4096 x 11008 SwiGLU, 32 layers, 32 heads, QK-norm, vocab 100352; "
+            "no row of mlpfuse's family table: patched by structure",
+            "Olmo2Config", "Olmo2ForCausalLM", CAUSAL,
+            {"vocab_size": 100352, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
+             "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+             "pad_token_id": 100277, "eos_token_id": 100257},
+            _TINY_DECODER | {"pad_token_id": 0, "eos_token_id": 2},
+            tokens=("1x4096",),
+        ),
+        ModelSpec(
             "gpt2", "GPT-2 small: 768 x 3072 gelu_new MLP in Conv1D layers, 12 layers, vocab 50257",
             "GPT2Config", "GPT2LMHeadModel", CAUSAL,
             {"n_embd": 768, "n_layer": 12, "n_head": 12, "n_positions": 1024, "vocab_size": 50257},

@@ -13,7 +13,8 @@ projections) each block runs the same ops on each rank's shards (`mlpfuse.parall
 module's forward, where a block falls back to it, runs eager tensor parallelism over the same children.
 
 Layouts (mlpfuse.patching.table names the families that use them):
-    GatedBlock      down(act(gate(x)) · up(x)), separate or packed gate/up weights, optional gate and down
+    GatedBlock      down(act(gate(x)) · up(x)), separate or packed gate/up weights (halves in either order; the
+                    sharded path runs the module's own forward for (up, gate)), optional gate and down
                     multipliers (Falcon-H1): one `mlpfuse::gated_mlp` call, with GatedMLP's per-layout call plan.
     TwoLayerBlock   proj(act(fc(x))): fc + bias + activation as one `mlpfuse::linear_act` call, then the model's own
                     second projection (a GEMM with its bias already is one kernel). fc may be a Conv1D ([in, out]
@@ -70,9 +71,11 @@ class GatedBlock(PatchedBlock):
     fused_layout = "gated"
 
     def __init__(self, source: nn.Module, family: str, linears: tuple[str, ...], activation: str, backend: str,
-                 dropout: str = "", gate_multiplier: float = 1.0, down_multiplier: float = 1.0):
+                 dropout: str = "", gate_multiplier: float = 1.0, down_multiplier: float = 1.0,
+                 gate_second: bool = False):
         super().__init__(source, family, activation, backend, dropout)
         self.fused_packed = len(linears) == 2
+        self.fused_gate_second = gate_second  # packed halves in (up, gate) order (Moonshine's fc1)
         self.fused_linears = linears
         first = self._modules[linears[0]].weight
         self.fused_hidden = first.shape[0] // 2 if self.fused_packed else first.shape[0]
@@ -93,6 +96,8 @@ class GatedBlock(PatchedBlock):
             n = self.fused_hidden
             wg, wu = w[:n], w[n:]
             bg, bu = (b[:n], b[n:]) if b is not None else (None, None)
+            if self.fused_gate_second:
+                wg, wu, bg, bu = wu, wg, bu, bg
         else:
             wg, bg = w, b
             wu, bu = _weight_bias(mods[names[1]])
@@ -106,7 +111,7 @@ class GatedBlock(PatchedBlock):
     def _sharded_forward(self, hidden_states: Tensor, w: Tensor, wd: Tensor) -> Tensor:
         from mlpfuse.parallel import sharded
 
-        if wd.dtype is not w.dtype or self._dropout_active():
+        if wd.dtype is not w.dtype or self._dropout_active() or self.fused_gate_second:
             return self._source_forward(hidden_states)
         x = hidden_states if self.fused_in_scale == 1.0 else hidden_states * self.fused_in_scale
         children = [(n, self._modules[n]) for n in self.fused_linears]

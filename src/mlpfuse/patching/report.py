@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -13,6 +14,8 @@ class Swapped:
     layout: str  # "gated" | "two-layer" | "linear-act"
     family: str
     activation: str
+    matched: str = "name"  # "name": a row of the family table; "structure": its children, proven on numbers
+    roles: str = ""  # which child plays which part ("gate=w1 up=w3 down=w2")
 
 
 @dataclass(frozen=True)
@@ -52,17 +55,22 @@ class PatchReport:
         if self.already_patched:
             parts.append(f"{len(self.already_patched)} already patched")
         parts.append(f"left {len(self.left)}")
-        lines = [head + ", ".join(parts)]
+        return "\n".join([head + ", ".join(parts), *self.group_lines()])
+
+    def group_lines(self, extra: Optional[dict[str, str]] = None) -> list[str]:
+        """One line per kind of swap and per reason left, paths folded; `extra` adds text to a swapped path's
+        group (the dry run's real shapes)."""
         groups: dict[tuple, list[str]] = {}
         for s in self.swapped:
-            groups.setdefault(("swapped", f"{s.source} -> {s.layout} ({s.activation})"), []).append(s.path)
+            how = f", by {s.matched}" + (f": {s.roles}" if s.roles else "")
+            more = f", {extra[s.path]}" if extra and s.path in extra else ""
+            groups.setdefault(("swapped", f"{s.source} -> {s.layout} ({s.activation}{how}){more}"), []).append(s.path)
         for item in self.left:
             groups.setdefault(("left", f"{item.source}: {item.reason}"), []).append(item.path)
         for p in self.already_patched:
             groups.setdefault(("already", "patched before"), []).append(p)
-        for (kind, what), paths in groups.items():
-            lines.append(f"  {kind:8s} {fold_paths(paths)}  {what}" + (f"  [{len(paths)}x]" if len(paths) > 1 else ""))
-        return "\n".join(lines)
+        return [f"  {kind:8s} {fold_paths(paths)}  {what}" + (f"  [{len(paths)}x]" if len(paths) > 1 else "")
+                for (kind, what), paths in groups.items()]
 
     def __str__(self) -> str:
         return self.summary()

@@ -1,10 +1,11 @@
-"""The family table: which MLP classes mlpfuse.patch recognises, where their parts are, and which block replaces them.
+"""The family table: MLP classes whose parts mlpfuse.patch knows by name, and which block replaces them.
 
-One row per MLP layout, as data. A module is a candidate when its class name is in a row's `classes`; nothing is
-matched on structure alone (Gemma-3n's MLP has gate/up/down projections but sparsifies its activations, for one),
-except `nn.Sequential(Linear, activation, Linear)` with an activation mlpfuse knows, whose meaning is its
-structure. transformers is never imported: rows name classes, and mlpfuse.patch checks each candidate's children
-before swapping it, and its output against the module's own on a few random rows of input.
+One row per MLP layout, as data: the fast path and the documentation of the families mlpfuse was built around.
+It is not the gate: a class in no row is read from its structure (mlpfuse.patching.structure), a class in a row
+whose forward is not what the row says is read from its structure too, and every reading, a row's included, is
+checked against the module's own output on random rows before it is kept. `nn.Sequential(Linear, activation,
+Linear)` with an activation mlpfuse knows is a row, its meaning being its structure. transformers is never imported
+here: rows name classes.
 
 Fields:
     classes      MLP class names (transformers' modeling files; `Sequential` for torch.nn's)
@@ -60,7 +61,8 @@ FAMILIES: tuple[Family, ...] = (
 
 _BY_CLASS = {name: family for family in FAMILIES for name in family.classes}
 
-# Class names that look like an MLP block but are not in the table: reported, never patched.
+# Class names that look like an MLP block: reported with why when nothing in them is swapped, and read with every
+# activation mlpfuse knows when they hold none.
 MLP_SUFFIXES = ("MLP", "Mlp", "FeedForward", "FFN", "Ffn", "DenseActDense", "Intermediate")
 
 

@@ -1,0 +1,258 @@
+"""Which fused layouts a module could be, read from its children: the candidate role assignments `mlpfuse.patch`
+then proves or refutes on numbers (mlpfuse.patching.verify).
+
+A module is a structural candidate when its children are 1 to 3 projections (nn.Linear, or transformers' Conv1D
+with its [in, out] weight), dropouts and parameter-free activation modules, and nothing else holds parameters.
+The projections' shapes say which layouts fit, with every name:
+    3 projections  dim→h, dim→h, h→dim        gated: down is the h→dim one; gate/up in either order
+    2 projections  dim→2h, h→dim              packed gate_up: gate half first or second
+                   dim→h, h→dim               two-layer: fc then proj (either order when h = dim)
+    1 projection   dim→h, a known activation  linear-act
+Activations tried: those the module holds (children, functions, names) that mlpfuse knows, then the config's
+hidden_act, then every other one mlpfuse computes. Gate and down multipliers: (1, 1), then the module's float attributes
+named like multipliers. Names never decide; the verification does, and the first assignment whose output equals
+the module's is kept.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from mlpfuse import activations
+from mlpfuse.modules import activation_name
+from mlpfuse.patching import table
+
+NAME, STRUCTURE = "name", "structure"
+_CONFIG_ACTS = ("hidden_act", "hidden_activation", "activation_function", "act_fn", "hidden_activation_fn")
+
+
+@dataclass(frozen=True)
+class Match:
+    """One way to read a module as a fused layout: the block mlpfuse would build from it."""
+
+    how: str  # NAME (a row of the family table) | STRUCTURE (its children)
+    family: str  # the table row's name, or the layout's description
+    layout: str  # table.GATED | table.TWO_LAYER | table.LINEAR_ACT
+    linears: tuple[str, ...]  # gate, up, down | gate_up, down | fc, proj | fc
+    activation: str  # mlpfuse's name
+    dropout: str = ""
+    dropout_after: str = ""
+    transposed: bool = False
+    gate_multiplier: float = 1.0
+    down_multiplier: float = 1.0
+    gate_second: bool = False  # packed halves in (up, gate) order
+
+    @property
+    def reading(self) -> tuple:
+        """What the block computes, whatever the match is called: two matches with one reading verify alike."""
+        return (self.layout, self.linears, self.activation, self.transposed, self.gate_multiplier,
+                self.down_multiplier, self.gate_second)
+
+    @property
+    def roles(self) -> str:
+        names = self.linears
+        if self.layout == table.GATED and len(names) == 3:
+            text = f"gate={names[0]} up={names[1]} down={names[2]}"
+        elif self.layout == table.GATED:
+            text = f"gate_up={names[0]} ({'up, gate' if self.gate_second else 'gate, up'}) down={names[1]}"
+        elif self.layout == table.TWO_LAYER:
+            text = f"fc={names[0]} proj={names[1]}"
+        else:
+            text = f"fc={names[0]}"
+        if self.transposed:
+            text += " (Conv1D)"
+        if (self.gate_multiplier, self.down_multiplier) != (1.0, 1.0):
+            text += f" multipliers {self.gate_multiplier:g}, {self.down_multiplier:g}"
+        return text
+
+
+@dataclass(frozen=True)
+class Projection:
+    name: str
+    module: nn.Module
+    d_in: int
+    d_out: int
+    transposed: bool
+
+
+@dataclass
+class Reading:
+    """What a module's children say: the candidate matches, or why it is none (`why_not`); the activations it holds
+    that mlpfuse knows, and the names of those it does not, for the reason when no candidate verifies."""
+
+    matches: list[Match]
+    why_not: str = ""
+    held: tuple[str, ...] = ()
+    unknown: tuple[str, ...] = ()
+
+
+def projection(name: str, child) -> Optional[Projection]:
+    """The child as a projection (nn.Linear or a subclass, or transformers' Conv1D), else None."""
+    w = getattr(child, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return None
+    if isinstance(child, nn.Linear):
+        return Projection(name, child, w.shape[1], w.shape[0], False)
+    if type(child).__name__ == "Conv1D" and tuple(w.shape) == (getattr(child, "nx", None), getattr(child, "nf", None)):
+        return Projection(name, child, w.shape[0], w.shape[1], True)
+    return None
+
+
+def read(module: nn.Module, config=None) -> Reading:
+    """The structural candidates of `module`, in the order to try them."""
+    grouped = grouped_parameters(module)
+    if grouped:
+        return Reading([], grouped)
+    projs, drops, acts, unknown = [], [], [], []
+    for name, child in module.named_children():
+        if child is None:
+            continue
+        p = projection(name, child)
+        if p is not None:
+            projs.append(p)
+        elif isinstance(child, nn.Dropout):
+            drops.append(name)
+        elif any(True for _ in child.parameters()):
+            return Reading([], f"{name} ({type(child).__name__}) holds parameters besides the projections")
+        elif activation_name(child) not in (None, "identity"):
+            acts.append(activation_name(child))
+        elif not isinstance(child, (nn.Identity, nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            unknown.append(type(child).__name__)
+    for value in _plain_attributes(module).values():  # functions (F.silu) and names ("gelu") held as attributes
+        name = activation_name(value) if callable(value) or isinstance(value, str) else None
+        if name not in (None, "identity"):
+            acts.append(name)
+    if not projs or len(projs) > 3:
+        return Reading([], f"{len(projs)} projections ({', '.join(p.name for p in projs) or 'none'}): no fused "
+                           f"layout has that many")
+    if len({p.transposed for p in projs}) > 1:
+        return Reading([], "nn.Linear and Conv1D projections mixed")
+    if len(projs) == 1 and not acts:
+        return Reading([], "one projection and no activation mlpfuse knows on the module")
+    if not acts and not unknown and not table.looks_like_mlp(module):
+        return Reading([], "no activation on the module")
+    layouts = _layouts(projs)
+    if not layouts:
+        shapes = ", ".join(f"{p.name} {p.d_in}→{p.d_out}" for p in projs)
+        return Reading([], f"projection shapes match no fused layout ({shapes})")
+    # Held first, then the config's, then every other one mlpfuse computes: a module may call F.gelu without holding
+    # it, square what its ReLU gives, or hold an activation mlpfuse does not name that computes one it knows
+    # (Bloom's gelu is tanh's). Only a module no reading verifies pays for the later ones.
+    tried = list(dict.fromkeys([*acts, *_config_activations(module, config), *activations.NAMES]))
+    tried = [a for a in tried if a != "identity"]
+    dropout = drops[0] if len(drops) == 1 else ""
+    if len(drops) > 1:
+        return Reading([], f"{len(drops)} dropouts ({', '.join(drops)}): the fused block can stand aside for one")
+    matches = []
+    for layout, names, extra in layouts:
+        if layout == table.LINEAR_ACT and dropout:
+            continue
+        mults = _multiplier_pairs(module) if layout == table.GATED else [(1.0, 1.0)]
+        for act, (m_g, m_d) in itertools.product(tried, mults):
+            matches.append(Match(STRUCTURE, f"{layout} by structure", layout, names, act, dropout=dropout,
+                                 transposed=projs[0].transposed, gate_multiplier=m_g, down_multiplier=m_d,
+                                 gate_second=extra))
+    if not matches:
+        return Reading([], f"a dropout ({dropout}) beside one projection: no fused layout keeps it")
+    return Reading(matches, held=tuple(acts), unknown=tuple(unknown))
+
+
+def _layouts(projs: list[Projection]) -> list[tuple[str, tuple[str, ...], bool]]:
+    """(layout, projection names in role order, gate_second) for each assignment the shapes allow."""
+    out = []
+    if len(projs) == 3:
+        for down in projs:
+            pair = [p for p in projs if p is not down]
+            if all((p.d_in, p.d_out) == (down.d_out, down.d_in) for p in pair):
+                for gate, up in (pair, pair[::-1]):
+                    out.append((table.GATED, (gate.name, up.name, down.name), False))
+    elif len(projs) == 2:
+        for a, b in (projs, projs[::-1]):
+            if a.d_in == b.d_out and a.d_out == 2 * b.d_in:
+                out += [(table.GATED, (a.name, b.name), False), (table.GATED, (a.name, b.name), True)]
+            elif a.d_in == b.d_out and a.d_out == b.d_in:
+                out.append((table.TWO_LAYER, (a.name, b.name), False))
+    else:
+        out.append((table.LINEAR_ACT, (projs[0].name,), False))
+    return out
+
+
+def _config_activations(module: nn.Module, config) -> list[str]:
+    found = []
+    for cfg in (getattr(module, "config", None), config):
+        for key in _CONFIG_ACTS:
+            name = activation_name(getattr(cfg, key, None)) if cfg is not None else None
+            if name is not None:
+                found.append(name)
+    return list(dict.fromkeys(found))
+
+
+def _multiplier_pairs(module: nn.Module) -> list[tuple[float, float]]:
+    """(gate, down) multipliers to try: none, then the module's finite float attributes named like multipliers."""
+    values = [float(v) for k, v in _plain_attributes(module).items()
+              if "multiplier" in k and isinstance(v, float) and math.isfinite(v) and v != 0]
+    pairs = [(1.0, 1.0)]
+    for g, d in itertools.product([1.0, *values], repeat=2):
+        if (g, d) not in pairs:
+            pairs.append((g, d))
+    return pairs[:9]
+
+
+def _plain_attributes(module: nn.Module) -> dict:
+    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training"}
+
+
+def owns_grouped(module: nn.Module) -> bool:
+    """The module itself holds a mixture of experts' grouped weights: [experts, out, in]-like parameters, a matrix
+    per expert (not a convolution's kernels, a [1, tokens, dim] position table or a [dim, 1, 1] scale)."""
+    return bool(_grouped(module))
+
+
+def _grouped(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return []
+    return [(n, p) for n, p in module._parameters.items() if p is not None and p.dim() == 3
+            and p.is_floating_point() and min(p.shape) > 1]
+
+
+def grouped_parameters(module: nn.Module) -> str:
+    """Why a module holding grouped expert weights (itself or below it) is left; '' when it holds none."""
+    grouped = [(f"{prefix}.{n}" if prefix else n, p) for prefix, m in module.named_modules() for n, p in _grouped(m)]
+    if not grouped:
+        return ""
+    shown = ", ".join(f"{n} {list(p.shape)}" for n, p in grouped[:2]) + (", ..." if len(grouped) > 2 else "")
+    return (f"grouped expert weights ({shown}): mlpfuse fuses dense MLP blocks, and each expert is a slice the "
+            f"model's router indexes")
+
+
+def forward_problem(module: nn.Module) -> Optional[str]:
+    """Why a structural candidate's forward cannot be replaced by a block that takes one input, else None: a caller
+    that passes more (a mask, a padding flag) would reach a block that drops it."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return "its forward has no signature to read"
+    extra = [p.name for p in params[1:]] if params else []
+    if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD) or extra:
+        shown = ", ".join(p.name for p in params)
+        return f"its forward takes ({shown}), the fused block only the input"
+    return None
+
+
+def fingerprint(module: nn.Module) -> tuple:
+    """What, besides the weights' shapes, may change a module's forward: its class, its plain attributes (numbers,
+    names: Gemma-3n's per-layer activation sparsity) and those of its children. Verdicts are cached under it."""
+    def plain(m: nn.Module) -> tuple:
+        return tuple(sorted((k, v) for k, v in _plain_attributes(m).items()
+                            if isinstance(v, (int, float, str, bool, type(None)))))
+
+    children = tuple((n, type(c).__qualname__, plain(c)) for n, c in module.named_children() if c is not None)
+    shapes = tuple((n, tuple(p.shape)) for n, p in module.named_parameters())
+    return type(module).__module__, type(module).__qualname__, plain(module), children, shapes

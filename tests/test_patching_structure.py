@@ -1,0 +1,258 @@
+"""mlpfuse.patch reading MLP blocks from their structure: any child names, the layouts' variants, and the forward
+deciding. Every module here has a class name outside the family table; each is compared with its own unpatched
+output (and gradients), and the ones whose forward no fused block computes must be left, with why."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mlpfuse
+from mlpfuse.patching import GatedBlock, PatchedBlock, TwoLayerBlock
+
+DIM, HIDDEN = 16, 40
+
+
+class Gated(nn.Module):
+    """SwiGLU under other names, the activation a function it holds; `kind` spoils it in ways no block computes."""
+
+    def __init__(self, kind="swiglu", sparsity=0.0):
+        super().__init__()
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w3 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+        self.act = F.silu
+        self.kind = kind
+        self.sparsity = sparsity
+
+    def forward(self, x):
+        g, u = self.w1(x), self.w3(x)
+        if self.sparsity > 0:  # Gemma-3n style: keep the gate's top values only
+            cutoff = g.mean(-1, keepdim=True) + g.std(-1, keepdim=True) * self.sparsity
+            g = torch.relu(g - cutoff)
+        if self.kind == "extra-term":
+            return self.w2(self.act(g) * u) + 0.5 * x
+        if self.kind == "act-after-down":
+            return self.act(self.w2(g * u))
+        if self.kind == "hidden-dropout":  # a rate it applies with F.dropout, no dropout child
+            return F.dropout(self.w2(self.act(g) * u), p=0.3, training=self.training)
+        if self.kind == "needs-3d":
+            assert x.dim() == 4, "expected [batch, heads, tokens, dim]"
+        return self.w2(self.act(g) * u)
+
+
+class FeedForwardMLP(Gated):
+    """Named like an MLP and holding no activation (F.gelu called): every activation mlpfuse knows is tried."""
+
+    def __init__(self):
+        super().__init__()
+        del self.act
+
+    def forward(self, x):
+        return self.w2(F.gelu(self.w1(x)) * self.w3(x))
+
+
+class PackedUpGate(nn.Module):
+    """Moonshine's decoder MLP: one projection whose halves are (up, gate)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(DIM, 2 * HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, DIM)
+        self.activation_fn = nn.SiLU()
+
+    def forward(self, x):
+        up, gate = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(self.activation_fn(gate) * up)
+
+
+class ChunkNoGlu(PackedUpGate):
+    """A chunk of one projection that is not a GLU: the halves are added."""
+
+    def forward(self, x):
+        a, b = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(self.activation_fn(a) + b)
+
+
+class Relu2(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up_proj = nn.Linear(DIM, HIDDEN, bias=False)
+        self.down_proj = nn.Linear(HIDDEN, DIM, bias=False)
+        self.act = nn.ReLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.up_proj(x)) ** 2)
+
+
+class Scaled(nn.Module):
+    """Falcon-H1's multipliers under another class: act(gate(x)·m_g)·up(x), then ·m_d."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(DIM, HIDDEN, bias=False)
+        self.up = nn.Linear(DIM, HIDDEN, bias=False)
+        self.down = nn.Linear(HIDDEN, DIM, bias=False)
+        self.act_fn = nn.SiLU()
+        self.gate_multiplier, self.down_multiplier = 0.75, 1.5
+
+    def forward(self, x):
+        return self.down(self.act_fn(self.gate(x) * self.gate_multiplier) * self.up(x)) * self.down_multiplier
+
+
+class Masked(Gated):
+    def forward(self, x, mask=None):
+        y = super().forward(x)
+        return y if mask is None else y * mask
+
+
+class Net(nn.Module):
+    def __init__(self, *blocks):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(DIM, 3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x)
+
+
+def run(model, x):
+    model.zero_grad(set_to_none=True)
+    y = model(x)
+    (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+    return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("make, layout, roles", [
+    (lambda: Gated(), "gated", "gate=w1 up=w3 down=w2"),
+    (lambda: FeedForwardMLP(), "gated", "gate=w1 up=w3 down=w2"),
+    (lambda: PackedUpGate(), "gated", "gate_up=fc1 (up, gate) down=fc2"),
+    (lambda: Relu2(), "two-layer", "fc=up_proj proj=down_proj"),
+    (lambda: Scaled(), "gated", "gate=gate up=up down=down multipliers 0.75, 1.5"),
+])
+def test_blocks_under_any_names_are_read_and_compute_what_they_did(make, layout, roles):
+    model = Net(make(), make())
+    x = torch.randn(2, 5, DIM)
+    y_ref, g_ref = run(model, x)
+    originals = list(model.blocks)
+    report = mlpfuse.patch(model, backend="torch")
+    assert [(s.path, s.layout, s.matched, s.roles) for s in report.swapped] == [
+        (f"blocks.{i}", layout, "structure", roles) for i in range(2)]
+    assert report.left == []
+    assert all(isinstance(b, PatchedBlock) for b in model.blocks)
+    y, g = run(model, x)
+    torch.testing.assert_close(y, y_ref)
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], msg=name)
+    assert mlpfuse.unpatch(model) == ["blocks.0", "blocks.1"] and list(model.blocks) == originals
+    assert torch.equal(model(x), y_ref)
+
+
+def test_the_activation_found_is_the_one_the_forward_applies():
+    model = Net(FeedForwardMLP())  # F.gelu (erf) in the forward, nothing held: tried until one computes it
+    report = mlpfuse.patch(model, backend="torch")
+    assert report.swapped[0].activation == "gelu"
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("extra-term", "its forward is none of the"),
+    ("act-after-down", "its forward is none of the"),
+    ("hidden-dropout", "in training mode (a dropout it applies without a dropout child?)"),
+    ("needs-3d", "its forward raised on random rows: AssertionError: expected [batch, heads, tokens, dim]"),
+])
+def test_a_forward_no_block_computes_is_left_with_the_reason(kind, reason):
+    model = Net(Gated(kind)).eval()  # patched in eval mode: the training-mode check runs all the same
+    x = torch.randn(2, 5, DIM)
+    before = model(x) if kind != "needs-3d" else None
+    report = mlpfuse.patch(model, backend="torch")
+    assert report.swapped == [] and len(report.left) == 1, report.summary()
+    assert reason in report.left[0].reason
+    assert type(model.blocks[0]) is Gated
+    if before is not None:
+        assert torch.equal(model(x), before)
+
+
+def test_sparsified_activations_are_told_apart_per_instance():
+    # One class, one shape: the verdict is cached per what may change the forward, so the sparsified instance is
+    # left and the plain one swapped, in either order.
+    model = Net(Gated(sparsity=0.5), Gated(), Gated(sparsity=0.5))
+    x = torch.randn(3, DIM)
+    before = model(x)
+    report = mlpfuse.patch(model, backend="torch")
+    assert [s.path for s in report.swapped] == ["blocks.1"]
+    assert [i.path for i in report.left] == ["blocks.0", "blocks.2"]
+    torch.testing.assert_close(model(x), before)
+
+
+def test_other_layouts_that_look_fused_are_left():
+    model = Net(ChunkNoGlu(), Masked())
+    report = mlpfuse.patch(model, backend="torch")
+    assert report.swapped == []
+    reasons = {i.source: i.reason for i in report.left}
+    assert reasons["ChunkNoGlu"].startswith("its forward is none of the")
+    assert reasons["Masked"] == "its forward takes (x, mask), the fused block only the input"
+
+
+def test_zero_weights_do_not_vouch_for_a_reading():
+    # With the model's own weights (a zero-initialised last projection) every reading would agree; the check puts in
+    # random weights, so the wrong readings still differ and the module is left.
+    block = Gated("act-after-down")
+    nn.init.zeros_(block.w2.weight)
+    model = Net(block)
+    report = mlpfuse.patch(model, backend="torch")
+    assert report.swapped == [] and "none of the" in report.left[0].reason
+    assert torch.count_nonzero(block.w2.weight) == 0  # the model's weights were not touched
+
+
+def test_structure_alone_is_not_trusted_without_verification():
+    report = mlpfuse.patch(Net(Gated()), backend="torch", verify=False)
+    assert report.swapped == []
+    assert report.left[0].reason.startswith("read from its structure, which is trusted only once verified")
+
+
+def test_patching_changes_no_random_state_and_no_mode():
+    model = Net(Gated(), PackedUpGate())
+    model.train()
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    mlpfuse.patch(model, backend="torch")
+    torch.testing.assert_close(torch.rand(3), expected)
+    assert all(m.training for m in model.modules())
+
+
+def test_a_copy_of_a_patched_model_and_a_second_patch():
+    model = Net(Gated(), Relu2())
+    mlpfuse.patch(model, backend="torch")
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, DIM)
+    torch.testing.assert_close(twin(x), model(x))
+    again = mlpfuse.patch(model, backend="torch")
+    assert again.swapped == [] and again.already_patched == ["blocks.0", "blocks.1"]
+    assert isinstance(model.blocks[0], GatedBlock) and isinstance(model.blocks[1], TwoLayerBlock)
+
+
+def test_a_structural_mlp_as_the_model_itself_is_left_with_advice():
+    report = mlpfuse.patch(Gated())
+    assert report.left[0].path == "" and "the model itself is an MLP block" in report.left[0].reason
+
+
+def test_the_model_lab_runs_olmo2_patched_by_structure(tmp_path):
+    # OLMo-2 has no row in mlpfuse's family table: the lab's mlpfuse variant is there because its MLP's structure
+    # is read (the GPU rows of `mlpfuse bench --model olmo2-7b` run the same code at the real size).
+    pytest.importorskip("transformers")
+    import json
+
+    from mlpfuse.cli import main
+
+    out = tmp_path / "lab"
+    code = main(["bench", "--model", "olmo2-7b", "--tiny", "--device", "cpu", "--rounds", "1", "--target-ms", "1",
+                 "--mode", "prefill", "--variants", "eager,mlpfuse", "--out", str(out)])
+    assert code == 0
+    rows = {r["variant"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert rows["mlpfuse"]["status"] == "ok" and rows["mlpfuse"]["patched"] == 2
