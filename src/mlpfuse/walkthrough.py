@@ -72,9 +72,8 @@ def run(args) -> int:
 
 
 def _run(args, device: str, out: str) -> int:
-    from rich.console import Console
-
     from mlpfuse import workloads
+    from mlpfuse._console import Console
     from mlpfuse._io import atomic_write_text
     from mlpfuse.errors import InputError
     from mlpfuse.profiling import diff, profile, render

@@ -113,7 +113,7 @@ def run_command(args) -> int:
     for name in _LAB_ONLY:
         if getattr(args, name, None) not in (None, False):
             raise InputError(f"--{name.replace('_', '-')}: applies to the model lab only (give --model)")
-    from rich.console import Console
+    from mlpfuse._console import Console
 
     from mlpfuse.bench import outputs, presets, roofline, sweep, variants
 
@@ -255,7 +255,7 @@ def _lab_report(folder: Path, result) -> Path:
 
 def run_model_lab(args) -> int:
     """`mlpfuse bench --model ...`: every flag checked before the model is built."""
-    from rich.console import Console
+    from mlpfuse._console import Console
 
     from mlpfuse.bench import lab_outputs, model_lab, models
     from mlpfuse.ops import dispatch

@@ -182,13 +182,16 @@ def write_markdown(result: BenchResult, path: Path) -> Path:
 def print_table(result: BenchResult, console) -> None:
     from rich.table import Table
 
+    from mlpfuse._console import unlimited
+
+    status_width = None if unlimited(console.width) else 60  # off a terminal every cell prints whole
     console.print(peaks_line(result.meta))
     for _, group in _cases(result):
         rows = list(group)
         columns = table_columns(rows)
         table = Table(title=case_caption(rows), title_justify="left", show_lines=False)
         for head, _ in columns:
-            table.add_column(head, overflow="fold", max_width=60 if head == "status" else None)
+            table.add_column(head, overflow="fold", max_width=status_width if head == "status" else None)
         for r in rows:
             style = {"wrong": "red", "error": "red", "skipped": "dim"}.get(r["status"])
             if r["status"] == "ok" and r.get("speedup") and r["speedup"] >= 1.0 and not r["peer"]:

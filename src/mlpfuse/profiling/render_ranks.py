@@ -6,7 +6,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from mlpfuse.profiling.render import _Console, _name, _row, cell
+from mlpfuse.profiling.render import WIDE, _Console, _namer, _row, cell
 
 
 def _pct(share) -> str:
@@ -33,12 +33,13 @@ def rank_table(data: dict) -> Table:
     return t
 
 
-def comm_table(data: dict) -> Table:
+def comm_table(data: dict, width: int = WIDE) -> Table:
+    name = _namer(width)
     t = Table(title="Communication kernels (all ranks)")
     for col, justify in (("kernel", "left"), ("ranks", "right"), ("count", "right"), ("total us", "right")):
         t.add_column(col, justify=justify, overflow="fold")
     for k in data["merged"]["communication_kernels"]:
-        _row(t, _name(k["name"]), str(k["ranks"]), str(k["count"]), _us(k["total_us"]))
+        _row(t, name(k["name"]), str(k["ranks"]), str(k["count"]), _us(k["total_us"]))
     return t
 
 
@@ -60,5 +61,5 @@ def print_ranks(data: dict, console: Console | None = None) -> None:
     console.print(cell(data["directory"], style="bold"))
     console.print(rank_table(data))
     if data["merged"]["communication_kernels"]:
-        console.print(comm_table(data))
+        console.print(comm_table(data, console.width))
     console.print(skew_line(data))
