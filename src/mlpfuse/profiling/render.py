@@ -51,6 +51,15 @@ def _namer(width: int):
     return lambda name, limit=NAME_WIDTH: name if whole else short(name, limit)
 
 
+def titled(title, width: int, **options) -> Table:
+    """A table whose title, off a terminal, stays on one line however narrow the table (rich wraps a title to the
+    table's width)."""
+    title = title if isinstance(title, Text) else cell(title)
+    if unlimited(width):
+        title.no_wrap, title.overflow = True, "ignore"
+    return Table(title=title, **options)
+
+
 def _row(table: Table, *values) -> None:
     table.add_row(*(v if isinstance(v, Text) else cell(v) for v in values))
 
@@ -84,7 +93,7 @@ def _fit(title, columns, rows, width: int) -> Table:
         for i in flexible:
             widths[i] = min(natural[i], max(columns[i][2], room * natural[i] // wanted))
     # Off a terminal a row can be hundreds of characters wide: a title centred over it would start far right.
-    table = Table(title=title, title_justify="left" if unlimited(width) else "center")
+    table = titled(title, width, title_justify="left" if unlimited(width) else "center")
     for (header, justify, narrowest), w in zip(columns, widths):
         table.add_column(header, justify=justify, no_wrap=True, overflow="ellipsis",
                          max_width=w if narrowest is not None else None)
@@ -118,7 +127,7 @@ def steps_line(data: dict) -> Text:
 
 def analysis_tables(data: dict, width: int = WIDE) -> list[Table]:
     p = data["per_step"]
-    head = Table(title=cell(f"Per step (average over {data['steps']} steps, {data['step_source']})"),
+    head = titled(f"Per step (average over {data['steps']} steps, {data['step_source']})", width,
                  show_header=False)
     head.add_column("what", no_wrap=True)
     head.add_column("value")
