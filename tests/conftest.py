@@ -8,6 +8,9 @@ import os
 
 import torch
 
+# The CLI's setting (mlpfuse.cli): no `USDT: ... profiler_start` lines from torch's profiler in the tests' output.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")

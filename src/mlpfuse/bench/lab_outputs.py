@@ -33,10 +33,6 @@ def _num(value, fmt="{:.2f}") -> str:
     return "–" if value is None else fmt.format(value)
 
 
-def _ratio(value) -> str:
-    return "–" if value is None else f"{value:.3f}×"
-
-
 def _status(row) -> str:
     if row["status"] == "ok":
         return "ok"
@@ -46,12 +42,12 @@ def _status(row) -> str:
 COLUMNS = (
     ("variant", lambda r: r["variant"] + (" *" if r["variant"].startswith("mlpfuse") else "")),
     ("time", lambda r: "–" if r["time_ms"] is None else f"{r['time_ms']:.3f} {r['unit']} ±{r['spread_pct']:.1f}%"),
-    ("vs eager", lambda r: _ratio(r["vs_eager"])),
-    ("vs compile", lambda r: _ratio(r["vs_compile"])),
+    (f"vs eager {outputs.TIME_RATIO}", lambda r: outputs.ratio(r["vs_eager"])),
+    (f"vs compile {outputs.TIME_RATIO}", lambda r: outputs.ratio(r["vs_compile"])),
     ("peak MiB", lambda r: _num(r["peak_mem_mb"], "{:.0f}")),
-    ("mem vs eager", lambda r: _ratio(r["mem_vs_eager"])),
+    ("mem vs eager (<1 smaller)", lambda r: outputs.ratio(r["mem_vs_eager"])),
     ("logits rel. err vs fp32", lambda r: _num(r["rel_err"], "{:.2e}")),
-    ("err vs eager", lambda r: _ratio(r["err_vs_eager"])),
+    ("err vs eager (<1 smaller)", lambda r: outputs.ratio(r["err_vs_eager"])),
     ("1st call s", lambda r: _num(None if r["first_call_ms"] is None else r["first_call_ms"] / 1e3, "{:.1f}")),
     ("status", _status),
 )
@@ -73,15 +69,17 @@ def markdown(result: BenchResult) -> str:
         f"# mlpfuse model lab — {meta['device']}",
         "",
         f"Command: `{meta['command']}`  ",
-        f"{meta['timestamp']}; torch {meta['torch']}, CUDA {meta['cuda']}, Triton {meta['triton']}, transformers "
-        f"{meta.get('transformers')}, liger-kernel {meta['liger_kernel']}, mlpfuse {meta['mlpfuse']}  ",
+        f"{meta['timestamp']}; {outputs.versions_line(meta, ('transformers',))}  ",
         f"Model: {lab['model']} ({lab['layers']} layers, weights: {lab['weights']}), {lab['dtype']}, dropout off; "
         f"mlpfuse backend {lab['backend']}; compile backend {lab['compile_backend']}.  ",
         f"{lab['rounds']} interleaved rounds, median with spread (max − min) / median. prefill: a no_grad forward "
         "keeping the last position's logits; train: forward, loss and backward (all gradients); decode: greedy "
         "generate, (T(N+1 tokens) − T(1)) / N per token — plain generate for eager, liger and mlpfuse, a static "
-        "cache with transformers' CompileConfig for compile and mlpfuse-compile. Times are GPU time (CUDA events) "
-        "on a GPU for prefill and train, else wall time. Ratios < 1 are faster or smaller. `*` = mlpfuse.",
+        "cache with transformers' CompileConfig for compile and mlpfuse-compile. "
+        + ("Times are GPU time (CUDA events) for prefill and train, wall time for decode. "
+           if meta.get("device_type") == "cuda" else "Times are wall time (a CPU run). ")
+        + "Ratios are a variant's time (memory, error) over eager's or compile's: < 1 is faster (smaller). "
+        "`*` = mlpfuse.",
     ]
     for note in meta.get("notes", []):
         lines.append(f"\nNote: {note}")
