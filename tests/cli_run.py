@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -33,6 +34,26 @@ def run_cli(*args, cwd=None, timeout: float = 600, memory_cap: int | None = None
     return subprocess.run([sys.executable, "-m", "mlpfuse", *map(str, args)], cwd=cwd or ROOT,
                           env=env or cli_env(**env_extra), capture_output=True, text=True, timeout=timeout,
                           preexec_fn=cap if memory_cap is not None else None)
+
+
+def run_for(args, seconds: float, *, cwd, memory_cap: int | None = None, env: dict | None = None):
+    """`python3 -m mlpfuse ARGS` for at most `seconds`: (exit code, or None when it was still running and was
+    stopped, with everything it had started; stdout; stderr)."""
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (memory_cap, memory_cap))
+
+    # Its own process group: a timeout stops the compile workers and the like it started, too.
+    proc = subprocess.Popen([sys.executable, "-m", "mlpfuse", *map(str, args)], cwd=cwd, env=env or cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=cap if memory_cap is not None else None)
+    try:
+        out, err = proc.communicate(timeout=seconds)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return None, out, err
 
 
 def assert_one_error_line(proc: subprocess.CompletedProcess) -> str:
