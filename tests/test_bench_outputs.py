@@ -1,6 +1,7 @@
 """Result files from a real (tiny, CPU) run: JSON round-trips, CSV and Markdown hold the same rows, PNGs open."""
 
 import csv
+import functools
 import json
 
 import matplotlib.image
@@ -19,7 +20,9 @@ def _nan_build(problem):
     return step
 
 
+@functools.lru_cache(maxsize=1)
 def _result():
+    """One tiny CPU sweep, shared: the tests below only read it."""
     cases = [Case("swiglu", "silu", 8, 16, 32, "fp32", "fwd"), Case("mlp", "relu", 8, 16, 32, "fp32", "fwd+bwd")]
     variants = [VARIANTS["eager"], VARIANTS["mlpfuse-torch"], Variant("all-nan", _nan_build), VARIANTS["liger"]]
     peaks = roofline.Peaks("test-cpu", {"fp32": 0.05}, 10.0)
@@ -57,6 +60,7 @@ def test_files_are_written_and_parse(tmp_path):
     assert "measured peaks on test-cpu" in md
 
 
+@pytest.mark.slow
 def test_plots_for_a_sweep_and_for_single_shapes(tmp_path):
     result = _result()
     # one token count per shape: speed-ups drawn as bars

@@ -27,6 +27,7 @@ def test_bare_mlpfuse_lists_the_commands():
     assert "arguments are required" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_model_that_cannot_fit_is_refused_before_it_is_built(tmp_path):
     pytest.importorskip("transformers")
     # 6 GB of address space: building even one fp32 layer of the published widths beside the embeddings would fail
@@ -45,6 +46,7 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_built(tmp_path):
     assert not (tmp_path / "o" / "results.json").exists()
 
 
+@pytest.mark.slow
 def test_on_a_cpu_the_model_lab_defaults_to_a_small_config_and_says_so(tmp_path):
     pytest.importorskip("transformers")
     proc = run_cli("bench", "--model", "llama3-8b", "--device", "cpu", "--variants", "eager,mlpfuse", "--mode",
@@ -62,6 +64,7 @@ def test_on_a_cpu_the_model_lab_defaults_to_a_small_config_and_says_so(tmp_path)
     assert "Note: on CPU the model lab runs llama3-8b at toy widths" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.slow
 def test_published_widths_on_a_cpu_run_when_they_fit(tmp_path):
     pytest.importorskip("transformers")
     proc = run_cli("bench", "--model", "gpt2", "--layers", "1", "--tokens", "1x32", "--variants", "eager",

@@ -13,6 +13,8 @@ import sys
 from rich.console import Console as _RichConsole
 from rich.text import Text
 
+from mlpfuse.errors import printable
+
 # Wider than any row: rich sizes a table to its content when that fits, so nothing is padded to this width.
 PIPE_WIDTH = 1 << 20
 RULE_WIDTH = 100  # a rule's length off a terminal, where the console's own width means nothing
@@ -38,7 +40,8 @@ class Console(_RichConsole):
     def __init__(self, stderr: bool = False, **kwargs):
         # Decided by the stream itself, not by rich's terminal test: FORCE_COLOR (common in CI) makes rich treat a
         # pipe as a terminal of 80 columns.
-        if "width" not in kwargs and not _isatty(sys.stderr if stderr else sys.stdout):
+        stream = kwargs.get("file") or (sys.stderr if stderr else sys.stdout)
+        if "width" not in kwargs and not _isatty(stream):
             kwargs["width"] = PIPE_WIDTH
         super().__init__(stderr=stderr, **kwargs)
 
@@ -47,7 +50,9 @@ class Console(_RichConsole):
         raise BrokenPipeError
 
     def rule(self, title="", **kwargs) -> None:
+        # A title is text, never markup: `linear [eager] batch=256` keeps its `[eager]`.
+        title = printable(title) if isinstance(title, str) else title
         if not unlimited(self.width):
-            return super().rule(title, **kwargs)
+            return super().rule(Text(title) if isinstance(title, str) else title, **kwargs)
         head = f"── {title} " if title else ""
         self.print(Text(head + "─" * max(3, RULE_WIDTH - len(head)), style="rule.line"))
