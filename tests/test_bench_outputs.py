@@ -106,6 +106,11 @@ def test_a_cpu_result_names_what_it_lacks_and_how_it_was_timed():
     assert "CUDA ," not in md and "None" not in md.split("###")[0]
     assert "CUDA events" not in md and "L2" not in md and "no GPU time (a CPU run)" in md
     assert "one-time ms" in md and "compile ms" not in md
+    from mlpfuse.report.bench import bench_section
+
+    page = bench_section(meta, _result().rows, [])  # report.html's header says the same
+    assert "CUDA none" in page and "CUDA ," not in page and "liger-kernel ," not in page
+    assert "CUDA events" not in page and "L2" not in page and "no GPU time (a CPU run)" in page
 
 
 def test_roofline_legend_covers_no_point(tmp_path, monkeypatch):

@@ -97,6 +97,7 @@ def test_every_example_exits_0_or_with_one_error_line(tmp_path):
     problems = []
     with ThreadPoolExecutor(max_workers=2) as pool:
         for where, argv, code, out, err in pool.map(run, enumerate(examples())):
+            print(f"{'stopped' if code is None else f'exit {code}'}: mlpfuse {' '.join(argv)}")  # shown with -s
             shown = f"{where}: mlpfuse {' '.join(argv)} -> {code}: {err[-1500:]}"
             if "Traceback" in err or "Traceback" in out:
                 problems.append(shown)

@@ -61,7 +61,9 @@ def test_on_a_cpu_the_model_lab_defaults_to_a_small_config_and_says_so(tmp_path)
     assert {(r["mode"], r["status"]) for r in data["rows"]} == {("prefill", "ok"), ("decode", "ok")}
     # generate got the static-cache keyword transformers wants: no FutureWarning (it would fail the run above)
     assert "FutureWarning" not in proc.stderr and "past_key_values" not in proc.stderr
-    assert "Note: on CPU the model lab runs llama3-8b at toy widths" in (tmp_path / "results.md").read_text()
+    md = (tmp_path / "results.md").read_text()
+    assert "Note: on CPU the model lab runs llama3-8b at toy widths" in md
+    assert "Times are wall time (a CPU run)" in md and "CUDA events" not in md and "CUDA none" in md
 
 
 @pytest.mark.slow
