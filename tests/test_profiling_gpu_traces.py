@@ -190,3 +190,9 @@ def test_terminal_tables_show_aten_kernels_in_short():
     for text in ("vectorized_elementwise_kernel<GeluCUDAKernelImpl> bf16",
                  "vectorized_elementwise_kernel<MulFunctor> bf16"):
         assert text in out, text
+    # On a narrow terminal names are cut, but two that differ only past the cut still read as two
+    buf = io.StringIO()
+    render.print_diff(diff(fixture("geglu_eager"), fixture("geglu_compile")).to_dict(), Console(file=buf, width=80))
+    removed = [line.split("│")[2].strip() for line in buf.getvalue().splitlines() if line.startswith("│ removed")]
+    assert len(removed) == len(set(removed)) == 2 and all("…" in name for name in removed)
+    assert max(len(line) for line in buf.getvalue().splitlines()) <= 80

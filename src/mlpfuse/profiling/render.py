@@ -92,6 +92,7 @@ def _fit(title, columns, rows, width: int) -> Table:
     if flexible and wanted > room:
         for i in flexible:
             widths[i] = min(natural[i], max(columns[i][2], room * natural[i] // wanted))
+            _keep_apart([row[i] for row in rows], widths[i])
     # Off a terminal a row can be hundreds of characters wide: a title centred over it would start far right.
     table = titled(title, width, title_justify="left" if unlimited(width) else "center")
     for (header, justify, narrowest), w in zip(columns, widths):
@@ -100,6 +101,25 @@ def _fit(title, columns, rows, width: int) -> Table:
     for row in rows:
         table.add_row(*row)
     return table
+
+
+def _keep_apart(cells: list[Text], width: int) -> None:
+    """Cells that would read alike once cut to `width` with an ellipsis at the end are cut in the middle instead,
+    in place: two ATen kernels stay `vectorized_e…ulFunctor> bf16` and `vectorized_e…elImpl> bf16`, not twice
+    `vectorized_elementwise…`."""
+    if width < 5:
+        return
+    seen: dict[str, set[str]] = {}
+    for c in cells:
+        if c.cell_len > width:
+            seen.setdefault(c.plain[: width - 1], set()).add(c.plain)
+    head = (width - 1) // 2
+    tail = width - 1 - head
+    for c in cells:
+        if c.cell_len > width and len(seen[c.plain[: width - 1]]) > 1:
+            text = c.plain
+            c.truncate(0)
+            c.append(text[:head] + "…" + text[-tail:])
 
 
 def steps_line(data: dict) -> Text:
