@@ -1,9 +1,11 @@
 """Result files from a real (tiny, CPU) run: JSON round-trips, CSV and Markdown hold the same rows, PNGs open."""
 
 import csv
+import functools
 import json
 
 import matplotlib.image
+import pytest
 import torch
 
 from mlpfuse.bench import outputs, plots, roofline, sweep
@@ -18,7 +20,9 @@ def _nan_build(problem):
     return step
 
 
+@functools.lru_cache(maxsize=1)
 def _result():
+    """One tiny CPU sweep, shared: the tests below only read it."""
     cases = [Case("swiglu", "silu", 8, 16, 32, "fp32", "fwd"), Case("mlp", "relu", 8, 16, 32, "fp32", "fwd+bwd")]
     variants = [VARIANTS["eager"], VARIANTS["mlpfuse-torch"], Variant("all-nan", _nan_build), VARIANTS["liger"]]
     peaks = roofline.Peaks("test-cpu", {"fp32": 0.05}, 10.0)
@@ -56,6 +60,7 @@ def test_files_are_written_and_parse(tmp_path):
     assert "measured peaks on test-cpu" in md
 
 
+@pytest.mark.slow
 def test_plots_for_a_sweep_and_for_single_shapes(tmp_path):
     result = _result()
     # one token count per shape: speed-ups drawn as bars
@@ -69,3 +74,54 @@ def test_plots_for_a_sweep_and_for_single_shapes(tmp_path):
                              sweep.Settings(rounds=1, target_ms=1.0, warmup=1, profile=False))
     image = matplotlib.image.imread(plots.speedup_plot(sweep_result, tmp_path / "lines.png"))
     assert image.ndim == 3 and min(image.shape[:2]) > 200
+
+
+def test_every_ratio_is_a_time_ratio_and_says_so(tmp_path):
+    result = _result()
+    for r in result.rows:
+        if r["status"] != "ok":
+            continue
+        best = min((p for p in result.rows if p["case"] == r["case"] and p["peer"] and p["status"] == "ok"),
+                   key=lambda p: p["wall_us"])
+        assert r["vs_best_peer"] == r["vs_best_peer_wall"] == r["wall_us"] / best["wall_us"]  # a CPU run: wall
+        assert r["speedup"] * r["vs_best_peer"] == pytest.approx(1.0)  # the old key: its inverse, still written
+    md = outputs.markdown(result)
+    header = next(line for line in md.splitlines() if line.startswith("| variant |"))
+    ratios = [h.strip() for h in header.split("|") if " vs " in h]
+    assert ratios and all(h.endswith("(time ratio, <1 faster)") for h in ratios)
+    row = next(line for line in md.splitlines() if line.startswith("| mlpfuse-torch * |"))
+    cell = row.split("|")[header.split("|").index(f" {ratios[0]} ")].strip()
+    first = next(r for r in result.rows if r["variant"] == "mlpfuse-torch")
+    assert cell == f"{first['vs_best_peer']:.3f}×"
+    # an older results.json, with the speed-up only, reads the same in the tables
+    old = {k: v for k, v in first.items() if not k.startswith("vs_best_peer")}
+    fn = dict(outputs.TABLE_COLUMNS)[ratios[0]]
+    assert fn(old) == f"{1 / first['speedup']:.3f}×"
+
+
+def test_a_cpu_result_names_what_it_lacks_and_how_it_was_timed():
+    meta = _result().meta
+    md = outputs.markdown(_result())
+    assert "CUDA none" in md and ("liger-kernel not installed" in md) == (meta["liger_kernel"] is None)
+    assert "CUDA ," not in md and "None" not in md.split("###")[0]
+    assert "CUDA events" not in md and "L2" not in md and "no GPU time (a CPU run)" in md
+    assert "one-time ms" in md and "compile ms" not in md
+    from mlpfuse.report.bench import bench_section
+
+    page = bench_section(meta, _result().rows, [])  # report.html's header says the same
+    assert "CUDA none" in page and "CUDA ," not in page and "liger-kernel ," not in page
+    assert "CUDA events" not in page and "L2" not in page and "no GPU time (a CPU run)" in page
+
+
+def test_roofline_legend_covers_no_point(tmp_path, monkeypatch):
+    result = _result()
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig))
+    plots.roofline_plot(result, tmp_path / "roof.png")
+    plots.speedup_plot(result, tmp_path / "bars.png")
+    for fig in figures:
+        fig.canvas.draw()
+        [ax] = fig.axes
+        legend = ax.get_legend().get_window_extent()
+        assert not legend.overlaps(ax.get_window_extent())  # beside the axes: nothing drawn there is hidden
+        assert legend.x1 <= fig.bbox.x1 + 1  # and inside the picture

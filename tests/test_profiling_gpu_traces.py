@@ -170,7 +170,29 @@ def test_cli_text_output_shows_the_story(capsys, monkeypatch):
     assert "epilogue=bias" in out and "aten::addmm" in out and "verdict: overhead-bound" in out
     assert main(["diff", fixture("geglu_eager"), fixture("geglu_compile")]) == 0
     out = capsys.readouterr().out
-    for text in ("removed", "vectorized_elementwise_kernel<GeluCUDAKernelImpl> bf16",
-                 "vectorized_elementwise_kernel<MulFunctor> bf16", "added", "triton_poi_fused__unsafe_view_gelu_mul_0",
-                 "gone in B", "aten::t"):
+    removed = [k["name"] for k in diff(fixture("geglu_eager"), fixture("geglu_compile")).to_dict()["kernels_removed"]]
+    assert len(removed) == 2
+    # Captured output is no terminal: the two elementwise kernels print under their whole names.
+    for text in ("removed", *removed, "added", "triton_poi_fused__unsafe_view_gelu_mul_0", "gone in B", "aten::t"):
         assert text in out, text
+
+
+def test_terminal_tables_show_aten_kernels_in_short():
+    import io
+
+    from rich.console import Console
+
+    from mlpfuse.profiling import render
+
+    buf = io.StringIO()
+    render.print_diff(diff(fixture("geglu_eager"), fixture("geglu_compile")).to_dict(), Console(file=buf, width=200))
+    out = buf.getvalue()
+    for text in ("vectorized_elementwise_kernel<GeluCUDAKernelImpl> bf16",
+                 "vectorized_elementwise_kernel<MulFunctor> bf16"):
+        assert text in out, text
+    # On a narrow terminal names are cut, but two that differ only past the cut still read as two
+    buf = io.StringIO()
+    render.print_diff(diff(fixture("geglu_eager"), fixture("geglu_compile")).to_dict(), Console(file=buf, width=80))
+    removed = [line.split("│")[2].strip() for line in buf.getvalue().splitlines() if line.startswith("│ removed")]
+    assert len(removed) == len(set(removed)) == 2 and all("…" in name for name in removed)
+    assert max(len(line) for line in buf.getvalue().splitlines()) <= 80

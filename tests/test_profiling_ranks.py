@@ -276,3 +276,25 @@ def test_public_two_rank_traces(tmp_path, capsys):
     for i, name in enumerate(("a.json.gz", "b.json.gz")):
         shutil.copy(os.path.join(HTA, "sampled_rank-0.json.gz"), folder / name)
     _fails(["analyze", str(folder), "--allow-missing-ranks"], capsys, "two traces of rank 0")
+
+
+def test_mlpfuse_outputs_beside_rank_traces_are_skipped_and_listed(tmp_path, capsys):
+    folder = tmp_path / "run"
+    shutil.copytree(HTA, folder)
+    assert main(["analyze", str(folder / "sampled_rank-0.json.gz"), "--json"]) == 0
+    (folder / "sampled_rank-0.analysis.json").write_text(capsys.readouterr().out)  # as `profile` saves one
+    (folder / "summary.json").write_text("{}")
+    assert main(["analyze", str(folder), "--allow-missing-ranks", "--json"]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert data["ranks_found"] == [0, 1] and data["skipped"] == ["sampled_rank-0.analysis.json", "summary.json"]
+    assert captured.err.splitlines() == ["skipped 2 files mlpfuse wrote (saved analyses and summaries, not traces): "
+                                         "sampled_rank-0.analysis.json, summary.json"]
+    # a trace without a rank among ranked ones is still refused, as is a folder of saved results only
+    write(folder, "extra.json", rank_trace(0, 2, run_of(world=2)[0], info=False))
+    _fails(["analyze", str(folder), "--allow-missing-ranks"], capsys, "extra.json: cannot tell its rank")
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / "summary.json").write_text("{}")
+    _fails(["analyze", str(only)], capsys, "no .json or .json.gz trace files in it (only mlpfuse's saved results: "
+           "summary.json)")

@@ -10,20 +10,62 @@ from html import escape
 
 import pytest
 
+from cli_run import assert_one_error_line, close, run_cli, table
 from mlpfuse import workloads
 from mlpfuse.cli import main
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    import torch
-
+def run(tmp_path_factory):
+    """The walkthrough as a user runs it: the console script, its output a pipe."""
     out = tmp_path_factory.mktemp("walkthrough")
-    before = torch.get_num_threads()
-    assert main(["walkthrough", "--device", "cpu", "--out", str(out), "--steps", "3", "--threads", "1"]) == 0  # 3 rounds
-    assert torch.get_num_threads() == before  # the pinned thread count is the run's only
+    proc = run_cli("walkthrough", "--device", "cpu", "--out", out, "--steps", "3", "--threads", "1")  # 3 rounds
+    assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "summary.json") as fh:
-        return out, json.load(fh)
+        return out, json.load(fh), proc
+
+
+@pytest.fixture(scope="module")
+def results(run):
+    return run[:2]
+
+
+def test_piped_output_carries_each_case_whole(run):
+    out, summary, proc = run
+    # Each case's section starts with its rule line; its CPU op table holds what its saved analysis holds.
+    sections = {line.split(":")[0].removeprefix("── "): i for i, line in enumerate(proc.stdout.splitlines())
+                if line.startswith("── ")}
+    lines = proc.stdout.splitlines()
+    for case in summary["cases"]:
+        start = sections[case]
+        end = min([i for i in sections.values() if i > start] + [len(lines)])
+        data = json.loads((out / f"{case}.analysis.json").read_text())
+        ops = table("\n".join(lines[start:end]), "CPU ops (per step)").dicts()
+        assert len(ops) == len(data["ops"])
+        for row, o in zip(ops, data["ops"]):
+            assert row["op"] == o["name"] and close(row["total us"], o["cpu_total_us"] / data["steps"], 1)
+    assert "Traceback" not in proc.stderr
+
+
+def test_analyze_reads_the_walkthroughs_own_folder(run):
+    out, summary, _ = run
+    proc = run_cli("analyze", out)
+    assert proc.returncode == 0, proc.stderr
+    skipped = [line for line in proc.stderr.splitlines() if line.startswith("skipped ")]
+    assert len(skipped) == 1
+    for case in summary["cases"]:
+        assert f"{case}.analysis.json" in skipped[0]
+        assert f"{out / case}.pt.trace.json.gz  (no GPU recorded)" in proc.stdout
+    assert "summary.json" in skipped[0]
+    data = json.loads(run_cli("analyze", out, "--json").stdout)
+    assert data["schema"] == "mlpfuse.folder/1" and "summary.json" in data["skipped"]
+    by_trace = {os.path.basename(t["trace"]): t for t in data["traces"]}
+    assert set(by_trace) == {f"{case}.pt.trace.json.gz" for case in summary["cases"]}
+    for case, saved in summary["cases"].items():  # the same analysis the walkthrough saved
+        again = by_trace[f"{case}.pt.trace.json.gz"]
+        assert [o["name"] for o in again["ops"]] == [o["name"] for o in saved["ops"]]
+        assert again["per_step"]["step_us"] == pytest.approx(saved["per_step"]["step_us"])
+    assert "separate runs" in assert_one_error_line(run_cli("diff", out))
 
 
 def test_results_folder_has_traces_analyses_and_summary(results):
@@ -103,7 +145,11 @@ def test_unavailable_variant_is_recorded_not_fatal(tmp_path, monkeypatch):
     monkeypatch.setitem(workloads.VARIANTS, "mlpfuse", broken)
     monkeypatch.setattr("mlpfuse.walkthrough.CASES", [("linear-eager", "linear", "eager"),
                                                      ("linear-mlpfuse", "linear", "mlpfuse")])
+    import torch
+
+    before = torch.get_num_threads()
     assert main(["walkthrough", "--device", "cpu", "--out", str(tmp_path), "--steps", "3"]) == 0
+    assert torch.get_num_threads() == before  # the pinned thread count is the run's only
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert list(summary["cases"]) == ["linear-eager"]
     assert "cannot be imported" in summary["failed"]["linear-mlpfuse"]

@@ -33,9 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="mlpfuse",
         description="See where an nn.Linear / MLP block spends its time, kernel by kernel, and make it faster.",
+        epilog="Start with `mlpfuse walkthrough`; `mlpfuse COMMAND --help` shows a command's options and examples.",
     )
+    from mlpfuse import __version__
+
+    parser.add_argument("--version", action="version", version=f"mlpfuse {__version__}",
+                        help="print mlpfuse's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
@@ -44,7 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # a bare `mlpfuse`: the commands there are, not just "arguments are required"
+        parser.print_help(sys.stderr)
+        return 2
     _tolerant_stdout()
+    # torch's profiler (Kineto) logs two `USDT: ... profiler_start/stop` lines per capture straight to stderr; its
+    # level 6 keeps them out of mlpfuse's output. KINETO_LOG_LEVEL=2 shows its warnings again.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not as a message at interpreter exit

@@ -146,7 +146,7 @@ def _keep_median_traces(out, staging, rounds) -> None:
 
 
 def _run(args, device: str, out: str) -> int:
-    from rich.console import Console
+    from mlpfuse._console import Console
 
     from mlpfuse._io import atomic_write_text
     from mlpfuse.profiling import diff, render

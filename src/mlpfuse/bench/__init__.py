@@ -3,5 +3,5 @@
 presets   cases from presets and sweep flags          variants  the contestants and the fp64 check
 timing    CUDA events, wall clock, interleaved rounds  roofline  FLOPs, min bytes, measured peaks (cached)
 sweep     the run: build, check, time, profile         outputs   JSON / CSV / Markdown / terminal table
-plots     speed-up vs tokens, roofline chart           commands  the CLI
+plots     time ratio vs tokens, roofline chart        commands  the CLI
 """

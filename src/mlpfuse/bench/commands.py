@@ -115,7 +115,7 @@ def run_command(args) -> int:
     for name in _LAB_ONLY:
         if getattr(args, name, None) not in (None, False):
             raise InputError(f"--{name.replace('_', '-')}: applies to the model lab only (give --model)")
-    from rich.console import Console
+    from mlpfuse._console import Console
 
     from mlpfuse.bench import outputs, presets, roofline, sweep, variants
 
@@ -257,9 +257,9 @@ def _lab_report(folder: Path, result) -> Path:
 
 def run_model_lab(args) -> int:
     """`mlpfuse bench --model ...`: every flag checked before the model is built."""
-    from rich.console import Console
+    from mlpfuse._console import Console
 
-    from mlpfuse.bench import lab_outputs, model_lab, models
+    from mlpfuse.bench import footprint, lab_outputs, model_lab, models
     from mlpfuse.ops import dispatch
 
     for name in _SWEEP_ONLY:
@@ -273,6 +273,14 @@ def run_model_lab(args) -> int:
         raise InputError(f"--layers: expected an integer >= 1, got {args.layers}")
     if args.tiny and not isinstance(spec, models.ModelSpec):
         raise InputError("--tiny: applies to the built-in models, not to a local folder")
+    notes = []
+    tiny = args.tiny
+    if on_cpu and not tiny and isinstance(spec, models.ModelSpec) and args.layers is None:
+        # A published model on a CPU takes hours a case (and a 32-layer fp32 Llama-3-8B is 32 GB): the same code at
+        # toy widths unless the run asks for the real widths by choosing how many layers to build.
+        tiny = True
+        notes.append(f"on CPU the model lab runs {spec.name} at toy widths (as --tiny); give --layers N for its "
+                     "published widths")
     if args.new_tokens is not None and args.new_tokens < 1:
         raise InputError(f"--new-tokens: expected an integer >= 1, got {args.new_tokens}")
     if args.rounds is not None and args.rounds < 1:
@@ -287,32 +295,37 @@ def run_model_lab(args) -> int:
     dtype_name = dtypes[0] if dtypes else ("fp32" if on_cpu else "bf16")
     backend = dispatch.check_backend_name(args.backend or "auto")
     default_shapes = spec.tokens if isinstance(spec, models.ModelSpec) else ("1x128",)
-    if args.tiny and not args.tokens:
+    if tiny and not args.tokens:
         default_shapes = ("1x16",)
     settings = model_lab.LabSettings(
         rounds=args.rounds or 5,
         target_ms=args.target_ms or (50.0 if on_cpu else 200.0),
-        new_tokens=args.new_tokens or (4 if args.tiny else 32),
+        new_tokens=args.new_tokens or (4 if tiny else 32),
         backend=backend,
         compile_backend=args.compile_backend or "inductor",
     )
     shapes = model_lab.parse_shapes(args.tokens, default_shapes)
     modes = model_lab.parse_modes(args.mode)
     variants = model_lab.parse_variants(args.variants)
+    footprint.check(args.model, layers=args.layers, tiny=tiny, shapes=shapes, modes=modes,
+                    dtype=presets.DTYPES[dtype_name], device=device)
 
     err = Console(stderr=True)
     out = Console() if not args.json else None
+    for note in notes:
+        err.print(f"note: {note}", markup=False, highlight=False)
     folder = Path(args.out) if args.out else _default_out(device, "model-lab")
     _make_folder(folder)
 
     def write(result) -> list[Path]:
+        result.meta["notes"] = notes
         return [lab_outputs.write_json(result, folder / "results.json"),
                 lab_outputs.write_csv(result, folder / "results.csv"),
                 lab_outputs.write_markdown(result, folder / "results.md")]
 
     with err.status("model lab") as status:
         result = model_lab.run(
-            args.model, layers=args.layers, tiny=args.tiny, shapes=shapes, modes=modes, variants=variants,
+            args.model, layers=args.layers, tiny=tiny, shapes=shapes, modes=modes, variants=variants,
             dtype=presets.DTYPES[dtype_name], dtype_name=dtype_name, device=device, settings=settings,
             command=_command_line(args, _LAB_OPTIONS), on_case=write,
             progress=lambda text: status.update(f"model lab: {text}"),

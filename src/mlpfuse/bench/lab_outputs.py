@@ -39,10 +39,6 @@ def _num(value, fmt="{:.2f}") -> str:
     return "–" if value is None else fmt.format(value)
 
 
-def _ratio(value) -> str:
-    return "–" if value is None else f"{value:.3f}×"
-
-
 def _status(row) -> str:
     if row["status"] == "ok":
         return f"ok ({row['error']})" if row["error"] else "ok"
@@ -65,12 +61,12 @@ COLUMNS = (
     ("GPU busy ms/token", lambda r: _timed(r, "gpu_busy_ms", ("decode",))),
     ("do_bench ms", lambda r: _timed(r, "do_bench_ms", ("decode-step",))),
     ("full logits ms", lambda r: _timed(r, "full_logits_ms", ("prefill",), gpu_only=False)),
-    ("vs eager", lambda r: _ratio(r["vs_eager"])),
-    ("vs compile", lambda r: _ratio(r["vs_compile"])),
+    (f"vs eager {outputs.TIME_RATIO}", lambda r: outputs.ratio(r["vs_eager"])),
+    (f"vs compile {outputs.TIME_RATIO}", lambda r: outputs.ratio(r["vs_compile"])),
     ("peak MiB", lambda r: _num(r["peak_mem_mb"], "{:.0f}")),
-    ("mem vs eager", lambda r: _ratio(r["mem_vs_eager"])),
+    ("mem vs eager (<1 smaller)", lambda r: outputs.ratio(r["mem_vs_eager"])),
     ("logits rel. err vs fp32", lambda r: _num(r["rel_err"], "{:.2e}")),
-    ("err vs eager", lambda r: _ratio(r["err_vs_eager"])),
+    ("err vs eager (<1 smaller)", lambda r: outputs.ratio(r["err_vs_eager"])),
     ("logits diff vs eager", lambda r: _num(r["logits_vs_eager"], "{:.2e}")),
     ("1st call s", lambda r: _num(None if r["first_call_ms"] is None else r["first_call_ms"] / 1e3, "{:.1f}")),
     ("status", _status),
@@ -89,25 +85,27 @@ def case_caption(rows) -> str:
 
 def markdown(result: BenchResult) -> str:
     meta, lab = result.meta, result.meta["lab"]
+    on_gpu = meta.get("device_type") == "cuda"
     lines = [
         f"# mlpfuse model lab — {meta['device']}",
         "",
         f"Command: `{meta['command']}`  ",
-        f"{meta['timestamp']}; torch {meta['torch']}, CUDA {meta['cuda']}, Triton {meta['triton']}, transformers "
-        f"{meta.get('transformers')}, liger-kernel {meta['liger_kernel']}, mlpfuse {meta['mlpfuse']}  ",
+        f"{meta['timestamp']}; {outputs.versions_line(meta, ('transformers',))}  ",
         f"Model: {lab['model']} ({lab['layers']} layers, weights: {lab['weights']}), {lab['dtype']}, dropout off; "
         f"mlpfuse backend {lab['backend']}; compile backend {lab['compile_backend']}.  ",
         f"{lab['rounds']} interleaved rounds, median with spread (max − min) / median (results.json keeps every "
         "round). prefill: a no_grad forward keeping the last position's logits (`logits_to_keep=1`, what generate "
         "runs), and beside it the forward returning every position's logits; train: forward, loss and backward "
-        "(all gradients); decode: greedy generate, (T(N+1 tokens) − T(1)) / N per token of host wall time, and on "
-        "a GPU the GPU's busy time per token from a profile of the same calls — plain generate for eager, liger and "
-        "mlpfuse, a static cache with transformers' CompileConfig for compile and mlpfuse-compile; decode-step: "
-        "one decode step with a static cache at a fixed position, the same prompt and token for every variant, "
-        "compiled with fullgraph=True for the compile variants, replayed from a CUDA graph on a GPU (CUDA events, "
-        "and triton.testing.do_bench of the same replay as a second harness), uncaptured on a CPU. Times are GPU "
-        "time (CUDA events) on a GPU for prefill, decode-step and train, else wall time; n/a: not measurable on "
-        "this device. Ratios < 1 are faster or smaller. `*` = mlpfuse.",
+        "(all gradients); decode: greedy generate, (T(N+1 tokens) − T(1)) / N per token of host wall time"
+        + (", and the GPU's busy time per token from a profile of the same calls" if on_gpu else "")
+        + " — plain generate for eager, liger and mlpfuse, a static cache with transformers' CompileConfig for "
+        "compile and mlpfuse-compile; decode-step: one decode step with a static cache at a fixed position, the "
+        "same prompt and token for every variant, compiled with fullgraph=True for the compile variants, "
+        + ("replayed from a CUDA graph (CUDA events, and triton.testing.do_bench of the same replay as a second "
+           "harness). Times are GPU time (CUDA events) for prefill, decode-step and train, host wall time for "
+           "decode. " if on_gpu else "called as is. Times are wall time (a CPU run); n/a: not measurable on a CPU. ")
+        + "Ratios are a variant's time (memory, error) over eager's or compile's: < 1 is faster (smaller). "
+        "`*` = mlpfuse.",
     ]
     for note in meta.get("notes", []):
         lines.append(f"\nNote: {note}")
@@ -130,12 +128,15 @@ def print_tables(result: BenchResult, console) -> None:
     from rich.table import Table
     from rich.text import Text
 
+    from mlpfuse._console import unlimited
+
+    status_width = None if unlimited(console.width) else 60  # off a terminal every cell prints whole
     for _, group in groupby(result.rows, key=lambda r: r["case"]):
         rows = list(group)
         cols = table_columns(rows)
         table = Table(title=Text(case_caption(rows)), title_justify="left")
         for head, _ in cols:
-            table.add_column(head, overflow="fold", max_width=60 if head == "status" else None)
+            table.add_column(head, overflow="fold", max_width=status_width if head == "status" else None)
         for r in rows:
             style = {"wrong": "red", "error": "red", "skipped": "dim"}.get(r["status"])
             table.add_row(*(Text(fn(r)) for _, fn in cols), style=style)

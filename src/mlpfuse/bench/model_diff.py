@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlpfuse.bench import models
+from mlpfuse.bench import footprint, models
 from mlpfuse.errors import InputError
 
 
@@ -47,6 +47,8 @@ def profile_model(name: str, *, layers: int = 1, tiny: bool | None = None, token
     (batch, seq), = shapes
     if out is not None:
         workloads.results_folder(out, "--out")
+    footprint.check(name, layers=layers, tiny=tiny, shapes=shapes, modes=["prefill"], dtype=torch_dtype,
+                    device=torch.device(device))
     built = models.build(name, layers=layers, tiny=tiny, device=torch.device(device), dtype=torch_dtype)
     if built.max_positions is not None and seq > built.max_positions:
         raise InputError(f"--tokens: {seq} positions but the model has {built.max_positions} position embeddings")

@@ -237,6 +237,14 @@ def prepare(variant: str, built: models.Built, case: LabCase, ids: torch.Tensor,
     return Prepared(variant, module, {variant: train_step}, train_step)
 
 
+def _cache_keyword() -> str:
+    """generate's name for a cache passed in: `cache` where transformers renamed it (it warns about the old
+    `past_key_values` from then on), `past_key_values` before (5.17 knows no other)."""
+    from transformers.generation import utils
+
+    return "cache" if "cache" in getattr(utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
+
+
 def _prepare_decode(variant, module, built, case, ids, settings, device, compiled) -> Prepared:
     import transformers
 
@@ -256,7 +264,7 @@ def _prepare_decode(variant, module, built, case, ids, settings, device, compile
             config.mode = None
         if device.type != "cuda":
             config._compile_all_devices = True  # transformers' switch to compile off CUDA (CPU runs and tests)
-        extra = {"past_key_values": cache, "compile_config": config}
+        extra = {_cache_keyword(): cache, "compile_config": config}
 
     def generate(n):
         def step():

@@ -181,37 +181,52 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Modu
     return model
 
 
-def build(name: str, *, layers: int | None, tiny: bool, device: torch.device, seed: int = 0,
-          dtype: torch.dtype = torch.float32) -> Built:
-    """The model in `dtype` on `device`, eval mode, dropout off. Random init is seeded: the same call gives the same
-    weights."""
+def _recipe(spec: ModelSpec | str, layers: int | None, tiny: bool):
+    """(config, model class, kind) the lab builds `spec` from: the config as given, dropout off."""
     transformers = transformers_or_error()
-    spec = resolve(name)
     if layers is not None and layers < 1:
         raise InputError(f"--layers: expected an integer >= 1, got {layers}")
-    torch.manual_seed(seed)
     if isinstance(spec, ModelSpec):
         values = dict(spec.full) | (spec.tiny if tiny else {}) | spec.extra
         if layers is not None:
             values[spec.layers_key] = layers
         config = getattr(transformers, spec.config)(**values)
         _no_dropout(config)
+        return config, getattr(transformers, spec.model), spec.kind
+    if tiny:
+        raise InputError("--tiny: applies to the built-in models, not to a local folder")
+    config = transformers.AutoConfig.from_pretrained(spec, local_files_only=True)
+    if layers is not None:
+        key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(config, k)), None)
+        if key is None:
+            raise InputError(f"--layers: the config in {spec} names no layer count")
+        setattr(config, key, layers)
+    _no_dropout(config)
+    cls_name, kind = _kind_of(config)
+    return config, getattr(transformers, cls_name), kind
+
+
+def shape_only(name: str, *, layers: int | None, tiny: bool) -> torch.nn.Module:
+    """The model as `build` would make it, on the meta device: its exact parameters and config at no memory cost,
+    for deciding before building whether it fits."""
+    config, cls, _ = _recipe(resolve(name), layers, tiny)
+    with torch.device("meta"):
+        return cls(config)
+
+
+def build(name: str, *, layers: int | None, tiny: bool, device: torch.device, seed: int = 0,
+          dtype: torch.dtype = torch.float32) -> Built:
+    """The model in `dtype` on `device`, eval mode, dropout off. Random init is seeded: the same call gives the same
+    weights."""
+    spec = resolve(name)
+    config, cls, kind = _recipe(spec, layers, tiny)
+    torch.manual_seed(seed)
+    if isinstance(spec, ModelSpec):
         with torch.device(device):
-            model = cast_parameters(getattr(transformers, spec.model)(config), dtype)
+            model = cast_parameters(cls(config), dtype)
         label = spec.name + (" (tiny)" if tiny else "")
-        kind, weights = spec.kind, "random init"
+        weights = "random init"
     else:
-        if tiny:
-            raise InputError("--tiny: applies to the built-in models, not to a local folder")
-        config = transformers.AutoConfig.from_pretrained(spec, local_files_only=True)
-        if layers is not None:
-            key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(config, k)), None)
-            if key is None:
-                raise InputError(f"--layers: the config in {spec} names no layer count")
-            setattr(config, key, layers)
-        _no_dropout(config)
-        cls_name, kind = _kind_of(config)
-        cls = getattr(transformers, cls_name)
         if _has_weights(spec):
             model = cls.from_pretrained(spec, config=config, dtype=dtype, local_files_only=True).to(device)
             weights = spec

@@ -7,9 +7,13 @@ peaks: {device, gemm_tflops: {dtype: TFLOP/s}, copy_gbps, how}, settings, notes}
 the case (workload, activation, tokens, dim, hidden, dtype, mode, case), variant, peer, status (ok | wrong |
 skipped | error), error, max_rel_error and errors (per output vs fp64), tolerance, gpu_us, gpu_spread_pct,
 wall_us, wall_spread_pct, kernels, launches, memsets, memcpys, cpu_ops (per call), peak_mem_mb, resident_mb,
-setup_ms, first_call_ms, compile_ms (setup + first call − a steady call), flops, min_bytes, intensity, floor_us,
-tflops, gbps, pct_of_floor, speedup (vs best_peer; GPU time, wall time on a CPU), speedup_wall (vs
-best_peer_wall). Times are µs (ms where named), memory MiB, rates TFLOP/s and GB/s (1e9 bytes).
+setup_ms, first_call_ms, compile_ms (what a variant pays once: setup + first call − a steady call; the tables
+call it "one-time ms"), flops, min_bytes, intensity, floor_us, tflops, gbps, pct_of_floor, vs_best_peer (time
+ratio to best_peer, < 1 is faster; GPU time, wall time on a CPU), vs_best_peer_wall (wall time against
+best_peer_wall), speedup and speedup_wall (their inverses, > 1 is faster: kept for readers of older results).
+Times are µs (ms where named), memory MiB, rates TFLOP/s and GB/s (1e9 bytes).
+
+Every ratio mlpfuse prints is a time ratio, < 1 = faster, and says so in its column header.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from mlpfuse.bench.sweep import BenchResult
 CSV_FIELDS = (
     "workload activation tokens dim hidden dtype mode variant peer status error max_rel_error tolerance gpu_us "
     "gpu_spread_pct wall_us wall_spread_pct kernels launches memsets memcpys cpu_ops peak_mem_mb resident_mb "
-    "setup_ms first_call_ms compile_ms flops min_bytes intensity floor_us tflops gbps pct_of_floor speedup "
-    "best_peer speedup_wall best_peer_wall"
+    "setup_ms first_call_ms compile_ms flops min_bytes intensity floor_us tflops gbps pct_of_floor vs_best_peer "
+    "best_peer vs_best_peer_wall best_peer_wall speedup speedup_wall"
 ).split()
 
 
@@ -81,8 +85,41 @@ def _time(us, spread) -> str:
     return f"{us:.1f} ±{spread:.1f}%" if spread is not None else f"{us:.1f}"
 
 
-def _speedup(value) -> str:
-    return "–" if value is None else f"{value:.2f}×"
+def ratio(value) -> str:
+    return "–" if value is None else f"{value:.3f}×"
+
+
+# The one convention of every table: a time (or memory) over the reference's, < 1 is faster (smaller).
+TIME_RATIO = "(time ratio, <1 faster)"
+
+
+def vs_best(row: dict, suffix: str = ""):
+    """The time ratio to the best peer; rows written before it was recorded carry only the speed-up."""
+    if "vs_best_peer" + suffix in row:
+        return row["vs_best_peer" + suffix]
+    up = row.get("speedup" + suffix)
+    return 1 / up if up else None
+
+
+def versions_line(meta: dict, extra: tuple[str, ...] = ()) -> str:
+    """`torch 2.13, CUDA none, Triton 3.6, liger-kernel not installed, mlpfuse 0.1.0`: a missing piece named as
+    such, never a blank."""
+    parts = [("torch", meta.get("torch"), "not installed"), ("CUDA", meta.get("cuda"), "none"),
+             ("Triton", meta.get("triton"), "not installed")]
+    parts += [(name, meta.get(name), "not installed") for name in extra]
+    parts += [("liger-kernel", meta.get("liger_kernel"), "not installed"), ("mlpfuse", meta.get("mlpfuse"), "–")]
+    return ", ".join(f"{name} {value or missing}" for name, value, missing in parts)
+
+
+def method_line(meta: dict) -> str:
+    """How the times were taken, as this run took them (no CUDA events or L2 flushes on a CPU run)."""
+    settings = meta.get("settings") if isinstance(meta.get("settings"), dict) else {}
+    text = f"{settings.get('rounds', '–')} interleaved rounds; "
+    if meta.get("device_type") == "cuda" and settings.get("gpu_time"):
+        text += f"GPU time: {settings['gpu_time']}; "
+    elif meta.get("device_type") is not None:
+        text += "no GPU time (a CPU run): every time is wall time; "
+    return text + f"wall: {settings.get('wall_time', '–')}."
 
 
 def _status(row: dict) -> str:
@@ -97,8 +134,8 @@ TABLE_COLUMNS = (
     ("variant", lambda r: r["variant"] + ("" if r["peer"] else " *")),
     ("GPU µs", lambda r: _time(r["gpu_us"], r["gpu_spread_pct"])),
     ("wall µs/call", lambda r: _time(r["wall_us"], r["wall_spread_pct"])),
-    ("vs best peer", lambda r: _speedup(r["speedup"])),
-    ("wall vs best", lambda r: _speedup(r["speedup_wall"])),
+    (f"vs best peer {TIME_RATIO}", lambda r: ratio(vs_best(r))),
+    (f"wall vs best peer {TIME_RATIO}", lambda r: ratio(vs_best(r, "_wall"))),
     ("kernels", lambda r: _num(r["kernels"], "{:g}")),
     ("launches", lambda r: _num(r["launches"], "{:g}")),
     ("CPU ops", lambda r: _num(r["cpu_ops"], "{:g}") if r["gpu_us"] is None else "–"),
@@ -107,7 +144,7 @@ TABLE_COLUMNS = (
     ("% floor", lambda r: _num(r["pct_of_floor"], "{:.0f}%")),
     ("peak MiB", lambda r: _num(r["peak_mem_mb"])),
     ("1st call ms", lambda r: _num(r["first_call_ms"])),
-    ("compile ms", lambda r: _num(r["compile_ms"])),
+    ("one-time ms", lambda r: _num(r["compile_ms"])),
     ("rel. err", lambda r: _num(r["max_rel_error"], "{:.1e}")),
     ("status", _status),
 )
@@ -116,8 +153,8 @@ TABLE_COLUMNS = (
 def table_columns(rows: list[dict]):
     """The table's columns minus those empty in every row (GPU time on a CPU, counts without the profiler)."""
     no_gpu = all(r["gpu_us"] is None for r in rows)
-    # Without a GPU the headline speed-up already is the wall-time one, and kernels/launches are all zero.
-    hidden = ("wall vs best", "kernels", "launches") if no_gpu else ()
+    # Without a GPU the headline ratio already is the wall-time one, and kernels/launches are all zero.
+    hidden = (f"wall vs best peer {TIME_RATIO}", "kernels", "launches") if no_gpu else ()
     return [
         (h, fn)
         for h, fn in TABLE_COLUMNS
@@ -145,20 +182,21 @@ def peaks_line(meta: dict) -> str:
     return f"measured peaks on {p['device']}: {gemm}; copy {p['copy_gbps']:.4g} GB/s"
 
 
+RATIO_NOTE = ("`*` = mlpfuse. Ratios are a variant's time over the best peer's (eager, torch.compile, Liger, eager "
+              "in a CUDA graph) in the same run: < 1 is faster. % floor = max(FLOPs/peak, min bytes/bandwidth) / "
+              "time. one-time ms = setup + first call − a steady call: compilation, autotuning, graph capture and "
+              "kernel JIT where a variant has them, else first-call allocation and warm-up.")
+
+
 def markdown(result: BenchResult) -> str:
     meta = result.meta
     lines = [
         f"# mlpfuse bench — {meta['device']}",
         "",
         f"Command: `{meta['command']}`  ",
-        f"{meta['timestamp']}; torch {meta['torch']}, CUDA {meta['cuda']}, Triton {meta['triton']}, "
-        f"liger-kernel {meta['liger_kernel']}, mlpfuse {meta['mlpfuse']}  ",
+        f"{meta['timestamp']}; {versions_line(meta)}  ",
         peaks_line(meta) + "  ",
-        f"{meta['settings']['rounds']} interleaved rounds; "
-        + (f"GPU time: {meta['settings']['gpu_time']}; " if meta.get("device_type") == "cuda" else "")
-        + f"wall: {meta['settings']['wall_time']}. `*` = mlpfuse; speed-ups are against the best peer "
-        "(eager, torch.compile, Liger, eager in a CUDA graph) of the same run. % floor = max(FLOPs/peak, "
-        "min bytes/bandwidth) / time.",
+        method_line(meta) + " " + RATIO_NOTE,
     ]
     for note in meta.get("notes", []):
         lines.append(f"\nNote: {note}")
@@ -182,16 +220,19 @@ def write_markdown(result: BenchResult, path: Path) -> Path:
 def print_table(result: BenchResult, console) -> None:
     from rich.table import Table
 
+    from mlpfuse._console import unlimited
+
+    status_width = None if unlimited(console.width) else 60  # off a terminal every cell prints whole
     console.print(peaks_line(result.meta))
     for _, group in _cases(result):
         rows = list(group)
         columns = table_columns(rows)
         table = Table(title=case_caption(rows), title_justify="left", show_lines=False)
         for head, _ in columns:
-            table.add_column(head, overflow="fold", max_width=60 if head == "status" else None)
+            table.add_column(head, overflow="fold", max_width=status_width if head == "status" else None)
         for r in rows:
             style = {"wrong": "red", "error": "red", "skipped": "dim"}.get(r["status"])
-            if r["status"] == "ok" and r.get("speedup") and r["speedup"] >= 1.0 and not r["peer"]:
+            if r["status"] == "ok" and (vs_best(r) or 2.0) <= 1.0 and not r["peer"]:
                 style = "green"
             table.add_row(*(fn(r) for _, fn in columns), style=style)
         console.print(table)

@@ -1,4 +1,5 @@
-"""PNG charts of a bench result: speed-up vs tokens per variant, and each variant on this device's roofline."""
+"""PNG charts of a bench result: each variant's time ratio to the best peer against tokens (speedup.png; < 1 is
+faster, as in every table), and each variant on this device's roofline."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: E402
 
 from mlpfuse._io import atomic_open  # noqa: E402
+from mlpfuse.bench.outputs import vs_best  # noqa: E402
 from mlpfuse.bench.sweep import BenchResult  # noqa: E402
 
 _MARKERS = "osD^vP*Xh<>"
+_RATIO_LABEL = "time / best peer's ({metric}; < 1 faster)"
 
 
 def _save(fig, path: Path) -> None:
@@ -24,6 +27,11 @@ def _save(fig, path: Path) -> None:
             fig.savefig(fh, format="png", dpi=110)
     finally:
         plt.close(fig)
+
+
+def _legend_beside(ax) -> None:
+    """The legend right of the axes, where it covers no point or bar."""
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
 
 
 def _ok(rows):
@@ -44,8 +52,8 @@ def _variants(rows) -> list[str]:
 
 
 def speedup_plot(result: BenchResult, path: Path) -> Path | None:
-    """One panel per (workload, shape without tokens, dtype, mode): speed-up vs the best peer against tokens."""
-    rows = [r for r in _ok(result.rows) if r.get("speedup")]
+    """One panel per (workload, shape without tokens, dtype, mode): time over the best peer's against tokens."""
+    rows = [r for r in _ok(result.rows) if vs_best(r)]
     if not rows:
         return None
     groups: dict[tuple, list[dict]] = {}
@@ -61,7 +69,7 @@ def speedup_plot(result: BenchResult, path: Path) -> Path | None:
     metric = "GPU time" if result.meta.get("device_type") == "cuda" else "wall time"
     for ax, (key, grows) in zip(axes.flat, groups.items()):
         for variant in _variants(grows):
-            pts = sorted((r["tokens"], r["speedup"]) for r in grows if r["variant"] == variant)
+            pts = sorted((r["tokens"], vs_best(r)) for r in grows if r["variant"] == variant)
             xs, ys = zip(*pts)
             ax.plot(xs, ys, label=variant, linestyle="-" if len(xs) > 1 else "none", **style[variant])
         ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
@@ -70,7 +78,7 @@ def speedup_plot(result: BenchResult, path: Path) -> Path | None:
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("tokens")
-        ax.set_ylabel(f"speed-up vs best peer ({metric})")
+        ax.set_ylabel(_RATIO_LABEL.format(metric=metric))
         wl, act, d, h, dt, md = key
         ax.set_title(f"{wl}[{act}] D={d} H={h} {dt} {md}", fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
@@ -88,23 +96,23 @@ def _speedup_bars(result: BenchResult, rows, style, path: Path) -> Path:
     cases = list(dict.fromkeys(r["case"] for r in rows))
     variants = _variants(rows)
     width = 0.8 / len(variants)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(cases) * max(1, len(variants) / 4)), 4.5))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(cases) * max(1, len(variants) / 4)) + 2.0, 4.5))
     for i, v in enumerate(variants):
         xs, ys = [], []
         for j, case in enumerate(cases):
             row = next((r for r in rows if r["case"] == case and r["variant"] == v), None)
             if row:
                 xs.append(j + (i - (len(variants) - 1) / 2) * width)
-                ys.append(row["speedup"])
+                ys.append(vs_best(row))
         ax.bar(xs, ys, width=width, label=v, color=style[v]["color"])
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(cases)))
     ax.set_xticklabels(cases, fontsize=7, rotation=15, ha="right")
     metric = "GPU time" if result.meta.get("device_type") == "cuda" else "wall time"
-    ax.set_ylabel(f"speed-up vs best peer ({metric})")
+    ax.set_ylabel(_RATIO_LABEL.format(metric=metric))
     ax.set_title(f"mlpfuse bench on {result.meta['device']}", fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=7)
+    _legend_beside(ax)
     fig.tight_layout()
     _save(fig, path)
     return path
@@ -118,7 +126,7 @@ def roofline_plot(result: BenchResult, path: Path) -> Path | None:
     peaks = result.meta["peaks"]
     bw_tbs = peaks["copy_gbps"] / 1e3
     style = _style(_variants(result.rows))
-    fig, ax = plt.subplots(figsize=(7.5, 5.5))
+    fig, ax = plt.subplots(figsize=(10.5, 5.5))
     lo = min(r["intensity"] for r in rows) / 4
     hi = max(max(r["intensity"] for r in rows) * 4, 10.0)
     xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
@@ -142,7 +150,7 @@ def roofline_plot(result: BenchResult, path: Path) -> Path | None:
     metric = "GPU time" if result.meta.get("device_type") == "cuda" else "wall time"
     ax.set_title(f"Roofline on {result.meta['device']} ({metric})", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    _legend_beside(ax)  # inside, the roof labels are long enough to hide the points they explain
     fig.tight_layout()
     _save(fig, path)
     return path

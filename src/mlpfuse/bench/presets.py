@@ -84,7 +84,7 @@ class Case:
 
     @property
     def group(self) -> tuple:
-        """Everything but the token count: the key of one line in the speed-up vs tokens plot."""
+        """Everything but the token count: the key of one line in the time-ratio vs tokens plot."""
         return (self.workload, self.activation, self.dim, self.hidden, self.dtype, self.mode)
 
     def to_dict(self) -> dict:

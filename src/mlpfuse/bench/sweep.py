@@ -71,6 +71,8 @@ def _empty_row(case: Case, variant: Variant) -> dict:
         "tflops": None,
         "gbps": None,
         "pct_of_floor": None,
+        "vs_best_peer": None,
+        "vs_best_peer_wall": None,
         "speedup": None,
         "speedup_wall": None,
         "best_peer": None,
@@ -242,7 +244,8 @@ def _run_case(state: _Case, variants, settings: Settings, peaks, progress) -> No
 
 
 def _derive(rows: list[dict], peaks: roofline.Peaks, device: torch.device) -> None:
-    """Roofline numbers and speed-ups against the best peer of this case."""
+    """Roofline numbers and time ratios to the best peer of this case (`vs_best_peer`: < 1 is faster; `speedup`,
+    its inverse, is kept for readers of older results)."""
     for row in rows:
         case = Case(*(row[k] for k in ("workload", "activation", "tokens", "dim", "hidden", "dtype", "mode")))
         if row["status"] != "ok":
@@ -260,19 +263,21 @@ def _derive(rows: list[dict], peaks: roofline.Peaks, device: torch.device) -> No
             # capture, kernel JIT, module loading.
             once = (row["setup_ms"] or 0.0) + row["first_call_ms"] - row["wall_us"] / 1e3
             row["compile_ms"] = max(once, 0.0)
-    for key, out, best_key in (("gpu_us", "speedup", "best_peer"), ("wall_us", "speedup_wall", "best_peer_wall")):
+    for key, suffix in (("gpu_us", ""), ("wall_us", "_wall")):
         peers = [r for r in rows if r["peer"] and r["status"] == "ok" and r[key] is not None]
         if not peers:
             continue
         best = min(peers, key=lambda r: r[key])
         for row in rows:
             if row["status"] == "ok" and row[key]:
-                row[out] = best[key] / row[key]
-                row[best_key] = best["variant"]
-    # On a CPU there is no GPU time: the headline speed-up is the wall-time one.
+                row["vs_best_peer" + suffix] = row[key] / best[key]
+                row["speedup" + suffix] = best[key] / row[key]
+                row["best_peer" + suffix] = best["variant"]
+    # On a CPU there is no GPU time: the headline ratio is the wall-time one.
     if device.type != "cuda":
         for row in rows:
-            row["speedup"], row["best_peer"] = row["speedup_wall"], row["best_peer_wall"]
+            row["vs_best_peer"], row["speedup"], row["best_peer"] = (row["vs_best_peer_wall"], row["speedup_wall"],
+                                                                     row["best_peer_wall"])
 
 
 def environment(device: torch.device, peaks: roofline.Peaks, settings: Settings, command: str | None) -> dict:
@@ -308,8 +313,11 @@ def environment(device: torch.device, peaks: roofline.Peaks, settings: Settings,
             "warmup": settings.warmup,
             "profile": settings.profile,
             "seed": settings.seed,
-            "gpu_time": "CUDA events per call, L2 flushed before each and the call queued ahead of the GPU (no "
-                        "launch gaps), median per round, median over rounds",
-            "wall_time": "N calls back to back between synchronizes, per call, median over rounds",
+            # What this run did: a CPU run takes no GPU time, and its wall clock needs no synchronize.
+            "gpu_time": ("CUDA events per call, L2 flushed before each and the call queued ahead of the GPU (no "
+                         "launch gaps), median per round, median over rounds") if device.type == "cuda" else None,
+            "wall_time": ("N calls back to back between synchronizes, per call, median over rounds"
+                          if device.type == "cuda" else "N calls back to back on the host clock, per call, median "
+                          "over rounds"),
         },
     }

@@ -10,6 +10,10 @@ of one run, runs the single-trace analysis on each and adds what only several ra
   slower ranks: a skewed run shows more communication on its fast ranks.
 - skew: per step (matched by name across ranks), the slowest rank's step time against the fastest's.
 
+mlpfuse's own results folders (walkthrough, profile, bench) hold saved analyses and summaries beside their traces:
+those files are skipped by name and listed. The traces of such a folder are separate runs without ranks;
+`analyze_folder` analyses each on its own there.
+
 Bad input (one InputError line): no traces in the folder, a trace whose rank cannot be told, two traces of one rank
 or disagreeing world sizes or traces whose time spans lie apart (traces of different runs), a rank missing from
 0..world_size-1.
@@ -22,9 +26,10 @@ from __future__ import annotations
 import os
 import re
 import stat
+import sys
 from typing import Any
 
-from mlpfuse.errors import InputError
+from mlpfuse.errors import InputError, printable
 from mlpfuse.profiling import kernel_names
 from mlpfuse.profiling.analysis import Analysis, analyze, link, step_indices
 from mlpfuse.profiling.steps import AUTO, find_steps
@@ -38,22 +43,28 @@ RUN_GAP_US = 60e6
 _TRACE_SUFFIXES = (".json", ".json.gz")
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d{1,9})(?!\d)", re.I)
 _MAX_RANK = 1 << 31
+# What mlpfuse writes beside its traces (saved analyses, summaries, bench results): never a trace.
+_OWN_OUTPUTS = re.compile(r"\.analysis\.json$|^(summary|results|model-diff)\.json$", re.I)
 
 
 # ---------------------------------------------------------------- which file is which rank
 
 
-def trace_files(directory: str) -> list[str]:
-    """The regular .json / .json.gz files directly in `directory`, sorted by name."""
+def trace_files(directory: str) -> tuple[list[str], list[str]]:
+    """The regular .json / .json.gz files directly in `directory`, sorted by name, and apart from them the names
+    of mlpfuse's own outputs there (skipped)."""
     try:
         names = sorted(os.listdir(directory))
     except NotADirectoryError:
         raise InputError(f"DIR {directory}: not a folder") from None
     except OSError as exc:
         raise InputError(f"DIR {directory}: cannot be listed ({exc.strerror or exc})") from None
-    paths = []
+    paths, own = [], []
     for name in names:
         if not name.lower().endswith(_TRACE_SUFFIXES):
+            continue
+        if _OWN_OUTPUTS.search(name):
+            own.append(name)
             continue
         path = os.path.join(directory, name)
         try:
@@ -65,8 +76,9 @@ def trace_files(directory: str) -> list[str]:
         if len(paths) > MAX_RANK_FILES:
             raise InputError(f"DIR {directory}: more than {MAX_RANK_FILES} trace files; one run's ranks expected")
     if not paths:
-        raise InputError(f"DIR {directory}: no .json or .json.gz trace files in it")
-    return paths
+        beside = f" (only mlpfuse's saved results: {', '.join(own[:5])}{', ...' if len(own) > 5 else ''})" if own else ""
+        raise InputError(f"DIR {directory}: no .json or .json.gz trace files in it{beside}")
+    return paths, own
 
 
 def _int_field(info: dict, key: str, path: str, low: int) -> int | None:
@@ -83,6 +95,14 @@ def _int_field(info: dict, key: str, path: str, low: int) -> int | None:
 def rank_of(trace: Trace) -> tuple[int, int | None, str]:
     """(rank, world_size or None, where the rank came from): Kineto's distributedInfo, else `rank<N>` in the file
     name (rank-3.json.gz, rank_3, trace.rank3.json)."""
+    found = _rank_in(trace)
+    if found is None:
+        raise InputError(f"TRACE {trace.path}: cannot tell its rank (no distributedInfo.rank, no rank<N> in the file "
+                         f"name)")
+    return found
+
+
+def _rank_in(trace: Trace) -> tuple[int, int | None, str] | None:
     path = trace.path
     info = trace.metadata.get("distributedInfo")
     if info is not None and not isinstance(info, dict):
@@ -94,8 +114,7 @@ def rank_of(trace: Trace) -> tuple[int, int | None, str]:
     if rank is None:
         m = _RANK_IN_NAME.search(os.path.basename(path))
         if not m:
-            raise InputError(f"TRACE {path}: cannot tell its rank (no distributedInfo.rank, no rank<N> in the file "
-                             f"name)")
+            return None
         rank, source = int(m.group(1)), "file name"
     if world is not None and rank >= world:
         raise InputError(f"TRACE {path}: rank {rank} is outside world_size {world}")
@@ -331,24 +350,51 @@ class RankAnalysis:
         return f"<RankAnalysis {m['ranks']} ranks of {self.data['world_size']}, {m['step_us']:.1f} us/step>"
 
 
-def analyze_ranks(directory: str | os.PathLike, label: str | None = None, max_bytes: int | str | None = None,
-                  allow_missing: bool = False, steps_from: str = AUTO) -> RankAnalysis:
-    """Analyse the per-rank traces of one run in `directory` (see the module's docstring); `label`, `max_bytes`
-    and `steps_from` mean what they mean for `analyze`, for every rank."""
+class TraceSet:
+    """The traces of one of mlpfuse's own results folders (the walkthrough's cases, `profile` runs): separate runs
+    without ranks, each analysed on its own. `to_dict()` is `analyze DIR --json` for such a folder."""
+
+    SCHEMA = "mlpfuse.folder/1"
+
+    def __init__(self, directory: str, analyses: list[Analysis], skipped: list[str]):
+        self.directory, self.analyses, self.skipped = directory, analyses, skipped
+
+    def to_dict(self) -> dict:
+        return {"schema": self.SCHEMA, "directory": self.directory, "skipped": self.skipped,
+                "traces": [an.to_dict() for an in self.analyses]}
+
+
+def analyze_folder(directory: str | os.PathLike, label: str | None = None, max_bytes: int | str | None = None,
+                   allow_missing: bool = False, steps_from: str = AUTO) -> RankAnalysis | TraceSet:
+    """`analyze DIR`: the per-rank traces of one run (a RankAnalysis), or, in one of mlpfuse's own results folders
+    whose traces carry no rank, each trace on its own (a TraceSet). mlpfuse's saved analyses and summaries in the
+    folder are skipped either way and listed (`skipped`)."""
     directory = os.fspath(directory)
-    found, rows, analyses = [], [], {}
-    for path in trace_files(directory):
+    paths, skipped = trace_files(directory)
+    found, rows, analyses, unranked = [], [], {}, []
+    for path in paths:
         # One trace in memory at a time: each is reduced to its analysis and communication figures at once.
         with no_gc():
             trace = load(path, max_bytes)
-            rank, world, source = rank_of(trace)
-            found.append({"rank": rank, "world": world, "path": path, "span": _span_us(trace)})
+            ranked = _rank_in(trace)
+            if ranked is None and (rows or not skipped):  # no results folder of ours, or ranked traces beside
+                rank_of(trace)
             an = analyze(trace, label, steps_from=steps_from)
-            included = [row.get("in_averages", True) for row in an.data["step_table"]]
-            comm = communication(trace, included, label, steps_from)
-            rows.append({**_rank_row(rank, an, comm), "rank_from": source})
-        analyses[rank] = an
+            if ranked is None:
+                unranked.append(an)
+            else:
+                rank, world, source = ranked
+                found.append({"rank": rank, "world": world, "path": path, "span": _span_us(trace)})
+                included = [row.get("in_averages", True) for row in an.data["step_table"]]
+                comm = communication(trace, included, label, steps_from)
+                rows.append({**_rank_row(rank, an, comm), "rank_from": source})
+                analyses[rank] = an
         del trace
+    if unranked:
+        if rows:
+            raise InputError(f"TRACE {unranked[0].trace_path}: cannot tell its rank (no distributedInfo.rank, no "
+                             f"rank<N> in the file name)")
+        return TraceSet(directory, unranked, skipped)
     world = check_run(directory, found, allow_missing)
     rows.sort(key=lambda r: r["rank"])
     data = {
@@ -359,8 +405,20 @@ def analyze_ranks(directory: str | os.PathLike, label: str | None = None, max_by
         "per_rank": rows,
         "merged": _merged(rows),
         "skew": skew(rows),
+        "skipped": skipped,
     }
     return RankAnalysis(data, analyses)
+
+
+def analyze_ranks(directory: str | os.PathLike, label: str | None = None, max_bytes: int | str | None = None,
+                  allow_missing: bool = False, steps_from: str = AUTO) -> RankAnalysis:
+    """Analyse the per-rank traces of one run in `directory` (see the module's docstring); `label`, `max_bytes`
+    and `steps_from` mean what they mean for `analyze`, for every rank."""
+    result = analyze_folder(directory, label, max_bytes, allow_missing, steps_from)
+    if isinstance(result, TraceSet):
+        raise InputError(f"DIR {os.fspath(directory)}: its traces are separate runs, not the ranks of one (no rank "
+                         f"in them); give two of them to diff, or analyse the folder")
+    return result
 
 
 def diff_ranks(directory: str | os.PathLike, a: int | None = None, b: int | None = None,
@@ -394,16 +452,23 @@ def _rank_pair(text: str | None) -> tuple[int | None, int | None]:
 
 
 def run_analyze_dir(args, dump) -> int:
-    from mlpfuse.profiling.render_ranks import print_ranks
+    from mlpfuse.profiling.render_ranks import print_folder, print_ranks
 
     if args.html:
         raise InputError("--html: a page is made from one trace; pass one rank's trace file")
-    result = analyze_ranks(args.trace, label=args.label, max_bytes=args.max_bytes,
-                           allow_missing=args.allow_missing_ranks, steps_from=args.steps_from)
+    result = analyze_folder(args.trace, label=args.label, max_bytes=args.max_bytes,
+                            allow_missing=args.allow_missing_ranks, steps_from=args.steps_from)
+    data = result.to_dict()
+    if data["skipped"]:
+        names = data["skipped"]
+        print(printable(f"skipped {len(names)} file{'s' if len(names) > 1 else ''} mlpfuse wrote (saved analyses "
+                        f"and summaries, not traces): {', '.join(names)}"), file=sys.stderr)
     if args.json:
-        dump(result.to_dict())
+        dump(data)
+    elif isinstance(result, TraceSet):
+        print_folder(data)
     else:
-        print_ranks(result.to_dict())
+        print_ranks(data)
     return 0
 
 

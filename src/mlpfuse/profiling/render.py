@@ -14,19 +14,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from mlpfuse._console import Console as _Console
+from mlpfuse._console import unlimited
 from mlpfuse.errors import printable
 from mlpfuse.profiling.analysis import NA, gpu_measured
 
 NAME_WIDTH = 70
-
-
-class _Console(Console):
-    """rich exits 1 by itself when stdout's reader goes away; let the BrokenPipeError reach the CLI, which exits
-    quietly with 141 as other tools do."""
-
-    def on_broken_pipe(self) -> None:
-        self.quiet = True
-        raise BrokenPipeError
 
 
 def cell(value, style: str = "") -> Text:
@@ -50,6 +43,22 @@ def short(name: str, width: int = NAME_WIDTH) -> str:
 
 def _name(name: str, width: int = NAME_WIDTH) -> Text:
     return cell(short(name, width))
+
+
+def _namer(width: int):
+    """Names for tables printed `width` wide: shortened on a terminal, whole off it (a pipe or a file), where two
+    kernels whose names differ only past the cut must stay two different rows."""
+    whole = unlimited(width)
+    return lambda name, limit=NAME_WIDTH: name if whole else short(name, limit)
+
+
+def titled(title, width: int, **options) -> Table:
+    """A table whose title, off a terminal, stays on one line however narrow the table (rich wraps a title to the
+    table's width)."""
+    title = title if isinstance(title, Text) else cell(title)
+    if unlimited(width):
+        title.no_wrap, title.overflow = True, "ignore"
+    return Table(title=title, **options)
 
 
 def _row(table: Table, *values) -> None:
@@ -84,13 +93,34 @@ def _fit(title, columns, rows, width: int) -> Table:
     if flexible and wanted > room:
         for i in flexible:
             widths[i] = min(natural[i], max(columns[i][2], room * natural[i] // wanted))
-    table = Table(title=title)
+            _keep_apart([row[i] for row in rows], widths[i])
+    # Off a terminal a row can be hundreds of characters wide: a title centred over it would start far right.
+    table = titled(title, width, title_justify="left" if unlimited(width) else "center")
     for (header, justify, narrowest), w in zip(columns, widths):
         table.add_column(header, justify=justify, no_wrap=True, overflow="ellipsis",
                          max_width=w if narrowest is not None else None)
     for row in rows:
         table.add_row(*row)
     return table
+
+
+def _keep_apart(cells: list[Text], width: int) -> None:
+    """Cells that would read alike once cut to `width` with an ellipsis at the end are cut in the middle instead,
+    in place: two ATen kernels stay `vectorized_e…ulFunctor> bf16` and `vectorized_e…elImpl> bf16`, not twice
+    `vectorized_elementwise…`."""
+    if width < 5:
+        return
+    seen: dict[str, set[str]] = {}
+    for c in cells:
+        if c.cell_len > width:
+            seen.setdefault(c.plain[: width - 1], set()).add(c.plain)
+    head = (width - 1) // 2
+    tail = width - 1 - head
+    for c in cells:
+        if c.cell_len > width and len(seen[c.plain[: width - 1]]) > 1:
+            text = c.plain
+            c.truncate(0)
+            c.append(text[:head] + "…" + text[-tail:])
 
 
 def steps_line(data: dict) -> Text:
@@ -118,7 +148,7 @@ def steps_line(data: dict) -> Text:
 
 def analysis_tables(data: dict, width: int = WIDE) -> list[Table]:
     p = data["per_step"]
-    head = Table(title=cell(f"Per step (average over {data['steps']} steps, {data['step_source']})"),
+    head = titled(f"Per step (average over {data['steps']} steps, {data['step_source']})", width,
                  show_header=False)
     head.add_column("what", no_wrap=True)
     head.add_column("value")
@@ -143,15 +173,16 @@ def analysis_tables(data: dict, width: int = WIDE) -> list[Table]:
             _row(head, what, value)
 
     wide = width >= WIDE
+    name = _namer(width)
     kernels = _fit("GPU kernels (per step)",
                    [("kernel", "left", 20), ("family", "left", 6), ("/step", "right", None),
                     ("avg us", "right", None), ("launched by", "left", 8)] + ([("decoded", "left", 10)] * wide),
-                   [[_name(k["name"]), k["family"], f"{k['per_step']:g}", f"{k['avg_us']:.1f}", ", ".join(k["ops"])]
+                   [[name(k["name"]), k["family"], f"{k['per_step']:g}", f"{k['avg_us']:.1f}", ", ".join(k["ops"])]
                     + ([_fields(k["decoded"])] * wide) for k in data["kernels"]], width)
     n = data["steps"]
     ops = _fit("CPU ops (per step)", [("op", "left", 20), ("/step", "right", None), ("total us", "right", None),
                                       ("self us", "right", None), ("kernels", "right", None)],
-               [[_name(o["name"], 60), f"{o['per_step']:g}", f"{o['cpu_total_us'] / n:.1f}",
+               [[name(o["name"], 60), f"{o['per_step']:g}", f"{o['cpu_total_us'] / n:.1f}",
                  f"{o['cpu_self_us'] / n:.1f}", f"{o['kernels']:g}"] for o in data["ops"]], width)
     tables = [head] + ([kernels] if data["kernels"] else []) + [ops]
     if data["zero_kernel_ops"]:
@@ -162,8 +193,8 @@ def analysis_tables(data: dict, width: int = WIDE) -> list[Table]:
         tables.append(_fit("Largest GPU idle gaps",
                            [("step", "left", 8), ("at us", "right", None), ("idle us", "right", None),
                             ("after", "left", 12), ("before", "left", 12)],
-                           [[g["step"], f"{g['start_us']:.1f}", f"{g['dur_us']:.1f}", _name(g["after"], 40),
-                             _name(g["before"], 40)] for g in data["gpu_gaps"]], width))
+                           [[g["step"], f"{g['start_us']:.1f}", f"{g['dur_us']:.1f}", name(g["after"], 40),
+                             name(g["before"], 40)] for g in data["gpu_gaps"]], width))
     return tables
 
 
@@ -210,11 +241,12 @@ def print_analysis(data: dict, console: Console | None = None) -> None:
 def diff_tables(data: dict, width: int = WIDE) -> list[Table]:
     removed, added, gone, new = (cell(w, style) for w, style in (("removed", "red"), ("added", "green"),
                                                                  ("gone in B", "red"), ("new in B", "green")))
-    rows = [[removed, _name(k["name"]), k["family"], f"{k['per_step']:g}", "-", f"{k['avg_us']:.1f}", "-"]
+    name = _namer(width)
+    rows = [[removed, name(k["name"]), k["family"], f"{k['per_step']:g}", "-", f"{k['avg_us']:.1f}", "-"]
             for k in data["kernels_removed"]]
-    rows += [[added, _name(k["name"]), k["family"], "-", f"{k['per_step']:g}", "-", f"{k['avg_us']:.1f}"]
+    rows += [[added, name(k["name"]), k["family"], "-", f"{k['per_step']:g}", "-", f"{k['avg_us']:.1f}"]
              for k in data["kernels_added"]]
-    rows += [["same", _name(k["name"]), k["family"], f"{k['per_step']['a']:g}", f"{k['per_step']['b']:g}",
+    rows += [["same", name(k["name"]), k["family"], f"{k['per_step']['a']:g}", f"{k['per_step']['b']:g}",
               f"{k['avg_us']['a']:.1f}", f"{k['avg_us']['b']:.1f}"] for k in data["kernels_unchanged"]]
     kernels = _fit("Kernels: A -> B (byte-identical names)",
                    [("change", "left", None), ("kernel", "left", 16), ("family", "left", 6),
@@ -230,12 +262,12 @@ def diff_tables(data: dict, width: int = WIDE) -> list[Table]:
         _row(per, key, fmt.format(a[key]), fmt.format(b[key]), ("+" if d[key] > 0 else "") + fmt.format(d[key]))
 
     ops = _fit("CPU ops: A -> B", [("change", "left", None), ("op", "left", 20), ("/step", "right", None)],
-               [[gone, _name(o["name"], 60), f"{o['per_step']:g}"] for o in data["ops_removed"]]
-               + [[new, _name(o["name"], 60), f"{o['per_step']:g}"] for o in data["ops_added"]], width)
+               [[gone, name(o["name"], 60), f"{o['per_step']:g}"] for o in data["ops_removed"]]
+               + [[new, name(o["name"], 60), f"{o['per_step']:g}"] for o in data["ops_added"]], width)
 
     by_op = _fit("Kernels by the CPU op that launched them",
                  [("side", "left", None), ("op", "left", 12), ("kernels (count over all steps)", "left", 20)],
-                 [[side.upper(), _name(op, 50), "; ".join(f"{short(k, 60)} x{c}" for k, c in ks.items())]
+                 [[side.upper(), name(op, 50), "; ".join(f"{name(k, 60)} x{c}" for k, c in ks.items())]
                   for side in ("a", "b") for op, ks in data["kernels_by_op"][side].items()], width)
     return [t for t in (kernels, per, ops, by_op) if t.row_count]
 

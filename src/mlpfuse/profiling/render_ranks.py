@@ -6,7 +6,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from mlpfuse.profiling.render import _Console, _name, _row, cell
+from mlpfuse.profiling.render import WIDE, _Console, _namer, _row, cell, print_analysis, titled
 
 
 def _pct(share) -> str:
@@ -17,10 +17,10 @@ def _us(value: float) -> str:
     return f"{value:.0f}" if value >= 1000 else f"{value:.1f}"
 
 
-def rank_table(data: dict) -> Table:
-    t = Table(title=cell(f"Per rank, per step ({len(data['per_rank'])} of world_size {data['world_size']}); comm: "
-                         f"communication kernels, busy: GPU busy, overlap: comm time overlapped by compute"),
-              box=box.SIMPLE_HEAD, pad_edge=False)
+def rank_table(data: dict, width: int = WIDE) -> Table:
+    t = titled(f"Per rank, per step ({len(data['per_rank'])} of world_size {data['world_size']}); comm: "
+               f"communication kernels, busy: GPU busy, overlap: comm time overlapped by compute", width,
+               box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("rank", "steps", "step us", "busy us", "kernels", "comm", "comm us", "comm %", "overlap"):
         t.add_column(col, justify="right", no_wrap=True)
     for r in data["per_rank"]:
@@ -33,12 +33,13 @@ def rank_table(data: dict) -> Table:
     return t
 
 
-def comm_table(data: dict) -> Table:
+def comm_table(data: dict, width: int = WIDE) -> Table:
+    name = _namer(width)
     t = Table(title="Communication kernels (all ranks)")
     for col, justify in (("kernel", "left"), ("ranks", "right"), ("count", "right"), ("total us", "right")):
         t.add_column(col, justify=justify, overflow="fold")
     for k in data["merged"]["communication_kernels"]:
-        _row(t, _name(k["name"]), str(k["ranks"]), str(k["count"]), _us(k["total_us"]))
+        _row(t, name(k["name"]), str(k["ranks"]), str(k["count"]), _us(k["total_us"]))
     return t
 
 
@@ -58,7 +59,18 @@ def skew_line(data: dict):
 def print_ranks(data: dict, console: Console | None = None) -> None:
     console = console or _Console()
     console.print(cell(data["directory"], style="bold"))
-    console.print(rank_table(data))
+    console.print(rank_table(data, console.width))
     if data["merged"]["communication_kernels"]:
-        console.print(comm_table(data))
+        console.print(comm_table(data, console.width))
     console.print(skew_line(data))
+
+
+def print_folder(data: dict, console: Console | None = None) -> None:
+    """One of mlpfuse's own results folders: each trace's analysis in turn."""
+    console = console or _Console()
+    n = len(data["traces"])
+    console.print(cell(f"{data['directory']}: {n} trace{'s' if n > 1 else ''} of separate runs (no ranks), each "
+                       f"analysed on its own", style="bold"))
+    for trace in data["traces"]:
+        console.rule()
+        print_analysis(trace, console)

@@ -41,18 +41,12 @@ def bench_section(meta: dict, rows: list[dict], plots: list[str], columns=None, 
     parts = []
     if meta:
         parts.append(f"<p>Command: <code>{esc(meta.get('command'), 600)}</code><br>"
-                     f"{esc(meta.get('timestamp'), 60)}; torch {esc(meta.get('torch'), 60)}, CUDA "
-                     f"{esc(meta.get('cuda'), 40)}, Triton {esc(meta.get('triton'), 40)}, liger-kernel "
-                     f"{esc(meta.get('liger_kernel'), 40)}, mlpfuse {esc(meta.get('mlpfuse'), 40)}</p>")
+                     f"{esc(meta.get('timestamp'), 60)}; {esc(outputs.versions_line(meta), 400)}</p>")
         try:
             parts.append(f"<p>{esc(outputs.peaks_line(meta), 600)}</p>")
         except (KeyError, TypeError, AttributeError, ValueError):
             parts.append('<p class="missing">No measured peaks in this result.</p>')
-        settings = meta.get("settings") if isinstance(meta.get("settings"), dict) else {}
-        parts.append(f'<p class="note">{esc(settings.get("rounds"), 20)} interleaved rounds; GPU time: '
-                     f'{esc(settings.get("gpu_time", "–"), 200)}; wall: {esc(settings.get("wall_time", "–"), 200)}. '
-                     "Speed-ups are against the best peer (eager, torch.compile, Liger, eager in a CUDA graph) of "
-                     "the same run; * marks mlpfuse's variants.</p>")
+        parts.append(f'<p class="note">{esc(outputs.method_line(meta) + " " + outputs.RATIO_NOTE, 1200)}</p>')
         for note in meta.get("notes") or []:
             parts.append(f'<p class="note">Note: {esc(note, 600)}</p>')
     if plots:

@@ -1,0 +1,110 @@
+"""Every `mlpfuse ...` example in every command's --help and in the README's code blocks, run on this (CPU) machine
+through the console script: each exits 0, or 2 with one `mlpfuse: error:` line, and none shows a traceback.
+
+Usage lines with placeholders (`mlpfuse analyze TRACE [--json]`) run with the placeholders filled from the test
+fixtures and the bracketed options left out. Each example runs under a 6 GB address-space cap, so one that would
+allocate more than that must be refused up front, and for at most MLPFUSE_EXAMPLE_SECONDS (default 45): the long
+benchmarks are stopped there, and what they printed until then must hold no traceback. Two examples run at a time.
+"""
+
+import argparse
+import os
+import re
+import shlex
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from cli_run import ROOT, cli_env, run_for
+from mlpfuse.cli import build_parser
+
+SECONDS = float(os.environ.get("MLPFUSE_EXAMPLE_SECONDS", "45"))
+MEMORY_CAP = 6 << 30
+TRACES = os.path.join(ROOT, "tests", "fixtures", "traces")
+PLACEHOLDERS = {
+    "TRACE": os.path.join(TRACES, "geglu_eager.json.gz"),
+    "A": os.path.join(TRACES, "geglu_eager.json.gz"),
+    "B": os.path.join(TRACES, "geglu_compile.json.gz"),
+    "DIR": os.path.join(TRACES, "hta_sampled_ranks"),
+}
+_COMMAND = re.compile(r"(?:^|\s)(?:python3 -m )?mlpfuse ((?:walkthrough|analyze|diff|profile|bench)\b.*)$")
+
+
+def _command(line: str) -> list[str] | None:
+    """The argv of the `mlpfuse ...` command on `line`, or None: comments and two-space explanations dropped,
+    bracketed options left out, placeholders filled."""
+    m = _COMMAND.search(line)
+    if not m:
+        return None
+    text = re.split(r"\s#|\s{2,}", m.group(1))[0]
+    while re.search(r"\[[^\[\]]*\]", text):
+        text = re.sub(r"\s*\[[^\[\]]*\]", "", text)
+    return [PLACEHOLDERS.get(word, word) for word in shlex.split(text)]
+
+
+def help_examples() -> list[tuple[str, list[str]]]:
+    found = []
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in [("mlpfuse", parser), *sub.choices.items()]:
+        for line in p.format_help().splitlines():
+            argv = _command(line) if line.lstrip().startswith("mlpfuse ") else None  # not the usage line
+            if argv:
+                found.append((f"{name} --help", argv))
+    return found
+
+
+def readme_examples() -> list[tuple[str, list[str]]]:
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        text = fh.read()
+    found, fence = [], None
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fence = line[3:].strip() if fence is None else None
+            continue
+        if fence in ("", "bash", "sh", "console") and (argv := _command(line)):
+            found.append(("README", argv))
+    return found
+
+
+def examples() -> list[tuple[str, list[str]]]:
+    seen, out = set(), []
+    for where, argv in help_examples() + readme_examples():
+        if tuple(argv) not in seen:
+            seen.add(tuple(argv))
+            out.append((where, argv))
+    return out
+
+
+def test_the_examples_are_found():
+    found = examples()
+    commands = {argv[0] for _, argv in found}
+    assert {"walkthrough", "profile", "analyze", "diff", "bench"} <= commands
+    assert any(argv[:2] == ["bench", "--model"] for _, argv in found)
+    assert any(where.startswith("bench --help") for where, _ in found)
+
+
+@pytest.mark.slow
+def test_every_example_exits_0_or_with_one_error_line(tmp_path):
+    env = cli_env(XDG_CACHE_HOME=tmp_path / "cache", MLPFUSE_CACHE_DIR=tmp_path / "cache")
+
+    def run(i_example):
+        i, (where, argv) = i_example
+        cwd = tmp_path / f"run{i}"
+        cwd.mkdir()
+        return where, argv, *run_for(argv, SECONDS, cwd=cwd, memory_cap=MEMORY_CAP, env=env)
+
+    problems = []
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for where, argv, code, out, err in pool.map(run, enumerate(examples())):
+            print(f"{'stopped' if code is None else f'exit {code}'}: mlpfuse {' '.join(argv)}")  # shown with -s
+            shown = f"{where}: mlpfuse {' '.join(argv)} -> {code}: {err[-1500:]}"
+            if "Traceback" in err or "Traceback" in out:
+                problems.append(shown)
+            elif code == 2:
+                errors = [line for line in err.splitlines() if line.startswith("mlpfuse: error: ")]
+                if len(errors) != 1:
+                    problems.append(shown)
+            elif code not in (0, None):
+                problems.append(shown)
+    assert not problems, "\n\n".join(problems)
