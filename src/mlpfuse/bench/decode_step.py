@@ -45,15 +45,17 @@ class StaticStep:
         self.lengths = [n for n in (getattr(layer, "cumulative_length", None) for layer in layers)
                         if isinstance(n, torch.Tensor)]
         self.starts = [torch.full_like(length, seq) for length in self.lengths]
-        self.sliding = [layer for layer in layers if hasattr(layer, "cumulative_length_int")]
+        # Python-int counts (sliding-window layers' `cumulative_length_int`; the count itself in older releases)
+        # grow with each eager call too, and decide the write slot when traced: set back the same way.
+        self.counted = [(layer, name) for layer in layers for name in ("cumulative_length", "cumulative_length_int")
+                        if type(getattr(layer, name, None)) is int]
 
     def __call__(self) -> torch.Tensor:
-        # Back to the prompt's end: the write position is a tensor per layer (rewound inside a captured graph too);
-        # sliding-window layers also keep a Python int, which decides their branch when traced
+        # Back to the prompt's end: the write position is a tensor per layer (rewound inside a captured graph too)
         if self.lengths:
             torch._foreach_copy_(self.lengths, self.starts)
-        for layer in self.sliding:
-            layer.cumulative_length_int = self.seq
+        for layer, name in self.counted:
+            setattr(layer, name, self.seq)
         return self.module(input_ids=self.token, position_ids=self.position, use_cache=True,
                            **{self.kwarg: self.cache}, **self.where).logits
 
