@@ -35,14 +35,15 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_built(tmp_path):
     for args in (["bench", "--model", "llama3-8b", "--layers", "32", "--tokens", "1x8192"],
                  ["bench", "--model", "llama3-8b", "--layers", "4", "--mode", "decode,train", "--tokens", "2x2048"],
                  ["profile", "--model", "llama3-8b", "--no-tiny", "--layers", "32"]):
-        proc = run_cli(*args, "--out", tmp_path / "o", memory_cap=6 * GB, timeout=300)
+        proc = run_cli(*args, "--device", "cpu", "--out", tmp_path / "o", memory_cap=6 * GB, timeout=300)
         line = assert_one_error_line(proc)
         assert line.startswith("mlpfuse: error: --model llama3-8b: needs about "), line
         need, have = (float(x) for x in re.search(r"needs about ([\d.]+) GB.* but ([\d.]+) GB are free", line).groups())
         assert need > have and have < 6.5
     # Llama-3-8B's published size: 8.03 B parameters at 32 layers
     assert "(8.03 B parameters" in assert_one_error_line(
-        run_cli("bench", "--model", "llama3-8b", "--layers", "32", "--out", tmp_path / "o", memory_cap=6 * GB))
+        run_cli("bench", "--model", "llama3-8b", "--layers", "32", "--device", "cpu", "--out", tmp_path / "o",
+                memory_cap=6 * GB))
     assert not (tmp_path / "o" / "results.json").exists()
 
 
@@ -69,8 +70,8 @@ def test_on_a_cpu_the_model_lab_defaults_to_a_small_config_and_says_so(tmp_path)
 @pytest.mark.slow
 def test_published_widths_on_a_cpu_run_when_they_fit(tmp_path):
     pytest.importorskip("transformers")
-    proc = run_cli("bench", "--model", "gpt2", "--layers", "1", "--tokens", "1x32", "--variants", "eager",
-                   "--rounds", "1", "--target-ms", "1", "--out", tmp_path, memory_cap=8 * GB)
+    proc = run_cli("bench", "--model", "gpt2", "--layers", "1", "--tokens", "1x32", "--device", "cpu", "--variants",
+                   "eager", "--rounds", "1", "--target-ms", "1", "--out", tmp_path, memory_cap=8 * GB)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "toy widths" not in proc.stderr
     assert json.loads((tmp_path / "results.json").read_text())["meta"]["lab"]["model"] == "gpt2, 1 layer"

@@ -118,7 +118,7 @@ def test_bench_table_is_whole(bench_run):
     [t] = tables(proc.stdout)
     rows = data["rows"]
     assert len(t.rows) == len(rows)
-    assert t.title == (f"geglu 64x768x3072 fp32 fwd — {rows[0]['flops'] / 1e9:.2f} GFLOP, "
+    assert t.title == (f"{rows[0]['case']} — {rows[0]['flops'] / 1e9:.2f} GFLOP, "
                        f"{rows[0]['min_bytes'] / 1e6:.1f} MB min traffic, {rows[0]['intensity']:.0f} FLOP/B, "
                        f"floor {rows[0]['floor_us']:.1f} µs")
     for cells, r in zip(t.dicts(), rows):
