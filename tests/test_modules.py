@@ -377,3 +377,22 @@ def test_module_calls_check_x_first_in_the_module_terms(make):
         m(torch.randn(2, 9))
     with torch.no_grad():  # once refused, the same module still serves good input
         assert m(torch.randn(2, 8)).shape[-1] == (8 if not isinstance(m, FusedLinear) else 12)
+
+
+def test_fused_linear_without_activation_under_auto_is_nn_linear_itself():
+    """Nothing to fuse: the call records exactly nn.Linear's ops (no mlpfuse span) and returns its bits."""
+    torch.manual_seed(0)
+    ref = nn.Linear(8, 12)
+    m = FusedLinear.from_module(ref, backend="auto")
+    x = torch.randn(3, 8)
+
+    def ops(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = fn(x)
+        return out, sorted({e.name for e in prof.events()})
+
+    (want, want_ops), (got, got_ops) = ops(ref), ops(m)
+    assert torch.equal(got, want)
+    assert got_ops == want_ops and not any(name.startswith("mlpfuse::") for name in got_ops), got_ops
+    with pytest.raises(InputError, match="^x: "):
+        m(torch.randn(3, 9))  # bad input still gets the module's one-line error
