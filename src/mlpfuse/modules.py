@@ -467,7 +467,8 @@ class FusedLinear(nn.Linear):
             if _sharded(w):
                 return self._sharded_forward(x)
             if (self.activation == "identity" and type(x) is Tensor and x.dtype is w.dtype and x.dim() > 0
-                    and x.shape[-1] == w.shape[1] and dispatch.resolve_backend(self.backend) == "auto"):
+                    and x.shape[-1] == w.shape[1] and x.get_device() == w.get_device()
+                    and dispatch.resolve_backend(self.backend) == "auto"):
                 # Nothing to fuse: `auto` runs nn.Linear's own call (one cuBLAS GEMM, the bias in its epilogue), and
                 # so does this, without the op layer. Through it, the walkthrough's linear step took 246.9 µs against
                 # eager's 217.7 under the profiler on an H100 (+34.6 µs of `mlpfuse::linear_act` self time).
