@@ -173,3 +173,17 @@ def test_foreign_weights_take_the_module_math_without_a_graph_break():
         got = torch.compile(m, fullgraph=True, backend="aot_eager")(x)
         torch.testing.assert_close(got.a, want)
         torch.testing.assert_close(got.b, want)
+
+
+def test_an_unavailable_backend_named_explicitly_is_one_error_also_compiled():
+    from mlpfuse import csrc
+    from mlpfuse.errors import InputError
+
+    if csrc.environment_problem() is None:
+        pytest.skip("the CUDA backend can be built here")
+    m = mlpfuse.GatedMLP(DIM, HIDDEN, backend="cuda", device=DEVICE)
+    x = torch.randn(2, DIM, device=DEVICE)
+    torch._dynamo.reset()
+    for call in (m, torch.compile(m, fullgraph=True, backend="aot_eager")):
+        with torch.no_grad(), pytest.raises(InputError, match=r"^backend: 'cuda' "):
+            call(x)
