@@ -1,5 +1,6 @@
-"""Every `mlpfuse ...` example in every command's --help and in the README's code blocks, run on this (CPU) machine
-through the console script: each exits 0, or 2 with one `mlpfuse: error:` line, and none shows a traceback.
+"""Every `mlpfuse ...` example in every command's --help and in the code blocks of README.md and docs/*.md, run on
+this (CPU) machine through the console script: each exits 0, or 2 with one `mlpfuse: error:` line, and none shows a
+traceback.
 
 Usage lines with placeholders (`mlpfuse analyze TRACE [--json]`) run with the placeholders filled from the test
 fixtures and the bracketed options left out. Each example runs under a 6 GB address-space cap, so one that would
@@ -8,6 +9,7 @@ benchmarks are stopped there, and what they printed until then must hold no trac
 """
 
 import argparse
+import glob
 import os
 import re
 import shlex
@@ -55,16 +57,23 @@ def help_examples() -> list[tuple[str, list[str]]]:
     return found
 
 
+def doc_pages() -> list[str]:
+    """README.md and the reference pages it links to, as paths relative to the repository."""
+    return ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+
+
 def readme_examples() -> list[tuple[str, list[str]]]:
-    with open(os.path.join(ROOT, "README.md")) as fh:
-        text = fh.read()
-    found, fence = [], None
-    for line in text.splitlines():
-        if line.startswith("```"):
-            fence = line[3:].strip() if fence is None else None
-            continue
-        if fence in ("", "bash", "sh", "console") and (argv := _command(line)):
-            found.append(("README", argv))
+    found = []
+    for page in doc_pages():
+        with open(os.path.join(ROOT, page)) as fh:
+            text = fh.read()
+        fence = None
+        for line in text.splitlines():
+            if line.startswith("```"):
+                fence = line[3:].strip() if fence is None else None
+                continue
+            if fence in ("", "bash", "sh", "console") and (argv := _command(line)):
+                found.append((page, argv))
     return found
 
 
@@ -83,6 +92,8 @@ def test_the_examples_are_found():
     assert {"walkthrough", "profile", "analyze", "diff", "bench"} <= commands
     assert any(argv[:2] == ["bench", "--model"] for _, argv in found)
     assert any(where.startswith("bench --help") for where, _ in found)
+    pages = {where for where, _ in readme_examples()}
+    assert "README.md" in pages and any(p.startswith("docs" + os.sep) for p in pages)
 
 
 @pytest.mark.slow
