@@ -15,9 +15,9 @@ import sys
 from mlpfuse.errors import InputError, printable
 
 _COMMAND_MODULES = (
-    "mlpfuse.walkthrough",
-    "mlpfuse.profiling.commands",
-    "mlpfuse.bench.commands",
+    "mlpfuse.commands.walkthrough",
+    "mlpfuse.commands.profile",
+    "mlpfuse.commands.bench",
     "mlpfuse.commands.patch",
 )
 
