@@ -79,7 +79,7 @@ def imports_of(path: Path) -> list[tuple[int, str]]:
                     found.append((node.lineno, sub))
                 elif not (base == TOP and alias.name == "__version__"):  # the version is metadata, not a layer
                     found.append((node.lineno, base))
-    return [(line, m) for line, m in found if m == TOP or m.startswith(TOP + ".")]
+    return sorted({(line, m) for line, m in found if m == TOP or m.startswith(TOP + ".")})
 
 
 def _is_module(dotted: str) -> bool:
@@ -130,8 +130,11 @@ sys.meta_path.insert(0, Block())
 for name in list(sys.modules):
     if name.split(".")[0] in BLOCKED:
         del sys.modules[name]
+import importlib, pkgutil
 import mlpfuse.profiling as profiling
-from mlpfuse.profiling import Analysis, analyze, diff
+for info in pkgutil.iter_modules(profiling.__path__):  # every part of the profiler, capture included (torch only)
+    importlib.import_module(f"mlpfuse.profiling.{{info.name}}")
+from mlpfuse.profiling import analyze, diff
 from mlpfuse.profiling.trace import load
 trace = load(sys.argv[1])
 a = analyze(sys.argv[1])
