@@ -431,7 +431,7 @@ class _SpyOps:
     """Records the weight shapes the sharded forwards hand to the fused ops (the real ops run)."""
 
     def __init__(self):
-        import mlpfuse.parallel.sharded as sharded
+        import mlpfuse.ops.sharded as sharded
 
         self.sharded, self.calls = sharded, []
 

@@ -108,7 +108,7 @@ def test_a_cpu_result_names_what_it_lacks_and_how_it_was_timed():
     assert "one-time ms" in md and "compile ms" not in md
     from mlpfuse.report.bench import bench_section
 
-    page = bench_section(meta, _result().rows, [])  # report.html's header says the same
+    page = bench_section(rows=_result().rows, plots=[], **outputs.page_layout(meta))  # report.html's header too
     assert "CUDA none" in page and "CUDA ," not in page and "liger-kernel ," not in page
     assert "CUDA events" not in page and "L2" not in page and "no GPU time (a CPU run)" in page
 

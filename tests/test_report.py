@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from mlpfuse.bench.outputs import page_layout
 from mlpfuse.cli import main
 from mlpfuse.profiling import analyze, trace as trace_mod
 from mlpfuse.report import Bench, Variant, build_page, flame, load_variant, steps, write
@@ -426,8 +427,8 @@ def test_bench_section_from_the_committed_h200_results(tmp_path):
     folder = os.path.join(ROOT, "benchmarks", "results", "nvidia-h200", "blog")
     result = json.load(open(os.path.join(folder, "results.json")))
     plots = [os.path.join(folder, n) for n in ("speedup.png", "roofline.png")]
-    html = open(write(tmp_path / "r.html", "bench", bench=Bench(result["meta"], result["rows"], plots)),
-                encoding="utf-8").read()
+    bench = Bench(rows=result["rows"], plots=plots, **page_layout(result["meta"]))
+    html = open(write(tmp_path / "r.html", "bench", bench=bench), encoding="utf-8").read()
     el = Elements(html)
     imgs = el.find("img")
     assert [base64.b64decode(a["src"].split(",", 1)[1]) for a in imgs] == [open(p, "rb").read() for p in plots]
@@ -441,6 +442,6 @@ def test_bench_page_says_when_plots_are_missing(tmp_path):
     folder = os.path.join(ROOT, "benchmarks", "results", "nvidia-h200", "blog")
     result = json.load(open(os.path.join(folder, "results.json")))
     (tmp_path / "fake.png").write_text("not a png")
-    html = build_page("b", bench=Bench(result["meta"], result["rows"], [str(tmp_path / "fake.png"),
-                                                                          str(tmp_path / "none.png")]))
+    plots = [str(tmp_path / "fake.png"), str(tmp_path / "none.png")]
+    html = build_page("b", bench=Bench(rows=result["rows"], plots=plots, **page_layout(result["meta"])))
     assert "fake.png: not a PNG file" in html and "none.png: not found" in html

@@ -143,7 +143,7 @@ def test_unavailable_variant_is_recorded_not_fatal(tmp_path, monkeypatch):
     broken = workloads.Variant("mlpfuse", "fused", workloads.VARIANTS["mlpfuse"].wrap,
                                lambda: (False, "mlpfuse.modules cannot be imported (ImportError: test)"))
     monkeypatch.setitem(workloads.VARIANTS, "mlpfuse", broken)
-    monkeypatch.setattr("mlpfuse.walkthrough.CASES", [("linear-eager", "linear", "eager"),
+    monkeypatch.setattr("mlpfuse.commands.walkthrough.CASES", [("linear-eager", "linear", "eager"),
                                                      ("linear-mlpfuse", "linear", "mlpfuse")])
     import torch
 
@@ -247,7 +247,7 @@ def _capture_with_fixture_steps(name):
 
 
 def test_a_gpu_verdict_says_which_part_of_the_step_grew():
-    from mlpfuse.walkthrough_rounds import Rounds, verdicts
+    from mlpfuse.commands.walkthrough_rounds import Rounds, verdicts
 
     fast, slow = _capture_with_fixture_steps("geglu_eager"), _capture_with_fixture_steps("geglu_compile")
     rounds = Rounds({"w-eager": ("w", "eager"), "w-mlpfuse": ("w", "mlpfuse")})

@@ -1,6 +1,6 @@
 """`mlpfuse` console script.
 
-Each area owns its subcommands: a module listed in `_COMMAND_MODULES` exposes `register(subparsers)`, which adds
+Each command module (mlpfuse.commands, listed in `_COMMAND_MODULES`) exposes `register(subparsers)`, which adds
 its parsers and sets `func` on them. Exit codes: 0 ok, 1 an expectation was broken, 2 bad input, 141 the reader
 of stdout went away (a closed pipe).
 """
@@ -15,9 +15,9 @@ import sys
 from mlpfuse.errors import InputError, printable
 
 _COMMAND_MODULES = (
-    "mlpfuse.walkthrough",
-    "mlpfuse.profiling.commands",
-    "mlpfuse.bench.commands",
+    "mlpfuse.commands.walkthrough",
+    "mlpfuse.commands.profile",
+    "mlpfuse.commands.bench",
     "mlpfuse.commands.patch",
 )
 

@@ -8,7 +8,7 @@ Parameter names match the modules they replace, so state_dicts load as is: `gate
 Forwards are TorchScript-compatible: they call the `torch.ops.mlpfuse.*` custom ops through functions with typed
 signatures, and keep the activation and backend as plain strings. Under tensor parallelism (parameters made DTensors
 by `parallelize_module` or `mlpfuse.parallel.tensor_parallel`) they run the same ops on each rank's local shards
-(`mlpfuse.parallel.sharded`).
+(`mlpfuse.ops.sharded`).
 """
 
 import operator
@@ -182,7 +182,7 @@ def _sharded(a: Tensor, b: Optional[Tensor] = None, c: Optional[Tensor] = None) 
 
     if not dist.is_available():
         return False
-    from mlpfuse.parallel import sharded
+    from mlpfuse.ops import sharded
 
     return sharded.is_distributed(a, b, c)
 
@@ -273,7 +273,7 @@ class GatedMLP(nn.Module):
 
     @torch.jit.unused
     def _sharded_forward(self, x: Tensor) -> Tensor:
-        from mlpfuse.parallel import sharded
+        from mlpfuse.ops import sharded
 
         children = [(n, getattr(self, n)) for n in ("gate_proj", "up_proj", "down_proj")]
         return sharded.gated(x, children, False, self.activation, self.backend)
@@ -392,7 +392,7 @@ class PackedGatedMLP(GatedMLP):
 
     @torch.jit.unused
     def _sharded_forward(self, x: Tensor) -> Tensor:
-        from mlpfuse.parallel import sharded
+        from mlpfuse.ops import sharded
 
         children = [("gate_up_proj", self.gate_up_proj), ("down_proj", self.down_proj)]
         return sharded.gated(x, children, True, self.activation, self.backend)
@@ -478,7 +478,7 @@ class FusedLinear(nn.Linear):
 
     @torch.jit.unused
     def _sharded_forward(self, x: Tensor) -> Tensor:
-        from mlpfuse.parallel import sharded
+        from mlpfuse.ops import sharded
 
         return sharded.linear(self, x, self.activation, self.backend)
 

@@ -33,7 +33,8 @@ def defaults(device: str) -> tuple[bool, str]:
 def profile_model(name: str, *, layers: int = 1, tiny: bool | None = None, tokens: str | None = None,
                   device: str | None = None, dtype: str | None = None, out: str | None = None, steps: int = 5,
                   wait: int = 1, warmup: int = 1, active: int = 3, backend: str = "auto") -> ModelDiff:
-    from mlpfuse import patch, workloads
+    from mlpfuse import workloads
+    from mlpfuse.patching import patch
     from mlpfuse.bench import model_lab
     from mlpfuse.profiling import diff, profile
 

@@ -199,9 +199,9 @@ def prepare(variant: str, built: models.Built, case: LabCase, ids: torch.Tensor,
     if variant == "liger":
         apply_liger(module, built.model_type)
     if variant.startswith("mlpfuse"):
-        import mlpfuse
+        from mlpfuse.patching import patch
 
-        report = mlpfuse.patch(module, backend=settings.backend)
+        report = patch(module, backend=settings.backend)
         if not report.changed:
             reasons = "; ".join(sorted({item.reason for item in report.left})) or "no MLP block mlpfuse recognises"
             raise InputError(f"mlpfuse.patch swapped nothing: {reasons}")

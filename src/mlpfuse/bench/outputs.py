@@ -188,6 +188,18 @@ RATIO_NOTE = ("`*` = mlpfuse. Ratios are a variant's time over the best peer's (
               "kernel JIT where a variant has them, else first-call allocation and warm-up.")
 
 
+def page_layout(meta: dict) -> dict:
+    """What report.html shows of a sweep (as `report.Bench(rows=..., plots=..., **page_layout(meta))`): the header
+    and table columns of results.md, handed to the report, which renders them without knowing the sweep."""
+    try:
+        peaks = peaks_line(meta)
+    except (KeyError, TypeError, AttributeError, ValueError):
+        peaks = None
+    header = {"command": meta.get("command"), "timestamp": meta.get("timestamp"), "versions": versions_line(meta),
+              "peaks": peaks, "method": method_line(meta) + " " + RATIO_NOTE, "notes": list(meta.get("notes") or [])}
+    return {"header": header, "columns": table_columns, "caption": case_caption}
+
+
 def markdown(result: BenchResult) -> str:
     meta = result.meta
     lines = [

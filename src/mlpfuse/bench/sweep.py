@@ -281,7 +281,7 @@ def _derive(rows: list[dict], peaks: roofline.Peaks, device: torch.device) -> No
 
 
 def environment(device: torch.device, peaks: roofline.Peaks, settings: Settings, command: str | None) -> dict:
-    import mlpfuse
+    from mlpfuse import __version__
 
     try:
         import triton
@@ -304,7 +304,7 @@ def environment(device: torch.device, peaks: roofline.Peaks, settings: Settings,
         "cuda": torch.version.cuda,
         "triton": triton_version,
         "liger_kernel": liger_version,
-        "mlpfuse": mlpfuse.__version__,
+        "mlpfuse": __version__,
         "python": platform.python_version(),
         "peaks": peaks.to_dict(),
         "settings": {

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from mlpfuse.errors import InputError
-from mlpfuse.parallel.sharded import PACKED
+from mlpfuse.ops.sharded import PACKED
 
 
 class PackedColwiseParallel(ColwiseParallel):

@@ -9,7 +9,7 @@ module tree (`block.fused_source`): `mlpfuse.unpatch` puts it back, and a call t
 runs the module's own forward over the same children instead of a different function.
 
 Under tensor parallelism (`mlpfuse.parallel.tensor_parallel` after `mlpfuse.patch`, or parallelize_module on the
-projections) each block runs the same ops on each rank's shards (`mlpfuse.parallel.sharded`), and the replaced
+projections) each block runs the same ops on each rank's shards (`mlpfuse.ops.sharded`), and the replaced
 module's forward, where a block falls back to it, runs eager tensor parallelism over the same children.
 
 Layouts (mlpfuse.patching.table names the families that use them):
@@ -109,7 +109,7 @@ class GatedBlock(PatchedBlock):
         return y if self.fused_out_scale == 1.0 else y * self.fused_out_scale
 
     def _sharded_forward(self, hidden_states: Tensor, w: Tensor, wd: Tensor) -> Tensor:
-        from mlpfuse.parallel import sharded
+        from mlpfuse.ops import sharded
 
         if wd.dtype is not w.dtype or self._dropout_active() or self.fused_gate_second:
             return self._source_forward(hidden_states)
@@ -138,7 +138,7 @@ class TwoLayerBlock(PatchedBlock):
             return self._source_forward(hidden_states)
         backend = self.fused_backend
         if _sharded(w):
-            from mlpfuse.parallel import sharded
+            from mlpfuse.ops import sharded
 
             if self.fused_transposed:  # a DTensor [in, out] Conv1D weight: no ParallelStyle of PyTorch makes one
                 return self._source_forward(hidden_states)
@@ -169,7 +169,7 @@ class LinearActBlock(PatchedBlock):
         dense = self._modules[self.fused_linears[0]]
         w, b = _weight_bias(dense)
         if _sharded(w):  # column-parallel under a plan that pairs it with the row-parallel projection after it
-            from mlpfuse.parallel import sharded
+            from mlpfuse.ops import sharded
 
             return sharded.linear(dense, hidden_states, self.fused_activation, self.fused_backend,
                                   self.fused_linears[0], hooks=True)

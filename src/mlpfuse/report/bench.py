@@ -1,6 +1,7 @@
 """The bench lab's part of a page: what was run, the plots (inlined as data: URIs), one table per case.
 
-The tables use the same columns as results.md (`mlpfuse.bench.outputs`), so the page and the Markdown agree.
+The bench hands over its header lines and table columns (`mlpfuse.bench.outputs.page_layout`: the same as its
+results.md), so the page and the Markdown agree and the report knows nothing of how a sweep is laid out.
 """
 
 from __future__ import annotations
@@ -31,23 +32,19 @@ def plot_img(path: str | os.PathLike, alt: str) -> str:
     return f'<figure><img src="{uri}" alt="{esc(alt)}"><figcaption>{esc(name)}</figcaption></figure>'
 
 
-def bench_section(meta: dict, rows: list[dict], plots: list[str], columns=None, caption=None) -> str:
-    """`columns(rows)` and `caption(rows)` lay out one case's table (default: the bench sweep's, as results.md)."""
-    from mlpfuse.bench import outputs
-
-    columns = columns or outputs.table_columns
-    caption = caption or outputs.case_caption
-
+def bench_section(header: dict, rows: list[dict], plots: list[str], columns, caption) -> str:
+    """`header`: what was run (command, timestamp, versions, peaks, method, notes; {} for none); `columns(rows)` and
+    `caption(rows)` lay out one case's table."""
     parts = []
-    if meta:
-        parts.append(f"<p>Command: <code>{esc(meta.get('command'), 600)}</code><br>"
-                     f"{esc(meta.get('timestamp'), 60)}; {esc(outputs.versions_line(meta), 400)}</p>")
-        try:
-            parts.append(f"<p>{esc(outputs.peaks_line(meta), 600)}</p>")
-        except (KeyError, TypeError, AttributeError, ValueError):
+    if header:
+        parts.append(f"<p>Command: <code>{esc(header.get('command'), 600)}</code><br>"
+                     f"{esc(header.get('timestamp'), 60)}; {esc(header.get('versions'), 400)}</p>")
+        if header.get("peaks") is not None:
+            parts.append(f"<p>{esc(header['peaks'], 600)}</p>")
+        else:
             parts.append('<p class="missing">No measured peaks in this result.</p>')
-        parts.append(f'<p class="note">{esc(outputs.method_line(meta) + " " + outputs.RATIO_NOTE, 1200)}</p>')
-        for note in meta.get("notes") or []:
+        parts.append(f'<p class="note">{esc(header.get("method"), 1200)}</p>')
+        for note in header.get("notes") or []:
             parts.append(f'<p class="note">Note: {esc(note, 600)}</p>')
     if plots:
         parts.append('<div class="plots">' + "".join(plot_img(p, "bench plot") for p in plots) + "</div>")

@@ -54,11 +54,13 @@ class Variant:
 
 @dataclass
 class Bench:
-    meta: dict = field(default_factory=dict)
-    rows: list = field(default_factory=list)
-    plots: list = field(default_factory=list)  # PNG paths
-    columns: object = None  # rows -> [(heading, row -> text)]; None: the bench sweep's (mlpfuse.bench.outputs)
-    caption: object = None  # rows -> the case's heading
+    """A bench result as the bench lays it out (mlpfuse.bench.outputs.page_layout for a sweep)."""
+
+    header: dict  # command, timestamp, versions, peaks, method, notes; {}: no header
+    rows: list
+    plots: list  # PNG paths
+    columns: object  # rows -> [(heading, row -> text)]
+    caption: object  # rows -> the case's heading
 
 
 def _anchor(name: str, i: int) -> str:
@@ -207,7 +209,7 @@ def _build_page(title, variants, diffs, bench, notes, report_path, sections=()) 
         from mlpfuse.report.bench import bench_section
 
         body.append('<section id="bench"><h2>Bench</h2>' + budget.take(
-            page.section("the bench tables", lambda: bench_section(bench.meta, bench.rows, bench.plots, bench.columns,
+            page.section("the bench tables", lambda: bench_section(bench.header, bench.rows, bench.plots, bench.columns,
                                                                      bench.caption)),
             "the bench plots and tables") + "</section>")
     if not variants and not diffs and bench is None:

@@ -1,5 +1,6 @@
 """The modules' forwards when tensor parallelism made their parameters DTensors: each rank runs the fused op on its
-local shards, and DTensor communicates only at the block's edges.
+local shards, and DTensor communicates only at the block's edges. The modules reach this by the weights' type (a
+DTensor), so they never import mlpfuse.parallel, which builds the plans that shard them.
 
 `parallelize_module` with ColwiseParallel / RowwiseParallel turns the projections' parameters into DTensors
 (gate and up rows Shard(0), down columns Shard(1), down's bias Replicate) and hooks the projections' calls. A

@@ -188,11 +188,13 @@ def run_command(args) -> int:
 
 
 def _report(folder: Path, result, plots: list[Path]) -> Path:
+    from mlpfuse.bench.outputs import page_layout
     from mlpfuse.report import Bench, write
 
     meta = result.meta
     title = f"mlpfuse bench — {meta.get('device', '')}"
-    return Path(write(folder / "report.html", title, bench=Bench(meta, result.rows, plots), what="--out"))
+    bench = Bench(rows=result.rows, plots=plots, **page_layout(meta))
+    return Path(write(folder / "report.html", title, bench=bench, what="--out"))
 
 
 _OPTIONS = ("preset", "tokens", "dim", "hidden", "dtype", "activation", "workload", "mode", "variants",

@@ -108,7 +108,7 @@ def _profile_rounds(args, built, staging, console, failed):
     """Each case profiled once per round, the cases interleaved; a case that fails is dropped with its reason."""
     from mlpfuse.errors import InputError
     from mlpfuse.profiling import profile
-    from mlpfuse.walkthrough_rounds import Rounds
+    from mlpfuse.commands.walkthrough_rounds import Rounds
 
     rounds = Rounds({case: (workload, variant) for case, workload, variant in CASES if case in built})
     for r in range(args.rounds):
@@ -150,7 +150,7 @@ def _run(args, device: str, out: str) -> int:
 
     from mlpfuse._io import atomic_write_text
     from mlpfuse.profiling import diff, render
-    from mlpfuse.walkthrough_rounds import readme_table, verdicts
+    from mlpfuse.commands.walkthrough_rounds import readme_table, verdicts
 
     console = Console()
     failed = {}
@@ -242,7 +242,7 @@ def _print_rounds(rounds, console) -> None:
     from rich.table import Table
 
     from mlpfuse.profiling.render import cell
-    from mlpfuse.walkthrough_rounds import FIGURES, cells, verdicts
+    from mlpfuse.commands.walkthrough_rounds import FIGURES, cells, verdicts
 
     n = rounds.count
     table = Table(title=f"Median over {n} interleaved round{'s' * (n != 1)} (min–max)")
@@ -281,7 +281,7 @@ def _report(out, device, analyses, described, failed, diffs, rounds, sentences) 
 def _rounds_html(rounds, sentences) -> str:
     from mlpfuse.report.markup import esc
     from mlpfuse.report.tables import table
-    from mlpfuse.walkthrough_rounds import FIGURES, cells
+    from mlpfuse.commands.walkthrough_rounds import FIGURES, cells
 
     n = rounds.count
     rows = [[esc(case), *map(esc, cells(rounds, case)), esc(rounds.representative(case).verdict["kind"])]
@@ -335,7 +335,7 @@ def _model_layer(device, dtype, out, console, failed):
 
 def _summary_md(device, analyses, described, failed, diffs, seconds, threads, rounds, sentences, gpu_name) -> str:
     from mlpfuse.profiling.render import short
-    from mlpfuse.walkthrough_rounds import FIGURES, markdown_table
+    from mlpfuse.commands.walkthrough_rounds import FIGURES, markdown_table
 
     lines = [f"# mlpfuse walkthrough ({device})", ""]
     n = rounds.count
