@@ -38,7 +38,7 @@ def register(subparsers) -> None:
     p.add_argument("--steps-from", choices=SOURCES, default=AUTO,
                    help="where steps come from: ProfilerStep#N spans, --label spans, or the whole trace as one window "
                         "(default auto: ProfilerStep#N spans, else the whole trace)")
-    p.add_argument("--json", action="store_true", help="print the analysis as JSON (schema in the README)")
+    p.add_argument("--json", action="store_true", help="print the analysis as JSON (schema in docs/profiler.md)")
     p.add_argument("--max-bytes", metavar="SIZE", help=_MAX_BYTES_HELP)
     p.add_argument("--html", metavar="FILE", help=_HTML_HELP)
     p.set_defaults(func=run_analyze)
@@ -50,7 +50,7 @@ def register(subparsers) -> None:
     p.add_argument("--ranks", metavar="R,S", help="folder: the two ranks to compare (default: fastest, slowest)")
     p.add_argument("--allow-missing-ranks", action="store_true",
                    help="folder: use the ranks present when some of the run's ranks have no trace")
-    p.add_argument("--json", action="store_true", help="print the diff as JSON (schema in the README)")
+    p.add_argument("--json", action="store_true", help="print the diff as JSON (schema in docs/profiler.md)")
     p.add_argument("--max-bytes", metavar="SIZE", help=_MAX_BYTES_HELP)
     p.add_argument("--html", metavar="FILE", help=_HTML_HELP)
     p.set_defaults(func=run_diff)
