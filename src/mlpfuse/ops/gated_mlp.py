@@ -17,7 +17,6 @@ Plain eager inference calls the implementation directly: the dispatcher's round 
 costs more host time than a decode-sized kernel runs. Graph capture, export and TorchScript always see the op.
 """
 
-import functools
 from typing import Optional
 
 import torch
@@ -162,35 +161,18 @@ def _backward_impl(
     need_ddown_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """All seven gradients (empty placeholders where not needed); what the backward op runs. Reads g and u only."""
-    return _gradients(dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, g, u, h, activation, backend,
-                      recompute, need_dx, need_dw, need_dgate_bias, need_dup_bias, need_ddown_bias)
+    return _gradients((dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, g, u, h, activation, backend,
+                       recompute, need_dx, need_dw, need_dgate_bias, need_dup_bias, need_ddown_bias))
 
 
-def _gradients(
-    dy: Tensor,
-    x: Tensor,
-    gate_weight: Tensor,
-    up_weight: Tensor,
-    down_weight: Tensor,
-    gate_bias: Optional[Tensor],
-    up_bias: Optional[Tensor],
-    g: Tensor,
-    u: Tensor,
-    h: Tensor,
-    activation: str,
-    backend: str,
-    recompute: bool,
-    need_dx: bool,
-    need_dw: bool,
-    need_dgate_bias: bool,
-    need_dup_bias: bool,
-    need_ddown_bias: bool,
-    held: Optional[list] = None,
-    path: str = "",
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """All seven gradients (empty placeholders where not needed). `held`: eager training's [g, u], handed over to
-    be overwritten with dg and du and released as soon as their last reader ran (g and u are then placeholders).
-    `path`: the one the forward took (else chosen again, as the forward would)."""
+def _gradients(args: tuple, held: Optional[list] = None, path: str = ""):
+    """All seven gradients (empty placeholders where not needed) for the backward op's arguments `args`. `held`:
+    eager training's [g, u], handed over to be overwritten with dg and du and released as soon as their last reader
+    ran (g and u are then placeholders). `path`: the one the forward took (else chosen again, as the forward
+    would)."""
+    (dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, g, u, h, activation, backend, recompute, need_dx,
+     need_dw, need_dgate_bias, need_dup_bias, need_ddown_bias) = args
+    del args  # no second reference to g and u in this frame: each dies with its name below
     act = activations.get(activation)
     x2, dy2 = rows(x), rows(dy.to(x.dtype))
     path = path or dispatch.gated_mlp_path(backend, x2, gate_weight.shape[0], True)
@@ -407,7 +389,7 @@ class _EagerTraining(torch.autograd.Function):
             ctx.recompute = held is None
             empty = nothing(dy)
             return _backward(ctx, dy, empty, empty, empty,
-                             impl=functools.partial(_gradients, held=held, path=ctx.path))
+                             impl=lambda *args: _gradients(args, held, ctx.path))
         x, wg, wu, wd, bg, bu, bd = ctx.saved_tensors
         need = ctx.needs_input_grad
         bias_grads = (bg is not None and need[4], bu is not None and need[5], bd is not None and need[6])
