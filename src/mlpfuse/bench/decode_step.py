@@ -34,10 +34,6 @@ class StaticStep:
         self.cache = transformers.StaticCache(config=module.config, max_cache_len=seq + 1)
         self.kwarg = _cache_kwarg(module)
         self.position = torch.full((1, 1), seq, dtype=torch.long, device=ids.device)
-        # Releases whose forward takes `cache_position` derive it, when absent, from the cache's length, which
-        # grows with each call: the slot is given, so every call writes the same one.
-        self.where = ({"cache_position": self.position[0]}
-                      if "cache_position" in inspect.signature(module.forward).parameters else {})
         with torch.no_grad():
             module(input_ids=ids, use_cache=True, **{self.kwarg: self.cache})
         layers = self.cache.layers
@@ -57,7 +53,7 @@ class StaticStep:
         for layer, name in self.counted:
             setattr(layer, name, self.seq)
         return self.module(input_ids=self.token, position_ids=self.position, use_cache=True,
-                           **{self.kwarg: self.cache}, **self.where).logits
+                           **{self.kwarg: self.cache}).logits
 
 
 def inference(fn):
