@@ -51,6 +51,10 @@ MAX_M = 128
 _INTERPRET = C.INTERPRET
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+# RMSNorm prologues (the kernel's NORM): none; weight · round(x·r) rounded again (Llama, Mistral, Qwen, ...);
+# round(x·r·(1 + weight)) (Gemma). r = 1/sqrt(mean(x²) + eps) per row, in fp32.
+NORM_NONE, NORM_WEIGHT_AFTER, NORM_ONE_PLUS = 0, 1, 2
+
 
 @triton.jit
 def _finalize(acc_ptr, out_ptr, bd_ptr, M, D, stride_om, stride_od, HAS_BD: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -86,12 +90,12 @@ def _fence_gpu(like):
 
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_decode_mlp_kernel(
-    x_ptr, wg_ptr, wu_ptr, wd_ptr, bg_ptr, bu_ptr, bd_ptr, out_ptr, acc_ptr, part_ptr, cnt_ptr, h_ptr,
+    x_ptr, wg_ptr, wu_ptr, wd_ptr, bg_ptr, bu_ptr, bd_ptr, out_ptr, acc_ptr, part_ptr, cnt_ptr, h_ptr, nw_ptr, eps,
     M, D, H,
     stride_xm, stride_xd, stride_gh, stride_gd, stride_uh, stride_ud, stride_dd, stride_dh, stride_om, stride_od,
     ACT: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr, MODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr, FENCE: tl.constexpr, I64: tl.constexpr,
+    BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr, FENCE: tl.constexpr, I64: tl.constexpr, NORM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -105,6 +109,17 @@ def mlpfuse_decode_mlp_kernel(
     mask_h = offs_h < H
     mask_m = offs_m < M
 
+    if NORM != 0:
+        # RMSNorm prologue: every program needs whole rows of x normalised, so each sums x² over D itself (x is a
+        # few KB, read from L2) before its weight stream starts.
+        sq = tl.zeros((BLOCK_M,), tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            dk = d0 + offs_k
+            xs = tl.load(x_ptr + offs_m[None, :] * stride_xm + dk[:, None] * stride_xd,
+                         mask=(dk < D)[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
+            sq += tl.sum(xs * xs, axis=0)
+        rstd = 1.0 / tl.sqrt_rn(sq / D + eps)
+
     # Phase 1: this program's slice of g and u, transposed ([BLOCK_H, BLOCK_M]).
     acc_g = tl.zeros((BLOCK_H, BLOCK_M), tl.float32)
     acc_u = tl.zeros((BLOCK_H, BLOCK_M), tl.float32)
@@ -116,6 +131,13 @@ def mlpfuse_decode_mlp_kernel(
         wu = tl.load(wu_ptr + offs_h[:, None] * stride_uh + dk[None, :] * stride_ud, mask=w_mask, other=0.0)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + dk[:, None] * stride_xd,
                      mask=mask_k[:, None] & mask_m[None, :], other=0.0)
+        if NORM != 0:
+            nw = tl.load(nw_ptr + dk, mask=mask_k, other=0.0).to(tl.float32)[:, None]
+            xn = xt.to(tl.float32) * rstd[None, :]
+            if NORM == 1:  # weight · (normalised x in x's dtype), rounded again: Llama's RMSNorm
+                xt = (xn.to(xt.dtype).to(tl.float32) * nw).to(xt.dtype)
+            else:  # normalised x · (1 + weight) in fp32, rounded once: Gemma's RMSNorm
+                xt = (xn * (1.0 + nw)).to(xt.dtype)
         acc_g = tl.dot(wg, xt, acc_g, input_precision=DOT_PRECISION)
         acc_u = tl.dot(wu, xt, acc_u, input_precision=DOT_PRECISION)
     if HAS_BG:
@@ -410,7 +432,22 @@ def _check(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation):
         raise InputError(f"activation: expected an activation id from mlpfuse.activations, got {activation!r}")
 
 
-def _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow_tf32, bucket, config):
+def _check_norm(x, weight, eps, kind):
+    if kind == NORM_NONE:
+        if weight is not None:
+            raise InputError("norm_weight: given without a norm_kind")
+        return
+    if kind not in (NORM_WEIGHT_AFTER, NORM_ONE_PLUS):
+        raise InputError(f"norm_kind: expected one of decode_mlp's NORM_* values, got {kind!r}")
+    d = x.shape[1]
+    if (not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (d,) or weight.stride(0) != 1
+            or not weight.is_floating_point() or weight.device != x.device):
+        raise InputError(f"norm_weight: expected a contiguous floating-point [{d}] tensor on {x.device}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+        raise InputError(f"norm_eps: expected a non-negative number, got {eps!r}")
+
+
+def _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow_tf32, bucket, config, norm_kind):
     d, h = x.shape[1], w_gate.shape[0]
     block_m = _block_m(bucket)
     cfg = config or default_config(d, h, bucket, x.element_size(), mode)
@@ -422,7 +459,7 @@ def _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow
            or MAX_M * max(d, h) * (triton.cdiv(h, block_h) if mode == 2 else 1) > C.INT32_SPAN)
     consts = (activation, b_gate is not None, b_up is not None, b_down is not None, mode,
               "tf32" if (not fp32 or allow_tf32) else "ieee", block_m, block_h, block_d, block_o,
-              _FINAL_BLOCK, not _INTERPRET, i64)
+              _FINAL_BLOCK, not _INTERPRET, i64, norm_kind)
     block_f = 256  # a constant, not a function of M: one compile serves every M
     down = {}
     if mode == 4:
@@ -463,6 +500,7 @@ def _launch(plan, which, grid, args, stream):
 
 def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, activation: int,
                      deterministic: bool = False, allow_tf32: bool = True, keep_scratch: bool = True,
+                     norm_weight=None, norm_eps: float = 0.0, norm_kind: int = NORM_NONE,
                      _mode: int | None = None, _config: tuple | None = None):
     """y [M, D] = down(act(x·w_gateᵀ + b_gate) · (x·w_upᵀ + b_up)) + b_down in two small launches.
 
@@ -473,6 +511,8 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
     `keep_scratch` False: the call's scratch is its own (one fill more), not the buffers cached per stream — for
     calls a compiler records, whose allocations a CUDA-graph tree accounts for (torch.compile's "reduce-overhead"
     warms up and records inside its own memory pool, where a cached buffer would be an untracked live tensor).
+    `norm_weight` [D] with `norm_kind` NORM_WEIGHT_AFTER or NORM_ONE_PLUS: x goes through an RMSNorm first (each row
+    scaled by 1/sqrt(mean(x²) + norm_eps) in fp32, see the kernel), read by the same kernel that streams the weights.
     `_mode` / `_config` override the scheme and the tile config (benchmarks and tests only).
     """
     if _mode is not None and _mode not in (0, 2, 3, 4):
@@ -495,12 +535,14 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
         # (M itself is not part of it: it is checked on every call).
         key = (bucket, activation, mode, allow_tf32, _config,
                (x.dtype, x.dim(), x.shape[1], xs, x.data_ptr() & 15, x.get_device()), _tensor_key(w_gate),
-               _tensor_key(w_up), _tensor_key(w_down), _tensor_key(b_gate), _tensor_key(b_up), _tensor_key(b_down))
+               _tensor_key(w_up), _tensor_key(w_down), _tensor_key(b_gate), _tensor_key(b_up), _tensor_key(b_down),
+               norm_kind, None if norm_weight is None else _tensor_key(norm_weight))
     except (AttributeError, TypeError, IndexError, ValueError):
         key = None  # not tensors of the expected ranks: _check names the culprit
     plan = _plans.get(key) if m <= MAX_M else None
     if plan is None:
         _check(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation)
+        _check_norm(x, norm_weight, norm_eps, norm_kind)
     d = x.shape[1]
     out = torch.empty((m, d), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -510,7 +552,7 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
         return out.copy_(b_down.expand(m, d)) if b_down is not None else out.zero_()
     if plan is None:
         plan = _plans[key] = _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow_tf32,
-                                   bucket, _config)
+                                   bucket, _config, norm_kind)
     n_progs = plan.n_progs
     acc_numel, part_numel = MAX_M * d if mode in (0, 3) else 0, n_progs * m * d if mode == 2 else 0
     if keep_scratch:
@@ -523,7 +565,8 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
     bd = out if b_down is None else b_down  # `out` stands in for absent biases; never read
     _launch(plan, "", (n_progs, 1), (
         x, w_gate, w_up, w_down, out if b_gate is None else b_gate, out if b_up is None else b_up, bd, out, acc,
-        part, cnt, hbuf, m, d, h, xs[0], xs[1], *plan.w_strides), stream)
+        part, cnt, hbuf, out if norm_weight is None else norm_weight, float(norm_eps), m, d, h, xs[0], xs[1],
+        *plan.w_strides), stream)
     if mode == 4:
         _launch(plan, "down_", (plan.down_grid, 1), (hbuf, w_down, bd, out, m, d, h, plan.w_strides[4],
                                                      plan.w_strides[5], d, 1), stream)

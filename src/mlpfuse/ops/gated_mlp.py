@@ -31,14 +31,21 @@ from mlpfuse.ops._util import (
 )
 
 
-def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int, recorded: bool) -> Tensor:
+def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int, recorded: bool, norm=None) -> Tensor:
     """The decode kernels on 2-D x. torch.use_deterministic_algorithms(True) selects their run-to-run identical
     reduction; fp32 inputs follow torch's tf32 flag. `recorded`: a call inside a registered op (a compiler's graph),
-    which keeps no scratch between calls."""
+    which keeps no scratch between calls. `norm`: an RMSNormPrologue the kernels apply to x first."""
+    if norm is None:
+        return dispatch.kernel("decode_mlp").decode_gated_mlp(
+            x2, wg, wu, wd, bg, bu, bd, activation=act_id,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+            allow_tf32=x2.dtype != torch.float32 or dispatch.allow_tf32(), keep_scratch=not recorded,
+        )
     return dispatch.kernel("decode_mlp").decode_gated_mlp(
         x2, wg, wu, wd, bg, bu, bd, activation=act_id,
         deterministic=torch.are_deterministic_algorithms_enabled(),
         allow_tf32=x2.dtype != torch.float32 or dispatch.allow_tf32(), keep_scratch=not recorded,
+        norm_weight=norm.weight, norm_eps=norm.eps, norm_kind=norm.kind,
     )
 
 
@@ -53,10 +60,11 @@ def _split(x2, wg, wu, wd, bg, bu, bd, act_id: int, save: bool = False, plan=Non
 
 
 def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool, save: bool, path: str = "",
-             plan=None, recorded: bool = False):
+             plan=None, recorded: bool = False, norm=None):
     """(y [..., dim], h, g, u): with `save`, g and u the 2-D pre-activations and h = act(g)·u; else all None.
     `path` given: the caller already checked the arguments and chose the path. `plan`: on the SPLIT path, the GLU
-    pass's held launch plan (see `_split`). `recorded`: called by a registered op's implementation."""
+    pass's held launch plan (see `_split`). `recorded`: called by a registered op's implementation. `norm`: an
+    RMSNormPrologue the DECODE path's kernels apply (the caller chose that path for it)."""
     if not path:
         _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
     act = activations.get(activation)
@@ -67,7 +75,7 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: boo
         out = reference.gated_mlp_forward(x2, wg, wu, wd, bg, bu, bd, act, save_preact=save)
         y, h, g, u = out if save else (out, None, None, None)
     elif path == dispatch.DECODE:
-        y = _decode(x2, wg, wu, wd, bg, bu, bd, act.id, recorded)
+        y = _decode(x2, wg, wu, wd, bg, bu, bd, act.id, recorded, norm)
     elif path == dispatch.SPLIT:
         y, h, g, u = _split(x2, wg, wu, wd, bg, bu, bd, act.id, save, plan)
     elif path == dispatch.CUDA:
@@ -418,15 +426,20 @@ class CallPlan(_plan.Memo):
 
     __slots__ = ()
 
-    def run(self, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool) -> Tensor:
+    def run(self, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool, norm=None) -> Tensor:
         key = (dispatch.resolve_backend(backend), _plan.x_key(x), _plan.weight_key(wg), _plan.weight_key(wu),
                _plan.weight_key(wd), _plan.bias_key(bg), _plan.bias_key(bu), _plan.bias_key(bd), activation, grad,
-               x.dtype is torch.float32 and dispatch.allow_tf32())
+               x.dtype is torch.float32 and dispatch.allow_tf32(), None if norm is None else norm.key(x))
         entry = self.entries.get(key)
         if entry is None:
             _checks.module_input(x, wg, "gate_proj.weight")
-            entry = self.remember(key, _Entry.choose(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, True))
-        return entry(x, wg, wu, wd, bg, bu, bd)
+            entry = _Entry.choose(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, True)
+            if norm is not None and (key[-1] is None or entry.path != dispatch.DECODE):
+                entry = False  # the norm's own forward, then the block as for any input
+            entry = self.remember(key, entry)
+        if entry is False:
+            return self.run(norm(x), wg, wu, wd, bg, bu, bd, activation, backend, grad)
+        return entry(x, wg, wu, wd, bg, bu, bd, norm)
 
 
 class _Entry:
@@ -453,7 +466,10 @@ class _Entry:
         activations.get(activation)
         return cls(dispatch.gated_mlp_path(backend, rows(x), wg.shape[0], grad), activation, backend, grad, hold)
 
-    def __call__(self, x, wg, wu, wd, bg, bu, bd) -> Tensor:
+    def __call__(self, x, wg, wu, wd, bg, bu, bd, norm=None) -> Tensor:
+        if norm is not None:  # the call plan chose this entry for the norm: the DECODE path, which applies it
+            return _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, False, False, self.path,
+                            norm=norm)[0]
         if self.path == dispatch.TORCH:  # eager's kernels, under autograd when a gradient is needed
             return reference.gated_mlp_forward(x, wg, wu, wd, bg, bu, bd, self.act)
         plan = self.held
@@ -495,6 +511,7 @@ def gated_mlp_call(
     activation: str,
     backend: str,
     plan: Optional[CallPlan] = None,
+    norm=None,
 ) -> Tensor:
     """Every gated MLP call's one way in (the modules, the patched blocks, `ops.gated_mlp`, tensor parallelism).
 
@@ -503,8 +520,12 @@ def gated_mlp_call(
     reads what the forward kept), everything else — torch.compile, export, tracing, tensor subclasses — to one of
     the registered ops (`registered_call`). Under torch.profiler an eager call shows as a `mlpfuse::gated_mlp` CPU
     op around the kernels it launches. `plan` also marks a module's call: bad input is then named in its terms.
+    `norm` (ops.norm.RMSNormPrologue): the block's input is norm(x); the decode kernels apply it themselves, every
+    other path calls the norm first.
     """
     if not plain_eager(x):
+        if norm is not None:
+            x = norm(x)
         if plan is not None:
             _checks.module_input(x, gate_weight, "gate_proj.weight")
         return registered_call(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation,
@@ -512,18 +533,25 @@ def gated_mlp_call(
     if profiling():
         with op_span("mlpfuse::gated_mlp"):
             return _eager(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend,
-                          plan)
-    return _eager(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend, plan)
+                          plan, norm)
+    return _eager(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend, plan,
+                  norm)
 
 
-def _eager(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, plan: Optional[CallPlan]) -> Tensor:
+def _eager(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, plan: Optional[CallPlan], norm=None) -> Tensor:
     low = autocast_dtype(x)
     if low is not None:  # the ops are outside autocast's op lists: cast here, as it would for nn.Linear
+        if norm is not None:
+            x, norm = norm(x), None
         x, wg, wu, wd, bg, bu, bd = cast_all([x, wg, wu, wd, bg, bu, bd], low)
         plan = None  # fresh copies every call: no layout worth remembering
-    grad = needs_grad([x, wg, wu, wd, bg, bu, bd])
+    grad = needs_grad([x, wg, wu, wd, bg, bu, bd, None if norm is None else norm.weight])
+    if norm is not None and (grad or plan is None):
+        x, norm = norm(x), None  # under autograd (or without a plan to hold the choice): the norm's own forward
     if plan is not None and type(wg) in _checks.PLAIN and type(wu) in _checks.PLAIN and type(wd) in _checks.PLAIN:
-        return plan.run(x, wg, wu, wd, bg, bu, bd, activation, backend, grad)
+        return plan.run(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, norm)
+    if norm is not None:
+        x = norm(x)
     return _Entry.choose(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, False)(x, wg, wu, wd, bg, bu, bd)
 
 

@@ -84,14 +84,18 @@ class GatedBlock(PatchedBlock):
         self.fused_in_scale = float(gate_multiplier)
         self.fused_out_scale = float(down_multiplier) / float(gate_multiplier)
         self._fused_plan = CallPlan()
+        # The RMSNorm in front of the block, when patching handed it over (mlpfuse.patching.norms): the norm module
+        # then passes its input through and this block applies it (its decode kernels, or the norm's own forward).
+        self.fused_norm = None
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         mods = self._modules
+        norm = self.fused_norm
         names = self.fused_linears
         w, b = _weight_bias(mods[names[0]])
         wd, bd = _weight_bias(mods[names[-1]])
         if _sharded(w, wd):
-            return self._sharded_forward(hidden_states, w, wd)
+            return self._sharded_forward(hidden_states if norm is None else norm(hidden_states), w, wd)
         if self.fused_packed:
             n = self.fused_hidden
             wg, wu = w[:n], w[n:]
@@ -103,9 +107,10 @@ class GatedBlock(PatchedBlock):
             wu, bu = _weight_bias(mods[names[1]])
         if wd.dtype is not wg.dtype or self._dropout_active():
             # T5 keeps `wo` in fp32 and casts to it; a live dropout sits between the GLU and `wo`.
-            return self._source_forward(hidden_states)
+            return self._source_forward(hidden_states if norm is None else norm(hidden_states))
         x = hidden_states if self.fused_in_scale == 1.0 else hidden_states * self.fused_in_scale
-        y = gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.fused_activation, self.fused_backend, self._fused_plan)
+        y = gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.fused_activation, self.fused_backend, self._fused_plan,
+                           norm)
         return y if self.fused_out_scale == 1.0 else y * self.fused_out_scale
 
     def _sharded_forward(self, hidden_states: Tensor, w: Tensor, wd: Tensor) -> Tensor:

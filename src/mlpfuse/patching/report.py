@@ -25,6 +25,13 @@ class Left:
     reason: str
 
 
+@dataclass(frozen=True)
+class FusedNorm:
+    path: str  # the norm module, which now passes its input through
+    into: str  # the block whose kernels apply it
+    kind: str  # ops.norm.KINDS
+
+
 @dataclass
 class PatchReport:
     model: str
@@ -32,6 +39,7 @@ class PatchReport:
     swapped: list[Swapped] = field(default_factory=list)
     left: list[Left] = field(default_factory=list)
     already_patched: list[str] = field(default_factory=list)
+    norms: list[FusedNorm] = field(default_factory=list)  # RMSNorms handed to the block after them
 
     @property
     def changed(self) -> bool:
@@ -44,6 +52,7 @@ class PatchReport:
             "swapped": [asdict(s) for s in self.swapped],
             "left": [asdict(item) for item in self.left],
             "already_patched": list(self.already_patched),
+            "norms": [asdict(n) for n in self.norms],
         }
 
     def summary(self) -> str:
@@ -55,6 +64,8 @@ class PatchReport:
         if self.already_patched:
             parts.append(f"{len(self.already_patched)} already patched")
         parts.append(f"left {len(self.left)}")
+        if self.norms:
+            parts.append(f"{len(self.norms)} norms fused")
         return "\n".join([head + ", ".join(parts), *self.group_lines()])
 
     def group_lines(self, extra: Optional[dict[str, str]] = None) -> list[str]:
@@ -69,6 +80,9 @@ class PatchReport:
             groups.setdefault(("left", f"{item.source}: {item.reason}"), []).append(item.path)
         for p in self.already_patched:
             groups.setdefault(("already", "patched before"), []).append(p)
+        for n in self.norms:
+            into = n.into.rpartition(".")[2]
+            groups.setdefault(("norm", f"RMSNorm ({n.kind}) applied by {into}'s decode kernels"), []).append(n.path)
         return [f"  {kind:8s} {fold_paths(paths)}  {what}" + (f"  [{len(paths)}x]" if len(paths) > 1 else "")
                 for (kind, what), paths in groups.items()]
 

@@ -15,18 +15,21 @@ import torch.nn as nn
 
 from mlpfuse.errors import InputError
 from mlpfuse.ops import dispatch
-from mlpfuse.patching import blocks, checks, structure, table
+from mlpfuse.patching import blocks, checks, norms, structure, table
 from mlpfuse.patching.report import Left, PatchReport, Swapped
 from mlpfuse.patching.verify import one_line, verify_block
 
 
-def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = True) -> PatchReport:
+def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = True,
+          fuse_norms: bool = True) -> PatchReport:
     """Swap, in place, every MLP block of `model` that mlpfuse recognises (by class name or by structure) for a
     fused one; return the report.
 
     backend: "auto" | "triton" | "torch" for the fused blocks, or None to read MLPFUSE_BACKEND at each call.
     verify: compare each new block's output with the replaced module's on random input before keeping it (False:
     the family table's rows are taken at their word, and nothing is swapped on its structure alone).
+    fuse_norms: hand the RMSNorm in front of each swapped gated block to it where the layer's forward shows
+    that only the block reads the norm's output (mlpfuse.patching.norms): its decode kernels then normalise x.
     Parameters are reused (same objects), state_dict keys do not change, a second call changes nothing, and
     `unpatch(model)` puts the original modules back.
     """
@@ -41,14 +44,16 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
                                 "that holds it, or use mlpfuse.GatedMLP / MLP.from_module"))
     else:
         _walk(model, "", report, backend_name, verify, {}, getattr(model, "config", None))
+        if fuse_norms:
+            norms.fuse_norms(model, report)
     return report
 
 
 def unpatch(model: nn.Module) -> list[str]:
-    """Put back every module `patch` replaced in `model`; returns their paths."""
+    """Put back every module `patch` replaced in `model` (and the norms it handed to them); returns their paths."""
     if not isinstance(model, nn.Module):
         raise InputError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    restored: list[str] = []
+    restored: list[str] = norms.restore_norms(model)
 
     def walk(parent: nn.Module, prefix: str) -> None:
         for name, child in list(parent._modules.items()):
