@@ -44,7 +44,7 @@ def fuse_norms(model: nn.Module, report) -> None:
         norm = parent._modules.get(norm_name)
         reason = _problem(norm, block)
         if isinstance(reason, str):
-            report.left.append(Left(norm_path, type(norm).__name__, f"norm not fused into {name}: {reason}"))
+            report.norms_kept.append(Left(norm_path, type(norm).__name__, f"not fused into {name}: {reason}"))
             continue
         kind, eps = reason
         original = type(norm).forward

@@ -40,6 +40,7 @@ class PatchReport:
     left: list[Left] = field(default_factory=list)
     already_patched: list[str] = field(default_factory=list)
     norms: list[FusedNorm] = field(default_factory=list)  # RMSNorms handed to the block after them
+    norms_kept: list[Left] = field(default_factory=list)  # norms in front of a swapped block, kept, with why
 
     @property
     def changed(self) -> bool:
@@ -53,6 +54,7 @@ class PatchReport:
             "left": [asdict(item) for item in self.left],
             "already_patched": list(self.already_patched),
             "norms": [asdict(n) for n in self.norms],
+            "norms_kept": [asdict(n) for n in self.norms_kept],
         }
 
     def summary(self) -> str:
@@ -83,6 +85,8 @@ class PatchReport:
         for n in self.norms:
             into = n.into.rpartition(".")[2]
             groups.setdefault(("norm", f"RMSNorm ({n.kind}) applied by {into}'s decode kernels"), []).append(n.path)
+        for item in self.norms_kept:
+            groups.setdefault(("norm", f"{item.source} kept: {item.reason}"), []).append(item.path)
         return [f"  {kind:8s} {fold_paths(paths)}  {what}" + (f"  [{len(paths)}x]" if len(paths) > 1 else "")
                 for (kind, what), paths in groups.items()]
 

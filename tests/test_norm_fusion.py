@@ -1,0 +1,222 @@
+"""The RMSNorm prologue of the decode kernels and the patch that hands a layer's pre-MLP norm to the block after it.
+
+Oracles: a float64 RMSNorm + gated MLP for the kernel; the unpatched model's own logits for the patch (prefill,
+and one decode step from a cache: the step that runs the decode kernels)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mlpfuse
+from conftest import HAS_CUDA, HAS_TRITON
+from mlpfuse.errors import InputError
+from mlpfuse.ops import norm as N
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _reference(x, nw, eps, kind, wg, wu, wd):
+    xf = x.double()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xn = xf * r * nw.double() if kind == N.WEIGHT_AFTER else xf * r * (1 + nw.double())
+    return F.linear(F.silu(xn @ wg.double().T) * (xn @ wu.double().T), wd.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("kind", [N.WEIGHT_AFTER, N.ONE_PLUS])
+@pytest.mark.parametrize("mode", [0, 2, 3, 4])
+def test_decode_kernel_norm_prologue_matches_float64(dtype, m, kind, mode):
+    from mlpfuse import activations
+    from mlpfuse.kernels.decode_mlp import decode_gated_mlp
+
+    g = torch.Generator().manual_seed(m * 10 + kind + mode)
+    d, h = 40, 72  # neither a multiple of the tiles: partial chunks in the sum of squares and in the K loop
+    x = (torch.randn(m, d, generator=g) * 4).to(DEVICE, dtype)
+    wg, wu = [(torch.randn(h, d, generator=g) / 6).to(DEVICE, dtype) for _ in range(2)]
+    wd = (torch.randn(d, h, generator=g) / 8).to(DEVICE, dtype)
+    nw = torch.randn(d, generator=g).to(DEVICE, dtype)
+    ref = _reference(x, nw, 1e-5, kind, wg, wu, wd)
+    y = decode_gated_mlp(x, wg, wu, wd, activation=activations.SILU, norm_weight=nw, norm_eps=1e-5, norm_kind=kind,
+                         _mode=mode)
+    plain = decode_gated_mlp(x, wg, wu, wd, activation=activations.SILU, _mode=mode)
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 4e-3), err
+    # Without the prologue the same call computes the MLP of x itself: the norm changed the answer.
+    assert ((plain.double() - ref).norm() / ref.norm()).item() > 0.1
+
+
+def test_decode_kernel_rejects_bad_norm_arguments():
+    from mlpfuse.kernels.decode_mlp import decode_gated_mlp
+
+    x = torch.randn(1, 16, device=DEVICE)
+    w, wd = torch.randn(32, 16, device=DEVICE), torch.randn(16, 32, device=DEVICE)
+    with pytest.raises(InputError, match="norm_weight: expected a contiguous floating-point \\[16\\]"):
+        decode_gated_mlp(x, w, w, wd, activation=3, norm_weight=torch.ones(8, device=DEVICE), norm_kind=1)
+    with pytest.raises(InputError, match="norm_kind"):
+        decode_gated_mlp(x, w, w, wd, activation=3, norm_weight=torch.ones(16, device=DEVICE), norm_kind=7)
+    with pytest.raises(InputError, match="norm_weight: given without a norm_kind"):
+        decode_gated_mlp(x, w, w, wd, activation=3, norm_weight=torch.ones(16, device=DEVICE))
+
+
+def _tiny(family):
+    import transformers as T
+
+    cfgs = {
+        "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
+        "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, {"head_dim": 8}),
+        "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"head_dim": 8}),
+        "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM, {}),
+    }
+    config_cls, model_cls, extra = cfgs[family]
+    torch.manual_seed(0)
+    cfg = config_cls(vocab_size=64, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64, **extra)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # norms away from their init (ones, or zeros for Gemma): a skipped norm would show
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.normal_(0.0 if family == "gemma2" else 1.0, 0.3)
+    return model.to(DEVICE)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        prefill = model(ids).logits
+        cache = model(ids[:, :-1], use_cache=True).past_key_values
+        step = model(ids[:, -1:], past_key_values=cache).logits
+    return prefill, step
+
+
+@pytest.mark.parametrize("family,norm_name,kind", [
+    ("llama", "post_attention_layernorm", "weight·norm(x)"),
+    ("qwen3", "post_attention_layernorm", "weight·norm(x)"),
+    ("gemma2", "pre_feedforward_layernorm", "norm(x)·(1+weight)"),
+])
+def test_patch_fuses_the_pre_mlp_norm_with_equal_outputs(family, norm_name, kind):
+    model = _tiny(family)
+    ref = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    report = mlpfuse.patch(model, backend="triton")
+    assert [n.path for n in report.norms] == [f"model.layers.{i}.{norm_name}" for i in range(2)]
+    assert {n.kind for n in report.norms} == {kind}
+    assert "2 norms fused" in report.summary()
+    layer = model.model.layers[0]
+    x = torch.randn(3, 32, device=DEVICE)
+    assert getattr(layer, norm_name)(x) is x  # the norm passes its input through; the block applies it
+    assert list(model.state_dict()) == keys
+    ids = torch.randint(0, 64, (1, 6), device=DEVICE)
+    for got, want in zip(_logits(model, ids), _logits(ref, ids)):
+        assert ((got - want).norm() / want.norm()).item() < 1e-5
+    mlpfuse.unpatch(model)
+    assert type(getattr(model.model.layers[0], norm_name)) is type(getattr(ref.model.layers[0], norm_name))
+    assert getattr(model.model.layers[0], norm_name)(x) is not x
+
+
+def test_decode_step_runs_the_norm_in_the_kernel(monkeypatch):
+    """At one token the fused block hands the norm to the decode kernels: the norm's own forward is not called."""
+    model = _tiny("llama")
+    mlpfuse.patch(model, backend="triton")
+    calls = []
+    from mlpfuse.kernels import decode_mlp
+
+    real = decode_mlp.decode_gated_mlp
+    monkeypatch.setattr(decode_mlp, "decode_gated_mlp",
+                        lambda *a, **k: calls.append(k.get("norm_kind", 0)) or real(*a, **k))
+    block = model.model.layers[0].mlp
+    norm_forward = block.fused_norm.forward
+    seen = []
+    block.fused_norm.forward = lambda module, x: seen.append(x.shape) or norm_forward(module, x)
+    x = torch.randn(1, 1, 32, device=DEVICE)
+    with torch.no_grad():
+        block(x)  # decode size: the kernels normalise
+        block(torch.randn(1, 80, 32, device=DEVICE))  # past the decode sizes: the norm's own forward first
+    assert calls[0] == N.WEIGHT_AFTER and seen == [torch.Size([1, 80, 32])]
+
+
+def test_training_and_grad_run_the_norm_under_autograd():
+    model = _tiny("llama")
+    ref = copy.deepcopy(model)
+    mlpfuse.patch(model, backend="triton")
+    ids = torch.randint(0, 64, (2, 5), device=DEVICE)
+    model(ids).logits.square().mean().backward()
+    ref(ids).logits.square().mean().backward()
+    for name in ("model.layers.0.post_attention_layernorm.weight", "model.layers.1.mlp.gate_proj.weight"):
+        got, want = model.get_parameter(name).grad, ref.get_parameter(name).grad
+        assert ((got - want).norm() / want.norm()).item() < 1e-4, name
+
+
+def test_post_norm_layers_keep_their_norm():
+    """OLMo 2 normalises after its MLP: nothing reads a norm's output only through the block."""
+    model = _tiny("olmo2")
+    report = mlpfuse.patch(model, backend="triton")
+    assert len(report.swapped) == 2 and report.norms == []
+
+
+class _Layer(nn.Module):
+    def __init__(self, norm, reuse=False):
+        super().__init__()
+        self.norm = norm
+        self.mlp = _Mlp()
+        self.reuse = reuse
+
+    def forward(self, h):
+        h = self.norm(h)
+        h = self.mlp(h)
+        return h
+
+
+class _ReusingLayer(_Layer):
+    def forward(self, h):
+        n = self.norm(h)
+        h = self.mlp(n)
+        return h + n  # the normalised value is read again: the norm must stay
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(16, 24, bias=False), nn.Linear(16, 24, bias=False)
+        self.down_proj = nn.Linear(24, 16, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _LayerNormish(nn.Module):  # one weight and an eps, but it centres the rows: not an RMSNorm
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(16))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        return F.layer_norm(x, (16,), self.weight, None, self.eps)
+
+
+class _RMS(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(16))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        return N.rms_norm(x, self.weight, self.variance_epsilon, N.WEIGHT_AFTER)
+
+
+def test_only_rms_norms_read_by_the_block_alone_are_fused():
+    fused = nn.Sequential(_Layer(_RMS()))
+    assert [n.path for n in mlpfuse.patch(fused, backend="torch").norms] == ["0.norm"]
+    reused = nn.Sequential(_ReusingLayer(_RMS()))
+    report = mlpfuse.patch(reused, backend="torch")
+    assert len(report.swapped) == 1 and report.norms == []
+    layer_norm = nn.Sequential(_Layer(_LayerNormish()))
+    report = mlpfuse.patch(layer_norm, backend="torch")
+    assert report.norms == []
+    assert report.left == [] and [item.reason for item in report.norms_kept] == [
+        "not fused into mlp: its forward is neither RMSNorm convention on random rows"]
+    off = nn.Sequential(_Layer(_RMS()))
+    assert mlpfuse.patch(off, backend="torch", fuse_norms=False).norms == []
