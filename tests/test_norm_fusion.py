@@ -220,3 +220,53 @@ def test_only_rms_norms_read_by_the_block_alone_are_fused():
         "not fused into mlp: its forward is neither RMSNorm convention on random rows"]
     off = nn.Sequential(_Layer(_RMS()))
     assert mlpfuse.patch(off, backend="torch", fuse_norms=False).norms == []
+
+
+def test_compiled_inference_records_one_node_and_matches_eager():
+    """Under torch.compile(fullgraph=True) and no_grad the block and its norm are one `mlpfuse::norm_gated_mlp`
+    node, whose output is eager's, bit for bit (decode size: the kernels normalise; prefill: the norm in PyTorch)."""
+    model = _tiny("llama")
+    mlpfuse.patch(model, backend="triton")
+    block = model.model.layers[0].mlp
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return gm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True, backend=backend)
+    for shape in ((1, 1, 32), (2, 70, 32)):
+        x = torch.randn(*shape, device=DEVICE)
+        with torch.no_grad():
+            assert torch.equal(compiled(x), block(x))
+    assert graphs and all(g == [torch.ops.mlpfuse.norm_gated_mlp] for g in graphs)
+    with torch.inference_mode():
+        x = torch.randn(1, 1, 32, device=DEVICE)
+        assert torch.equal(compiled(x), block(x))
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_blocks_second_decode_call_goes_straight_to_the_kernels_plan(monkeypatch, fuse):
+    """The module's call plan holds the decode kernels' plan after the first call: later calls build no kernel key,
+    and compute what the first did; a change of the deterministic flag is honoured."""
+    from mlpfuse.kernels import decode_mlp
+
+    model = _tiny("llama")
+    mlpfuse.patch(model, backend="triton", fuse_norms=fuse)
+    block = model.model.layers[0].mlp
+    keys = []
+    real = decode_mlp._key
+    monkeypatch.setattr(decode_mlp, "_key", lambda *a: keys.append(1) or real(*a))
+    x = torch.randn(1, 1, 32, device=DEVICE)
+    with torch.no_grad():
+        first = block(x)
+        built = len(keys)
+        assert built >= 1 and torch.equal(block(x), first) and len(keys) == built
+        torch.use_deterministic_algorithms(True)
+        try:
+            det = block(x)
+        finally:
+            torch.use_deterministic_algorithms(False)
+    assert len(keys) > built  # another mode: the general route, its own plan
+    assert ((det - first).norm() / first.norm()).item() < 1e-5

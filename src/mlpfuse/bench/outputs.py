@@ -10,7 +10,8 @@ wall_us, wall_spread_pct, kernels, launches, memsets, memcpys, cpu_ops (per call
 setup_ms, first_call_ms, compile_ms (what a variant pays once: setup + first call − a steady call; the tables
 call it "one-time ms"), flops, min_bytes, intensity, floor_us, tflops, gbps, pct_of_floor, vs_best_peer (time
 ratio to best_peer, < 1 is faster; GPU time, wall time on a CPU), vs_best_peer_wall (wall time against
-best_peer_wall), speedup and speedup_wall (their inverses, > 1 is faster: kept for readers of older results).
+best_peer_wall), speedup and speedup_wall (their inverses, > 1 is faster: kept for readers of older results),
+vs_gemms (time over the `gemms-alone` row's: the block's projections alone; 1.00 = the activation is free).
 Times are µs (ms where named), memory MiB, rates TFLOP/s and GB/s (1e9 bytes).
 
 Every ratio mlpfuse prints is a time ratio, < 1 = faster, and says so in its column header.
@@ -28,10 +29,10 @@ from mlpfuse._io import atomic_open, atomic_write_text
 from mlpfuse.bench.sweep import BenchResult
 
 CSV_FIELDS = (
-    "workload activation tokens dim hidden dtype mode variant peer status error max_rel_error tolerance gpu_us "
+    "workload activation tokens dim hidden dtype mode variant peer floor status error max_rel_error tolerance gpu_us "
     "gpu_spread_pct wall_us wall_spread_pct kernels launches memsets memcpys cpu_ops peak_mem_mb resident_mb "
     "setup_ms first_call_ms compile_ms flops min_bytes intensity floor_us tflops gbps pct_of_floor vs_best_peer "
-    "best_peer vs_best_peer_wall best_peer_wall speedup speedup_wall"
+    "best_peer vs_best_peer_wall best_peer_wall speedup speedup_wall vs_gemms"
 ).split()
 
 
@@ -131,11 +132,12 @@ def _status(row: dict) -> str:
 
 
 TABLE_COLUMNS = (
-    ("variant", lambda r: r["variant"] + ("" if r["peer"] else " *")),
+    ("variant", lambda r: r["variant"] + ("" if r["peer"] else " (floor)" if r.get("floor") else " *")),
     ("GPU µs", lambda r: _time(r["gpu_us"], r["gpu_spread_pct"])),
     ("wall µs/call", lambda r: _time(r["wall_us"], r["wall_spread_pct"])),
     (f"vs best peer {TIME_RATIO}", lambda r: ratio(vs_best(r))),
     (f"wall vs best peer {TIME_RATIO}", lambda r: ratio(vs_best(r, "_wall"))),
+    ("vs GEMMs alone", lambda r: ratio(r.get("vs_gemms"))),
     ("kernels", lambda r: _num(r["kernels"], "{:g}")),
     ("launches", lambda r: _num(r["launches"], "{:g}")),
     ("CPU ops", lambda r: _num(r["cpu_ops"], "{:g}") if r["gpu_us"] is None else "–"),
@@ -182,7 +184,8 @@ def peaks_line(meta: dict) -> str:
     return f"measured peaks on {p['device']}: {gemm}; copy {p['copy_gbps']:.4g} GB/s"
 
 
-RATIO_NOTE = ("`*` = mlpfuse. Ratios are a variant's time over the best peer's (eager, torch.compile, Liger, eager "
+RATIO_NOTE = ("`*` = mlpfuse; (floor) = the block's GEMMs alone, no activation: vs GEMMs alone is a variant's time "
+              "over it (1.00× = the activation, its memory traffic and launches are free). Ratios are a variant's time over the best peer's (eager, torch.compile, Liger, eager "
               "in a CUDA graph) in the same run: < 1 is faster. % floor = max(FLOPs/peak, min bytes/bandwidth) / "
               "time. one-time ms = setup + first call − a steady call: compilation, autotuning, graph capture and "
               "kernel JIT where a variant has them, else first-call allocation and warm-up.")
@@ -244,7 +247,7 @@ def print_table(result: BenchResult, console) -> None:
             table.add_column(head, overflow="fold", max_width=status_width if head == "status" else None)
         for r in rows:
             style = {"wrong": "red", "error": "red", "skipped": "dim"}.get(r["status"])
-            if r["status"] == "ok" and (vs_best(r) or 2.0) <= 1.0 and not r["peer"]:
+            if r["status"] == "ok" and (vs_best(r) or 2.0) <= 1.0 and not r["peer"] and not r.get("floor"):
                 style = "green"
             table.add_row(*(fn(r) for _, fn in columns), style=style)
         console.print(table)

@@ -212,6 +212,7 @@ class Variant:
     about: str = ""
     skip: Callable[[Case], str | None] = field(default=lambda case: None)  # a reason this case is not applicable
     missing: Callable[[], str | None] = field(default=lambda: None)  # a reason it cannot run here at all
+    floor: bool = False  # a yardstick that computes something else (its output is not checked): GEMMs alone
 
 
 def _build_eager(problem: Problem) -> Step:
@@ -227,6 +228,29 @@ def _compile_builder(mode: str | None) -> Callable[[Problem], Step]:
         return as_step(compiled, problem, before)
 
     return build
+
+
+class GemmsAlone(nn.Module):
+    """The block's projections and nothing else, forward: y = down(gate(x)) with up(x) computed and dropped (gated),
+    or fc2(fc1(x)) / linear(x) without the activation. The fused block's floor: what its GEMMs cost when the
+    activation, the multiply, their memory traffic and their launches are free."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.inner = module
+
+    def forward(self, x):
+        m = self.inner
+        if isinstance(m, EagerGatedMLP):
+            m.up_proj(x)
+            return m.down_proj(m.gate_proj(x))
+        if isinstance(m, EagerMLP):
+            return m.fc2(m.fc1(x))
+        return m.linear(x)
+
+
+def _build_gemms_alone(problem: Problem) -> Step:
+    return as_step(GemmsAlone(eager_module(problem)), problem)
 
 
 def _liger_missing() -> str | None:
@@ -349,6 +373,9 @@ VARIANTS: dict[str, Variant] = {
             needs_cuda=True,
             about="the eager module captured once in a torch.cuda.CUDAGraph, replayed",
         ),
+        Variant("gemms-alone", _build_gemms_alone, floor=True,
+                about="the block's GEMMs alone (cuBLAS, no activation, no multiply): the fusion's floor",
+                skip=lambda case: "forward only" if case.mode == "fwd+bwd" else None),
         Variant("mlpfuse", _mlpfuse_builder("auto"), about="mlpfuse.ops, backend auto"),
         Variant(
             "mlpfuse-triton",
@@ -368,7 +395,8 @@ VARIANTS: dict[str, Variant] = {
 }
 
 DEFAULT_VARIANTS = (
-    "eager", "compile", "liger", "eager-cudagraph", "mlpfuse", "mlpfuse-triton", "mlpfuse-torch", "mlpfuse-cudagraph"
+    "eager", "compile", "liger", "eager-cudagraph", "gemms-alone", "mlpfuse", "mlpfuse-triton", "mlpfuse-torch",
+    "mlpfuse-cudagraph",
 )
 COMPILE_MODES = ("default", "max-autotune", "reduce-overhead")
 

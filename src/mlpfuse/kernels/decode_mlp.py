@@ -530,13 +530,8 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
         bucket = _bucket(m)
         mode = _mode if _mode is not None else _POLICY[(_size_class(w_down.shape[0], w_down.shape[1]), bucket,
                                                         bool(deterministic))]
-        xs = x.stride()
-        # A hit means exactly these dtypes/shapes/strides/alignments/devices were validated and compiled before
-        # (M itself is not part of it: it is checked on every call).
-        key = (bucket, activation, mode, allow_tf32, _config,
-               (x.dtype, x.dim(), x.shape[1], xs, x.data_ptr() & 15, x.get_device()), _tensor_key(w_gate),
-               _tensor_key(w_up), _tensor_key(w_down), _tensor_key(b_gate), _tensor_key(b_up), _tensor_key(b_down),
-               norm_kind, None if norm_weight is None else _tensor_key(norm_weight))
+        key = _key(bucket, activation, mode, allow_tf32, _config, x, w_gate, w_up, w_down, b_gate, b_up, b_down,
+                   norm_kind, norm_weight)
     except (AttributeError, TypeError, IndexError, ValueError):
         key = None  # not tensors of the expected ranks: _check names the culprit
     plan = _plans.get(key) if m <= MAX_M else None
@@ -553,6 +548,40 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
     if plan is None:
         plan = _plans[key] = _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow_tf32,
                                    bucket, _config, norm_kind)
+    return run_plan(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, norm_weight, norm_eps, keep_scratch, out)
+
+
+def held_plan(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, activation: int,
+              deterministic: bool = False, allow_tf32: bool = True, norm_weight=None, norm_kind: int = NORM_NONE):
+    """The plan an earlier `decode_gated_mlp` call made for exactly these arguments' layout (None if there is none,
+    or a bias is strided). A caller that keys its own memo on at least the same properties (shapes, strides, dtypes,
+    devices, 16-byte alignments, weight addresses, and checks `deterministic` per call) may then call
+    `run_plan(plan, ...)` itself and skip this module's key per call."""
+    if any(b is not None and b.stride(0) != 1 for b in (b_gate, b_up, b_down)) or x.shape[0] > MAX_M:
+        return None
+    bucket = _bucket(x.shape[0])
+    mode = _POLICY[(_size_class(w_down.shape[0], w_down.shape[1]), bucket, bool(deterministic))]
+    return _plans.get(_key(bucket, activation, mode, allow_tf32, None, x, w_gate, w_up, w_down, b_gate, b_up, b_down,
+                           norm_kind, norm_weight))
+
+
+def _key(bucket, activation, mode, allow_tf32, config, x, wg, wu, wd, bg, bu, bd, norm_kind, norm_weight):
+    """A plan's key: a hit means exactly these dtypes/shapes/strides/alignments/devices were validated and compiled
+    before (M itself is not part of it: it is checked on every call)."""
+    return (bucket, activation, mode, allow_tf32, config,
+            (x.dtype, x.dim(), x.shape[1], x.stride(), x.data_ptr() & 15, x.get_device()), _tensor_key(wg),
+            _tensor_key(wu), _tensor_key(wd), _tensor_key(bg), _tensor_key(bu), _tensor_key(bd), norm_kind,
+            None if norm_weight is None else _tensor_key(norm_weight))
+
+
+def run_plan(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, norm_weight=None, norm_eps: float = 0.0,
+             keep_scratch: bool = True, out=None):
+    """One call on a plan made for this layout (M >= 1, D and H > 0): the output, scratch, and the launches."""
+    m, d = x.shape
+    h = w_gate.shape[0]
+    mode = plan.consts[4]
+    if out is None:
+        out = torch.empty((m, d), dtype=x.dtype, device=x.device)
     n_progs = plan.n_progs
     acc_numel, part_numel = MAX_M * d if mode in (0, 3) else 0, n_progs * m * d if mode == 2 else 0
     if keep_scratch:
@@ -563,6 +592,7 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
         hbuf = torch.empty(m * h, dtype=x.dtype, device=x.device) if mode == 4 else out
     stream = torch._C._cuda_getCurrentRawStream(x.get_device()) if x.is_cuda else None
     bd = out if b_down is None else b_down  # `out` stands in for absent biases; never read
+    xs = x.stride()
     _launch(plan, "", (n_progs, 1), (
         x, w_gate, w_up, w_down, out if b_gate is None else b_gate, out if b_up is None else b_up, bd, out, acc,
         part, cnt, hbuf, out if norm_weight is None else norm_weight, float(norm_eps), m, d, h, xs[0], xs[1],

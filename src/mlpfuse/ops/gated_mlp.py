@@ -1,9 +1,12 @@
 """gated_mlp: y = down(act(x·Wgᵀ + bg) · (x·Wuᵀ + bu)) + bd, as torch.library custom ops with autograd.
 
-Three ops in the `mlpfuse` namespace (the math is in mlpfuse.reference's docstring):
+Four ops in the `mlpfuse` namespace (the math is in mlpfuse.reference's docstring):
     gated_mlp(x, Wg, Wu, Wd, bg?, bu?, bd?, activation, backend) -> y
         Inference, or any caller that only has the op: its backward recomputes g and u. May take the one-launch
         decode kernel when no gradient is needed.
+    norm_gated_mlp(x, norm_weight, norm_eps, norm_kind, Wg, Wu, Wd, ...) -> y
+        Inference on RMSNorm(x) (ops.norm): the decode kernels normalise x themselves (a block that holds the
+        norm in front of it, mlpfuse.patching.norms); no autograd.
     gated_mlp_train(..., save_preact) -> (y, h, g, u)
         What `ops.gated_mlp` and the modules call when a gradient is needed; with save_preact the pre-activations
         g, u and the GLU output h (the down projection's input, which eager autograd saves too) come out of the
@@ -25,6 +28,7 @@ from torch import Tensor
 
 from mlpfuse import activations, csrc, reference
 from mlpfuse.ops import _checks, _plan, dispatch
+from mlpfuse.ops.norm import rms_norm
 from mlpfuse.errors import InputError
 from mlpfuse.ops._util import (
     autocast_dtype, cast_all, leading, needs_grad, nothing, op_span, plain_eager, profiling, rows,
@@ -114,6 +118,51 @@ def _gated_mlp_op(
 
 @_gated_mlp_op.register_fake
 def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend):
+    _checks.gated_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    activations.get(activation)
+    return x.new_empty(*x.shape[:-1], down_weight.shape[0])
+
+
+@torch.library.custom_op("mlpfuse::norm_gated_mlp", mutates_args=())
+def _norm_gated_mlp_op(
+    x: Tensor,
+    norm_weight: Tensor,
+    norm_eps: float,
+    norm_kind: int,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    gate_bias: Optional[Tensor],
+    up_bias: Optional[Tensor],
+    down_bias: Optional[Tensor],
+    activation: str,
+    backend: str,
+) -> Tensor:
+    """Inference through an RMSNorm (ops.norm): what a compiled graph records for a block that holds its norm. The
+    DECODE path's kernels apply the norm; every other path runs it in PyTorch first (ops.norm.rms_norm: the same
+    ops, in the same order, as the norm module it was recognised from)."""
+    args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    _checks.gated_mlp_args(*args)
+    if (dispatch.gated_mlp_path(backend, rows(x), gate_weight.shape[0], False) == dispatch.DECODE
+            and norm_weight.dtype == x.dtype):
+        return _forward(*args, activation, backend, False, False, dispatch.DECODE, recorded=True,
+                        norm=_OpNorm(norm_weight, norm_eps, norm_kind))[0]
+    normed = rms_norm(x, norm_weight, norm_eps, norm_kind)
+    return _forward(normed, *args[1:], activation, backend, False, False, recorded=True)[0]
+
+
+class _OpNorm:
+    """The norm's arguments as the decode kernels read them (an RMSNormPrologue without its module)."""
+
+    __slots__ = ("weight", "eps", "kind")
+
+    def __init__(self, weight, eps, kind):
+        self.weight, self.eps, self.kind = weight, eps, kind
+
+
+@_norm_gated_mlp_op.register_fake
+def _(x, norm_weight, norm_eps, norm_kind, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
+      activation, backend):
     _checks.gated_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
     activations.get(activation)
     return x.new_empty(*x.shape[:-1], down_weight.shape[0])
@@ -467,9 +516,8 @@ class _Entry:
         return cls(dispatch.gated_mlp_path(backend, rows(x), wg.shape[0], grad), activation, backend, grad, hold)
 
     def __call__(self, x, wg, wu, wd, bg, bu, bd, norm=None) -> Tensor:
-        if norm is not None:  # the call plan chose this entry for the norm: the DECODE path, which applies it
-            return _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, False, False, self.path,
-                            norm=norm)[0]
+        if self.path == dispatch.DECODE and not self.grad:  # (with `norm`: the kernels apply it)
+            return self._decode(x, wg, wu, wd, bg, bu, bd, norm)
         if self.path == dispatch.TORCH:  # eager's kernels, under autograd when a gradient is needed
             return reference.gated_mlp_forward(x, wg, wu, wd, bg, bu, bd, self.act)
         plan = self.held
@@ -486,6 +534,25 @@ class _Entry:
             y = _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, False, False, self.path)[0]
         if plan is None:
             self.held = self._held_plan(x, wg, wu, bg, bu) or False
+        return y
+
+    def _decode(self, x, wg, wu, wd, bg, bu, bd, norm) -> Tensor:
+        """The DECODE path: after the first call straight to the decode kernels' plan for this layout (held with
+        the deterministic flag it was made under), whose own key is then not built again."""
+        held = self.held
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        if held and held[1] is deterministic:
+            y = dispatch.kernel("decode_mlp").run_plan(
+                held[0], rows(x), wg, wu, wd, bg, bu, bd,
+                *((None, 0.0) if norm is None else (norm.weight, norm.eps)))
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], wd.shape[0])
+        y = _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, False, False, self.path, norm=norm)[0]
+        if held is None:
+            plan = dispatch.kernel("decode_mlp").held_plan(
+                rows(x), wg, wu, wd, bg, bu, bd, activation=self.act.id, deterministic=deterministic,
+                allow_tf32=x.dtype != torch.float32 or dispatch.allow_tf32(),
+                norm_weight=None if norm is None else norm.weight, norm_kind=0 if norm is None else norm.kind)
+            self.held = (plan, deterministic) if plan is not None else False
         return y
 
     def _held_plan(self, x, wg, wu, bg, bu):
@@ -525,6 +592,13 @@ def gated_mlp_call(
     """
     if not plain_eager(x):
         if norm is not None:
+            if plan is not None:
+                _checks.module_input(x, gate_weight, "gate_proj.weight")
+            if not needs_grad([x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, norm.weight]):
+                # One node for the norm and the block: the decode kernels apply the norm, other paths run it first.
+                return torch.ops.mlpfuse.norm_gated_mlp(x, norm.weight, norm.eps, norm.kind, gate_weight, up_weight,
+                                                        down_weight, gate_bias, up_bias, down_bias, activation,
+                                                        backend)
             x = norm(x)
         if plan is not None:
             _checks.module_input(x, gate_weight, "gate_proj.weight")

@@ -50,10 +50,12 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
 
 
 def unpatch(model: nn.Module) -> list[str]:
-    """Put back every module `patch` replaced in `model` (and the norms it handed to them); returns their paths."""
+    """Put back every module `patch` replaced in `model` (and the norms it handed to them their own forward);
+    returns the replaced modules' paths."""
     if not isinstance(model, nn.Module):
         raise InputError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    restored: list[str] = norms.restore_norms(model)
+    norms.restore_norms(model)
+    restored: list[str] = []
 
     def walk(parent: nn.Module, prefix: str) -> None:
         for name, child in list(parent._modules.items()):
