@@ -146,6 +146,11 @@ def run_command(args) -> int:
         profile=not args.no_profile,
     )
 
+    from mlpfuse.ops import dispatch
+
+    untuned = dispatch.untuned_note(device)
+    if untuned:
+        notes.append(untuned)
     err = Console(stderr=True)
     out = Console() if not args.json else None
     for note in notes:
@@ -312,6 +317,11 @@ def run_model_lab(args) -> int:
     footprint.check(args.model, layers=args.layers, tiny=tiny, shapes=shapes, modes=modes,
                     dtype=presets.DTYPES[dtype_name], device=device)
 
+    from mlpfuse.ops import dispatch
+
+    untuned = dispatch.untuned_note(device)
+    if untuned:
+        notes.append(untuned)
     err = Console(stderr=True)
     out = Console() if not args.json else None
     for note in notes:

@@ -155,6 +155,12 @@ def _run(args, device: str, out: str) -> int:
     console = Console()
     failed = {}
     started = time.perf_counter()
+    import torch
+    from mlpfuse.ops import dispatch
+
+    untuned = dispatch.untuned_note(torch.device(device))
+    if untuned:
+        console.print(f"note: {untuned}", markup=False)
     built = _build_cases(device, args.dtype, console, failed)
     described = {case: b.describe() for case, b in built.items()}
     staging = os.path.join(out, "rounds")

@@ -56,6 +56,18 @@ def num_sms(device: torch.device) -> int:
     return _device_facts(device.index if device.index is not None else torch.cuda.current_device())[0]
 
 
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_name(device: torch.device) -> str:
+    """The CUDA device's name ('' elsewhere): which card's tuned rows apply (kernels.configs.card)."""
+    if device.type != "cuda":
+        return ""
+    return _device_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def arch_major(device: torch.device) -> int:
     if device.type != "cuda":
         return 0

@@ -1,8 +1,12 @@
-"""Tile configurations: a fixed table, chosen by (architecture, dtype, size class), never searched at call time.
+"""Tile configurations: a fixed table per card, chosen by (card, dtype, size class), never searched at call time.
 
 Searching per shape would make the first call of every new shape cost seconds; a table keeps it to one compile per
-(config, dtype, activation), shared by every M. The Hopper rows come from `benchmarks/tune_kernels.py` on an H200
-(results in benchmarks/results/kernels-h200.md); the generic rows are safe pointer-path tiles for other GPUs.
+(config, dtype, activation), shared by every M. Configs tuned on one card do not carry to another (the H200's gated
+rows ran 1.33× cuBLAS on an H100 at 8192×4096×14336), so the Hopper rows are kept per card (`CARDS`, keyed by what
+the device's name says and its SM count) with the command that measured them. A Hopper card with no rows gets the
+H200's for the kernels `auto` still runs there, and `auto` keeps cuBLAS's GEMMs for the gated MLP's projections
+(ops.dispatch: the SPLIT path, never slower than eager); the generic rows are safe pointer-path tiles for older GPUs.
+To add a card: run `benchmarks/tune_kernels.py` and `.../tune_gated.py` there, add its rows and a `CARDS` entry.
 """
 
 from __future__ import annotations
@@ -55,8 +59,42 @@ _SM90_16 = {
     ("glu_bwd", "large"): KernelConfig(128, 128, 64, num_stages=4, num_warps=8),
     ("glu_bwd", "small"): KernelConfig(64, 128, 64, num_stages=3, num_warps=4, programs_per_sm=2),
 }
-# fp32 rows: half the K depth keeps a stage's bytes (and the 128-byte TMA swizzle row) the same as 16-bit.
-_SM90_32 = {key: cfg.with_(block_k=32) for key, cfg in _SM90_16.items()}
+# H100 SXM (132 SMs), gated rows from `benchmarks/tune_gated.py` (do_bench, L2 flushed, median of 3 interleaved
+# passes; benchmarks/results/nvidia-h100-x1/tune-gated): at 4096×14336 the H200's paired 128×64 tiles with two CTAs
+# per SM ran 0.99 / 1.06 / 1.14 / 1.33 / 1.32× cuBLAS's packed gate_up GEMM at 1024 / 2048 / 4096 / 8192 / 16384
+# tokens; one 128×(2·128) CTA per SM with 8 warps and 4 stages ran 0.98 / 1.02 / 0.99 / 1.01 / 1.01× (within 2 % of
+# the best of ten configs on every row). At 768×3072 the paired tiles stay (1.00–1.02× cuBLAS; the wide CTA 1.04×),
+# with GROUP_M 4. "large"/"small" here is the layer's size (dim·hidden from 2**24 is large), not the tile count.
+_H100_16 = {
+    **_SM90_16,
+    ("gated", "large"): KernelConfig(128, 128, 64, num_stages=4, num_warps=8, programs_per_sm=1, flatten=True),
+    ("gated", "small"): KernelConfig(128, 64, 64, group_m=4, num_stages=3, num_warps=4, programs_per_sm=2,
+                                     flatten=True),
+}
+_LARGE_LAYER = 1 << 24  # dim·hidden from which the H100's gated rows take the wide CTA
+
+# Cards with measured rows: (what the device name contains, SM count) -> 16-bit table, and how its size class reads.
+CARDS = {
+    ("H200", 132): ("h200", _SM90_16, "tiles"),
+    ("H100", 132): ("h100-sxm", _H100_16, "layer"),
+}
+
+
+def card(name: str, num_sms: int):
+    """(card id, 16-bit table, size rule) of a device with measured rows, or None (an untuned card)."""
+    for (token, sms), row in CARDS.items():
+        if token in name and sms == num_sms:
+            return row
+    return None
+
+
+def _fp32(table: dict) -> dict:
+    # fp32 rows: half the K depth keeps a stage's bytes (and the 128-byte TMA swizzle row) the same as 16-bit.
+    return {key: cfg.with_(block_k=32) for key, cfg in table.items()}
+
+
+_SM90_32 = _fp32(_SM90_16)
+_FP32 = {id(_SM90_16): _SM90_32, id(_H100_16): _fp32(_H100_16)}
 
 # Other CUDA GPUs (Ampere and older): pointer loads, software pipelining only.
 _GENERIC = {
@@ -72,13 +110,20 @@ def size_class(m: int, n: int, num_sms: int, cfg: KernelConfig) -> str:
     return "large" if tiles >= 2 * num_sms else "small"
 
 
-def pick(op: str, dtype: torch.dtype, m: int, n: int, *, device: torch.device, num_sms: int, arch: int) -> KernelConfig:
-    """The table's config for one call. op: 'gated' | 'gemm_act' | 'glu_bwd'."""
+def pick(op: str, dtype: torch.dtype, m: int, n: int, *, device: torch.device, num_sms: int, arch: int, k: int = 0,
+         name: str = "") -> KernelConfig:
+    """The table's config for one call. op: 'gated' | 'gemm_act' | 'glu_bwd'; k: the reduction depth; name: the
+    device's name (which card's rows)."""
     if device.type != "cuda":
         return _INTERPRET
     if arch >= 9:
-        table = _SM90_32 if dtype == torch.float32 else _SM90_16
-        cls = size_class(m, n, num_sms, table[(op, "large")])
+        _, table, rule = card(name, num_sms) or (None, _SM90_16, "tiles")
+        if dtype == torch.float32:
+            table = _FP32[id(table)]
+        if rule == "layer" and op == "gated":
+            cls = "large" if n * k >= _LARGE_LAYER else "small"
+        else:
+            cls = size_class(m, n, num_sms, table[(op, "large")])
         return table[(op, cls)]
     cfg = _GENERIC[op]
     return cfg.with_(block_k=cfg.block_k // 2) if dtype == torch.float32 else cfg

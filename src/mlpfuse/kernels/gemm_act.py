@@ -168,7 +168,8 @@ def _gemm_act(x, w, bias, activation, save_preact, allow_tf32, out, config, plan
 
     dev = x.device
     sms = C.num_sms(dev)
-    cfg = config or pick("gemm_act", x.dtype, M, N, device=dev, num_sms=sms, arch=C.arch_major(dev))
+    cfg = config or pick("gemm_act", x.dtype, M, N, device=dev, num_sms=sms, arch=C.arch_major(dev), k=K,
+                          name=C.device_name(dev))
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     use_tma = cfg.tma and C.tma_capable(dev) and K > 0 and C.tma_ok(x) and C.tma_ok(w)
     tma_store = use_tma and cfg.tma_store and C.tma_ok(y)

@@ -141,7 +141,8 @@ def matmul_glu_backward(
 
     dev = dy.device
     sms = C.num_sms(dev)
-    cfg = config or pick("glu_bwd", dy.dtype, M, N, device=dev, num_sms=sms, arch=C.arch_major(dev))
+    cfg = config or pick("glu_bwd", dy.dtype, M, N, device=dev, num_sms=sms, arch=C.arch_major(dev), k=D,
+                          name=C.device_name(dev))
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     use_tma = cfg.tma and C.tma_capable(dev) and D > 0 and C.tma_ok(dy) and C.tma_ok(w_down)
     ya, wa = (C.desc(dy, [BM, BK]), C.desc(w_down, [BK, BN])) if use_tma else (dy, w_down)

@@ -207,6 +207,27 @@ def _auto_may_use(device: torch.device, dtype: torch.dtype, module: str) -> bool
     return _kernel_module(module) is not None
 
 
+@functools.lru_cache(maxsize=None)
+def tuned_card(device: torch.device) -> bool:
+    """Whether the GEMM kernels have tile rows measured on this card (kernels.configs.CARDS). Elsewhere `auto` keeps
+    cuBLAS for every GEMM (the SPLIT path; addmm for linear+activation) and runs only the decode kernels."""
+    from mlpfuse.kernels import configs
+    from mlpfuse.kernels import _common as C
+
+    return configs.card(C.device_name(device), C.num_sms(device)) is not None
+
+
+def untuned_note(device: torch.device) -> Optional[str]:
+    """One line for `mlpfuse bench` and the walkthrough when `auto` runs on a card with no tuned rows, else None."""
+    if device.type != "cuda" or not _auto_may_use(device, torch.bfloat16, "gated_gemm") or tuned_card(device):
+        return None
+    from mlpfuse.kernels import _common as C
+
+    return (f"{C.device_name(device)} ({C.num_sms(device)} SMs) has no tuned kernel configs in mlpfuse: `auto` "
+            "keeps cuBLAS's GEMMs (the gated MLP's GLU fused between them) and the decode kernels; "
+            "kernels/configs.py says how to add the card")
+
+
 def _require_triton(x: torch.Tensor, module: str) -> None:
     reason = triton_unavailable(x, module)
     if reason is not None:
@@ -270,7 +291,8 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
         return TORCH
     if training and not _auto_may_use(x.device, x.dtype, "glu_backward"):
         return TORCH
-    if large and m < GATED_LARGE_MIN_M:
+    if (large and m < GATED_LARGE_MIN_M) or not tuned_card(x.device):
+        # An untuned card keeps cuBLAS's GEMMs around the GLU pass: eager's projections, one pass fewer.
         return SPLIT if _auto_may_use(x.device, x.dtype, "glu") else TORCH
     return GATED
 
@@ -287,7 +309,8 @@ def linear_act_path(backend: str, x: torch.Tensor, out_features: int, activation
         _require_triton(x, "gemm_act")
         return "triton"
     # Without an activation, cuBLAS's addmm already is one kernel with the bias in its epilogue.
-    if activation_id not in LINEAR_ACT_ACTIVATIONS or not _auto_may_use(x.device, x.dtype, "gemm_act"):
+    if (activation_id not in LINEAR_ACT_ACTIVATIONS or not _auto_may_use(x.device, x.dtype, "gemm_act")
+            or not tuned_card(x.device)):
         return "torch"
     return "triton" if x.shape[0] * x.shape[1] * out_features >= LINEAR_ACT_MIN_WORK else "torch"
 

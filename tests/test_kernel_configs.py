@@ -1,0 +1,52 @@
+"""Which tile rows a card gets (kernels.configs): measured cards by name and SM count, others the safe default."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mlpfuse.kernels import configs  # noqa: E402
+
+CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+
+
+def _gated(name, sms, m, n, k, dtype=torch.bfloat16):
+    return configs.pick("gated", dtype, m, n, device=CUDA, num_sms=sms, arch=9, k=k, name=name)
+
+
+def test_each_measured_card_gets_its_own_gated_rows():
+    h100 = _gated(H100, 132, 8192, 14336, 4096)
+    h200 = _gated(H200, 132, 8192, 14336, 4096)
+    assert (h100.block_n, h100.num_warps, h100.programs_per_sm) == (128, 8, 1)
+    assert (h200.block_n, h200.num_warps, h200.programs_per_sm) == (64, 4, 2)
+    # The H100's rows split by layer size: the blog shape keeps the paired 128×64 tiles.
+    small = _gated(H100, 132, 8192, 3072, 768)
+    assert (small.block_n, small.group_m) == (64, 4)
+    assert _gated(H100, 132, 8192, 14336, 4096, torch.float32).block_k == 32
+
+
+def test_cards_are_told_apart_by_name_and_sm_count():
+    assert configs.card(H100, 132)[0] == "h100-sxm"
+    assert configs.card("NVIDIA H100 PCIe", 114) is None  # fewer SMs, other clocks: not measured
+    assert configs.card("NVIDIA H800", 132) is None
+    assert configs.card(H200, 132)[0] == "h200"
+    # An unmeasured Hopper card still gets valid (the H200's) rows for kernels a caller forces.
+    assert _gated("NVIDIA GH200 480GB", 132, 4096, 14336, 4096) == _gated(H200, 132, 4096, 14336, 4096)
+
+
+def test_cpu_and_older_gpus_get_their_rows():
+    assert configs.pick("gated", torch.float32, 64, 64, device=torch.device("cpu"), num_sms=1, arch=0) is \
+        configs._INTERPRET
+    ampere = configs.pick("gated", torch.bfloat16, 4096, 4096, device=CUDA, num_sms=108, arch=8, name="NVIDIA A100")
+    assert ampere.tma is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs the card itself")
+def test_the_test_machine_is_a_measured_card():
+    from mlpfuse.ops import dispatch
+
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name()
+    if "H100" in name or "H200" in name:
+        assert dispatch.tuned_card(dev) and dispatch.untuned_note(dev) is None
