@@ -748,6 +748,7 @@ def test_eager_training_on_the_torch_path_is_plain_autograd():
 def test_auto_decode_cutover_depends_on_layer_size(monkeypatch):
     # The measured cut-over: large layers leave the decode path above DECODE_LARGE_MAX_M tokens, small ones keep it.
     monkeypatch.setattr(dispatch, "_auto_may_use", lambda device, dtype, module: True)
+    monkeypatch.setattr(dispatch, "tuned_card", lambda device: True)
     monkeypatch.setattr(dispatch, "decode_max_m", lambda: 64)
     big, small = 4096 * 14336 // 4096, 3072
     at_most = dispatch.DECODE_LARGE_MAX_M
@@ -772,10 +773,18 @@ def test_auto_decode_cutover_depends_on_layer_size(monkeypatch):
     assert dispatch.gated_mlp_path("auto", torch.empty(64, 768), small, True) == dispatch.TORCH
     assert dispatch.gated_mlp_path("auto", torch.empty(64, 4096), big, True) == dispatch.TORCH
     assert dispatch.gated_mlp_path("auto", torch.empty(64, 4096), big, False) == dispatch.SPLIT
+    # A card with no tuned rows keeps cuBLAS's GEMMs wherever the gated GEMM would run; the decode kernels stay.
+    monkeypatch.setattr(dispatch, "GATED_TRAINING", True)
+    monkeypatch.setattr(dispatch, "tuned_card", lambda device: False)
+    for m, d, h, training in ((8192, 4096, big, False), (4096, 768, small, False), (8192, 4096, big, True)):
+        assert dispatch.gated_mlp_path("auto", torch.empty(m, d), h, training) == dispatch.SPLIT
+    assert dispatch.gated_mlp_path("auto", torch.empty(1, 4096), big, False) == dispatch.DECODE
+    assert dispatch.gated_mlp_path("triton", torch.empty(8192, 4096), big, False) == dispatch.GATED
 
 
 def test_auto_fuses_linear_act_only_for_the_measured_activation(monkeypatch):
     monkeypatch.setattr(dispatch, "_auto_may_use", lambda device, dtype, module: True)
+    monkeypatch.setattr(dispatch, "tuned_card", lambda device: True)
     x = torch.empty(8192, 768)
     assert dispatch.linear_act_path("auto", x, 3072, activations.GELU_TANH) == "triton"
     assert dispatch.linear_act_path("auto", x, 3072, activations.GELU) == "torch"  # erf GELU: addmm + GELU wins
