@@ -1,11 +1,12 @@
 """The fused MLP under CUDA graphs and torch.compile, on a CUDA GPU.
 
     PYTHONPATH=src python3 benchmarks/graphs_gpu.py [--only capture,decode] [--layers 32] [--rounds 5] [--out DIR]
+                                                    [--model llama3-8b] [--batches 1,8]
 
 capture: each path of a bf16 GatedMLP (decode, split, gated GEMM, the CUDA backend) captured by hand and compiled
 (plain and mode="reduce-overhead"): the path each call took, replay against eager, cudagraph skips and graph breaks
-from torch._dynamo's counters. decode: one decode step of a Llama-3-8B-shaped model (random init, bf16, transformers'
-StaticCache, prompt 128) replayed from a CUDA graph — eager, mlpfuse.patch, torch.compile(fullgraph=True) and both —
+from torch._dynamo's counters. decode: one decode step of a Llama-3-8B-shaped model (or another --model preset; random init,
+bf16, transformers' StaticCache, prompt 128; patched with the norm in front of each MLP fused, as `patch` does) replayed from a CUDA graph — eager, mlpfuse.patch, torch.compile(fullgraph=True) and both —
 at batch 1 and 8, variants interleaved in --rounds rounds (median, min-max of CUDA-event time over 20 replays), beside
 triton.testing.do_bench of the same replay (a second harness). The cache's device-side token count is put back to
 the prompt before each timed block, so every replay times the same step.
@@ -101,15 +102,15 @@ def _rewind(cache, prompt):
             n.fill_(prompt)
 
 
-def decode_step(out, layers, batches, rounds, reps, prompt=128):
+def decode_step(out, layers, batches, rounds, reps, prompt=128, model_name="llama3-8b"):
     from transformers import StaticCache
     from mlpfuse.bench import model_lab, models
     import triton.testing
-    built = models.build("llama3-8b", layers=layers, tiny=False, device=dev, dtype=bf16)
+    built = models.build(model_name, layers=layers, tiny=False, device=dev, dtype=bf16)
     base = built.model.eval()
     pm = model_lab.twin(base)
     rep = mlpfuse.patch(pm)
-    print(f"patched {len(rep.swapped)}", flush=True)
+    print(f"patched {len(rep.swapped)}, norms fused {len(rep.norms)}", flush=True)
     results = []
     for batch in batches:
         g = torch.Generator(device="cpu").manual_seed(0)
@@ -187,13 +188,16 @@ if __name__ == "__main__":
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--model", default="llama3-8b", help="a model lab preset (mlpfuse bench --model list)")
+    ap.add_argument("--batches", default="1,8")
     a = ap.parse_args()
-    res = {"device": torch.cuda.get_device_name()}
+    res = {"device": torch.cuda.get_device_name(), "model": a.model, "layers": a.layers}
     if "capture" in a.only:
         res["capture"] = capture_checks(a.out)
     if "decode" in a.only:
-        res["decode"] = decode_step(a.out, a.layers, (1, 8), a.rounds, a.reps)
-    with open(os.path.join(a.out, "gpu27.json"), "w") as f:
+        res["decode"] = decode_step(a.out, a.layers, tuple(int(b) for b in a.batches.split(",")), a.rounds, a.reps,
+                                    model_name=a.model)
+    with open(os.path.join(a.out, f"graphs-{a.model}.json"), "w") as f:
         json.dump(res, f, indent=1)
     print("\n== summary", res["device"])
     for r in res.get("capture", []):

@@ -51,8 +51,9 @@ MAX_M = 128
 _INTERPRET = C.INTERPRET
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# RMSNorm prologues (the kernel's NORM): none; weight · round(x·r) rounded again (Llama, Mistral, Qwen, ...);
-# round(x·r·(1 + weight)) (Gemma). r = 1/sqrt(mean(x²) + eps) per row, in fp32.
+# RMSNorm prologues (the kernel's NORM): none; weight·x·r (Llama, Mistral, Qwen, ...); x·r·(1 + weight) (Gemma);
+# r = 1/sqrt(mean(x²) + eps) per row, in fp32. The kernel rounds x·weight (x·(1 + weight)) to x's dtype for the MMA
+# and applies r to the fp32 products; the modules round x·r and then the product: the two differ by a rounding.
 NORM_NONE, NORM_WEIGHT_AFTER, NORM_ONE_PLUS = 0, 1, 2
 
 
@@ -109,16 +110,10 @@ def mlpfuse_decode_mlp_kernel(
     mask_h = offs_h < H
     mask_m = offs_m < M
 
-    if NORM != 0:
-        # RMSNorm prologue: every program needs whole rows of x normalised, so each sums x² over D itself (x is a
-        # few KB, read from L2) before its weight stream starts.
-        sq = tl.zeros((BLOCK_M,), tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            dk = d0 + offs_k
-            xs = tl.load(x_ptr + offs_m[None, :] * stride_xm + dk[:, None] * stride_xd,
-                         mask=(dk < D)[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
-            sq += tl.sum(xs * xs, axis=0)
-        rstd = 1.0 / tl.sqrt_rn(sq / D + eps)
+    # RMSNorm prologue (NORM): the row scale r = 1/sqrt(mean(x²) + eps) is one number per row, so it factors out of
+    # the dot products: each program feeds x·w (or x·(1 + w)) to the MMA, sums x² over the same K loop, and scales
+    # its g and u by r at the end. No pass over x before the weight stream starts.
+    sq = tl.zeros((BLOCK_M,), tl.float32)
 
     # Phase 1: this program's slice of g and u, transposed ([BLOCK_H, BLOCK_M]).
     acc_g = tl.zeros((BLOCK_H, BLOCK_M), tl.float32)
@@ -133,13 +128,18 @@ def mlpfuse_decode_mlp_kernel(
                      mask=mask_k[:, None] & mask_m[None, :], other=0.0)
         if NORM != 0:
             nw = tl.load(nw_ptr + dk, mask=mask_k, other=0.0).to(tl.float32)[:, None]
-            xn = xt.to(tl.float32) * rstd[None, :]
-            if NORM == 1:  # weight · (normalised x in x's dtype), rounded again: Llama's RMSNorm
-                xt = (xn.to(xt.dtype).to(tl.float32) * nw).to(xt.dtype)
-            else:  # normalised x · (1 + weight) in fp32, rounded once: Gemma's RMSNorm
-                xt = (xn * (1.0 + nw)).to(xt.dtype)
+            xf = xt.to(tl.float32)
+            sq += tl.sum(xf * xf, axis=0)
+            if NORM == 1:  # weight · x (Llama's RMSNorm)
+                xt = (xf * nw).to(xt.dtype)
+            else:  # x · (1 + weight) (Gemma's)
+                xt = (xf * (1.0 + nw)).to(xt.dtype)
         acc_g = tl.dot(wg, xt, acc_g, input_precision=DOT_PRECISION)
         acc_u = tl.dot(wu, xt, acc_u, input_precision=DOT_PRECISION)
+    if NORM != 0:
+        rstd = 1.0 / tl.sqrt_rn(sq / D + eps)
+        acc_g = acc_g * rstd[None, :]
+        acc_u = acc_u * rstd[None, :]
     if HAS_BG:
         acc_g += tl.load(bg_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)[:, None]
     if HAS_BU:
@@ -299,12 +299,13 @@ _CONFIGS = {
 # the lower GPU time), from the retired `bench_decode.py --sweep` on an H200. Small layers, wall / GPU µs per call by
 # mode 0 | 3 | 4: 1 row 13.0/10.2 | 17.8/9.8 | 18.9/11.8; 16 rows 13.3/12.3 | 17.7/9.7 | 18.7/11.9; 32 rows 17.6/16.8 |
 # 18.1/12.0 | 19.1/12.2; 64 rows 26.0/25.2 | 18.1/15.5 | 19.4/14.6 (the one launch saves ~5 µs of host time; its one-SM
-# tail grows with M·D). 4096×14336 at 1 row: 87.8/86.3 | 87.9/85.9 | 100.2/96.6.
+# tail grows with M·D). 4096×14336 at 1 row: 87.8/86.3 | 87.9/85.9 | 100.2/96.6: level on the GPU, so large layers
+# at 1–4 rows take the one launch, whose host time is a launch less (a decode step is host-bound in eager generate).
 _POLICY = {
     **{(size, b, True): 4 for size in ("small", "large") for b in (4, 16, 32, 64, 128)},
     ("small", 4, False): 0, ("small", 16, False): 0, ("small", 32, False): 3, ("small", 64, False): 3,
     ("small", 128, False): 4,
-    ("large", 4, False): 3, ("large", 16, False): 3, ("large", 32, False): 4, ("large", 64, False): 4,
+    ("large", 4, False): 0, ("large", 16, False): 3, ("large", 32, False): 4, ("large", 64, False): 4,
     ("large", 128, False): 4,
 }
 
