@@ -8,21 +8,21 @@ pytest.importorskip("triton")
 from mlpfuse.kernels import configs  # noqa: E402
 
 CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it
-H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"  # as torch.cuda.get_device_name() reports them
 
 
 def _gated(name, sms, m, n, k, dtype=torch.bfloat16):
     return configs.pick("gated", dtype, m, n, device=CUDA, num_sms=sms, arch=9, k=k, name=name)
 
 
-def test_each_measured_card_gets_its_own_gated_rows():
-    h100 = _gated(H100, 132, 8192, 14336, 4096)
-    h200 = _gated(H200, 132, 8192, 14336, 4096)
-    assert (h100.block_n, h100.num_warps, h100.programs_per_sm) == (128, 8, 1)
-    assert (h200.block_n, h200.num_warps, h200.programs_per_sm) == (64, 4, 2)
-    # The H100's rows split by layer size: the blog shape keeps the paired 128×64 tiles.
-    small = _gated(H100, 132, 8192, 3072, 768)
-    assert (small.block_n, small.group_m) == (64, 4)
+def test_measured_cards_get_their_gated_rows_by_layer_size():
+    for name in (H100, H200):
+        large = _gated(name, 132, 8192, 14336, 4096)
+        assert (large.block_n, large.num_warps, large.programs_per_sm) == (128, 8, 1)
+        # The rows split by layer size, not by tile count: the blog shape keeps the paired 128×64 tiles.
+        small = _gated(name, 132, 8192, 3072, 768)
+        assert (small.block_n, small.group_m, small.programs_per_sm) == (64, 4, 2)
+        assert _gated(name, 132, 16, 14336, 4096) == large
     assert _gated(H100, 132, 8192, 14336, 4096, torch.float32).block_k == 32
 
 
@@ -30,9 +30,10 @@ def test_cards_are_told_apart_by_name_and_sm_count():
     assert configs.card(H100, 132)[0] == "h100-sxm"
     assert configs.card("NVIDIA H100 PCIe", 114) is None  # fewer SMs, other clocks: not measured
     assert configs.card("NVIDIA H800", 132) is None
+    assert configs.card("NVIDIA H100 NVL", 132) is None and configs.card("NVIDIA GH200 480GB", 132) is None
     assert configs.card(H200, 132)[0] == "h200"
-    # An unmeasured Hopper card still gets valid (the H200's) rows for kernels a caller forces.
-    assert _gated("NVIDIA GH200 480GB", 132, 4096, 14336, 4096) == _gated(H200, 132, 4096, 14336, 4096)
+    # An unmeasured Hopper card still gets valid rows (the first H200 table's) for kernels a caller forces.
+    assert _gated("NVIDIA GH200 480GB", 132, 8192, 14336, 4096) == configs._SM90_16[("gated", "large")]
 
 
 def test_cpu_and_older_gpus_get_their_rows():
@@ -48,5 +49,5 @@ def test_the_test_machine_is_a_measured_card():
 
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name()
-    if "H100" in name or "H200" in name:
+    if name in (H100, H200):
         assert dispatch.tuned_card(dev) and dispatch.untuned_note(dev) is None

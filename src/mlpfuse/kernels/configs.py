@@ -1,11 +1,12 @@
 """Tile configurations: a fixed table per card, chosen by (card, dtype, size class), never searched at call time.
 
 Searching per shape would make the first call of every new shape cost seconds; a table keeps it to one compile per
-(config, dtype, activation), shared by every M. Configs tuned on one card do not carry to another (the H200's gated
-rows ran 1.33× cuBLAS on an H100 at 8192×4096×14336), so the Hopper rows are kept per card (`CARDS`, keyed by what
-the device's name says and its SM count) with the command that measured them. A Hopper card with no rows gets the
-H200's for the kernels `auto` still runs there, and `auto` keeps cuBLAS's GEMMs for the gated MLP's projections
-(ops.dispatch: the SPLIT path, never slower than eager); the generic rows are safe pointer-path tiles for older GPUs.
+(config, dtype, activation), shared by every M. Configs tuned on one card do not carry to another (the gated rows
+picked on an H200 ran 1.33× cuBLAS on an H100 at 8192×4096×14336), so the Hopper rows are kept per card (`CARDS`,
+keyed by the device's name and SM count) with the command that measured them. A Hopper card with no
+rows gets the first H200 rows for the kernels a caller forces, and `auto` keeps cuBLAS's GEMMs for the gated MLP's
+projections (ops.dispatch: the SPLIT path, never slower than eager); the generic rows are safe pointer-path tiles
+for older GPUs.
 To add a card: run `benchmarks/tune_kernels.py` and `.../tune_gated.py` there, add its rows and a `CARDS` entry.
 """
 
@@ -59,33 +60,34 @@ _SM90_16 = {
     ("glu_bwd", "large"): KernelConfig(128, 128, 64, num_stages=4, num_warps=8),
     ("glu_bwd", "small"): KernelConfig(64, 128, 64, num_stages=3, num_warps=4, programs_per_sm=2),
 }
-# H100 SXM (132 SMs), gated rows from `benchmarks/tune_gated.py` (do_bench, L2 flushed, median of 3 interleaved
-# passes; benchmarks/results/nvidia-h100-x1/tune-gated): at 4096×14336 the H200's paired 128×64 tiles with two CTAs
-# per SM ran 0.99 / 1.06 / 1.14 / 1.33 / 1.32× cuBLAS's packed gate_up GEMM at 1024 / 2048 / 4096 / 8192 / 16384
-# tokens; one 128×(2·128) CTA per SM with 8 warps and 4 stages ran 0.98 / 1.02 / 0.99 / 1.01 / 1.01× (within 2 % of
-# the best of ten configs on every row). At 768×3072 the paired tiles stay (1.00–1.02× cuBLAS; the wide CTA 1.04×),
-# with GROUP_M 4. "large"/"small" here is the layer's size (dim·hidden from 2**24 is large), not the tile count.
-_H100_16 = {
+# Gated rows per card from `benchmarks/tune_gated.py` (ten configs, do_bench with the L2 flushed, median of 3
+# interleaved passes; benchmarks/results/nvidia-h100-x1/tune-gated, nvidia-h200/tune-gated). At 4096×14336 the
+# paired 128×(2·64) tiles with two CTAs per SM above ran 0.99 / 1.06 / 1.11–1.14 / 1.29–1.33 / 1.28–1.32× cuBLAS's
+# packed gate_up GEMM at 1024 / 2048 / 4096 / 8192 / 16384 tokens on an H100 (two runs) and 0.98 / 1.03 / 1.05 /
+# 1.06 / 1.04× on an H200; one 128×(2·128) CTA per SM with 8 warps and 4 stages ran 0.98–1.05 / 0.99–1.00 / 1.00 /
+# 1.00–1.01 / 0.98–1.01× on the H100 and 0.97 / 0.97 / 0.99 / 1.00 / 1.00× on the H200 (within 1.5 % of the best
+# of the ten on every row from 4096 tokens, and on 4096×2048×8192). At 768×3072 the paired tiles stay (GROUP_M 4:
+# 0.98–1.00× cuBLAS on both; the wide CTA 1.02×). "large"/"small" is the layer's size here (dim·hidden from 2**24
+# is large), not the tile count.
+_SM90_MEASURED = {
     **_SM90_16,
     ("gated", "large"): KernelConfig(128, 128, 64, num_stages=4, num_warps=8, programs_per_sm=1, flatten=True),
     ("gated", "small"): KernelConfig(128, 64, 64, group_m=4, num_stages=3, num_warps=4, programs_per_sm=2,
                                      flatten=True),
 }
-_LARGE_LAYER = 1 << 24  # dim·hidden from which the H100's gated rows take the wide CTA
+_LARGE_LAYER = 1 << 24  # dim·hidden from which the gated rows take the wide CTA
 
-# Cards with measured rows: (what the device name contains, SM count) -> 16-bit table, and how its size class reads.
+# Cards with measured rows: (the device's name as CUDA reports it, SM count) -> (card id, 16-bit table, size rule).
+# Exact names: an H100 NVL or PCIe, a GH200 or an H800 runs other clocks, power limits or memory, and is not measured.
 CARDS = {
-    ("H200", 132): ("h200", _SM90_16, "tiles"),
-    ("H100", 132): ("h100-sxm", _H100_16, "layer"),
+    ("NVIDIA H200", 132): ("h200", _SM90_MEASURED, "layer"),
+    ("NVIDIA H100 80GB HBM3", 132): ("h100-sxm", _SM90_MEASURED, "layer"),
 }
 
 
 def card(name: str, num_sms: int):
     """(card id, 16-bit table, size rule) of a device with measured rows, or None (an untuned card)."""
-    for (token, sms), row in CARDS.items():
-        if token in name and sms == num_sms:
-            return row
-    return None
+    return CARDS.get((name.strip(), num_sms))
 
 
 def _fp32(table: dict) -> dict:
@@ -94,7 +96,7 @@ def _fp32(table: dict) -> dict:
 
 
 _SM90_32 = _fp32(_SM90_16)
-_FP32 = {id(_SM90_16): _SM90_32, id(_H100_16): _fp32(_H100_16)}
+_FP32 = {id(_SM90_16): _SM90_32, id(_SM90_MEASURED): _fp32(_SM90_MEASURED)}
 
 # Other CUDA GPUs (Ampere and older): pointer loads, software pipelining only.
 _GENERIC = {
