@@ -10,7 +10,9 @@ PyTorch loses time on. `mlpfuse_decode_mlp_kernel` gives each program a slice of
            hᵀ = act(gᵀ + bg) · (uᵀ + bu) in fp32 registers, rounded once to the input dtype
   phase 2  its partial of y:  yᵀ_p [D, M] = Wd[:, slice] · hᵀ   (loop over D in BLOCK_O row chunks)
 
-The weights are the MMA's left operand ("swap AB"): the tiny M becomes the MMA's N, so tiles stay full at M = 1.
+With NORM (a patched model's RMSNorm in front of the MLP, ops.norm), phase 1 reads x·w_norm instead of x, sums x²
+in the same loop and scales g and u by 1/sqrt(mean(x²) + eps) before the activation: the norm costs no pass of its
+own. The weights are the MMA's left operand ("swap AB"): the tiny M becomes the MMA's N, so tiles stay full at M = 1.
 Each weight element is read by exactly one program. How the partials become y (MODE):
 
   0 one launch: fp32 `red.add` of the partials into a cached fp32 accumulator; then every thread fences its own
@@ -503,7 +505,7 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
                      deterministic: bool = False, allow_tf32: bool = True, keep_scratch: bool = True,
                      norm_weight=None, norm_eps: float = 0.0, norm_kind: int = NORM_NONE,
                      _mode: int | None = None, _config: tuple | None = None):
-    """y [M, D] = down(act(x·w_gateᵀ + b_gate) · (x·w_upᵀ + b_up)) + b_down in two small launches.
+    """y [M, D] = down(act(x·w_gateᵀ + b_gate) · (x·w_upᵀ + b_up)) + b_down in one or two small launches.
 
     x [M, D] with M <= MAX_M; w_gate, w_up [H, D]; w_down [D, H]; biases [H], [H], [D] or None; all one dtype
     (bf16/fp16/fp32) and device, any strides. `deterministic=True` gives bit-identical results run to run (the

@@ -39,17 +39,11 @@ def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int, recorded: bool, norm=None) 
     """The decode kernels on 2-D x. torch.use_deterministic_algorithms(True) selects their run-to-run identical
     reduction; fp32 inputs follow torch's tf32 flag. `recorded`: a call inside a registered op (a compiler's graph),
     which keeps no scratch between calls. `norm`: an RMSNormPrologue the kernels apply to x first."""
-    if norm is None:
-        return dispatch.kernel("decode_mlp").decode_gated_mlp(
-            x2, wg, wu, wd, bg, bu, bd, activation=act_id,
-            deterministic=torch.are_deterministic_algorithms_enabled(),
-            allow_tf32=x2.dtype != torch.float32 or dispatch.allow_tf32(), keep_scratch=not recorded,
-        )
     return dispatch.kernel("decode_mlp").decode_gated_mlp(
         x2, wg, wu, wd, bg, bu, bd, activation=act_id,
         deterministic=torch.are_deterministic_algorithms_enabled(),
         allow_tf32=x2.dtype != torch.float32 or dispatch.allow_tf32(), keep_scratch=not recorded,
-        norm_weight=norm.weight, norm_eps=norm.eps, norm_kind=norm.kind,
+        **({} if norm is None else {"norm_weight": norm.weight, "norm_eps": norm.eps, "norm_kind": norm.kind}),
     )
 
 
