@@ -54,5 +54,6 @@ for batch in (1, 8):
         m = statistics.median(v)
         base_ = em if "mlp only" in k else e
         res[f"b{batch} {k}"] = (m, min(v), max(v), m / base_, errs[k])
-        print(f"b{batch} {k:24s} host {m:6.1f} us [{min(v):.1f}-{max(v):.1f}]  {m/base_:.3f}x eager  err {errs[k]:.2e}", flush=True)
+        print(f"b{batch} {k:24s} host {m:6.1f} us [{min(v):.1f}-{max(v):.1f}]  {m / base_:.3f}x eager  "
+              f"err {errs[k]:.2e}", flush=True)
 json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), "host_layer.json"), "w"), indent=1)

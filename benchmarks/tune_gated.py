@@ -65,11 +65,14 @@ for M, Kd, N in SHAPES:
     r = {k: (statistics.median(x_), min(x_), max(x_)) for k, x_ in t.items()}
     cub = r["cublas packed"][0]
     res["rows"][f"{M}x{Kd}x{N}"] = r
-    print(f"== {M}x{Kd}x{N} cublas packed {cub:.1f} down {r['cublas down'][0]:.1f} eager block {r['eager block'][0]:.1f}", flush=True)
+    print(f"== {M}x{Kd}x{N} cublas packed {cub:.1f} down {r['cublas down'][0]:.1f} "
+          f"eager block {r['eager block'][0]:.1f}", flush=True)
     for k, (md, lo, hi) in sorted(r.items(), key=lambda kv: kv[1][0]):
         if k in C:
             blk = (md + r["cublas down"][0])
-            print(f"   {k:28s} {md:8.1f} [{lo:.1f}-{hi:.1f}] {md/cub:.3f}x cublas; block {blk/r['eager block'][0]:.3f}x eager, {blk/(cub+r['cublas down'][0]):.3f}x GEMMs", flush=True)
+            print(f"   {k:28s} {md:8.1f} [{lo:.1f}-{hi:.1f}] {md / cub:.3f}x cublas; "
+                  f"block {blk / r['eager block'][0]:.3f}x eager, {blk / (cub + r['cublas down'][0]):.3f}x GEMMs",
+                  flush=True)
     del x, wgu, wd, h; torch.cuda.empty_cache()
 with open(os.path.join(OUT, "tune_gated.json"), "w") as f:
     json.dump(res, f, indent=1)

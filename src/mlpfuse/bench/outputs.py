@@ -185,8 +185,9 @@ def peaks_line(meta: dict) -> str:
 
 
 RATIO_NOTE = ("`*` = mlpfuse; (floor) = the block's GEMMs alone, no activation: vs GEMMs alone is a variant's time "
-              "over it (1.00× = the activation, its memory traffic and launches are free). Ratios are a variant's time over the best peer's (eager, torch.compile, Liger, eager "
-              "in a CUDA graph) in the same run: < 1 is faster. % floor = max(FLOPs/peak, min bytes/bandwidth) / "
+              "over it (1.00× = the activation, its memory traffic and launches are free). Ratios are a variant's "
+              "time over the best peer's (eager, torch.compile, Liger, eager in a CUDA graph) in the same run: < 1 is "
+              "faster. % floor = max(FLOPs/peak, min bytes/bandwidth) / "
               "time. one-time ms = setup + first call − a steady call: compilation, autotuning, graph capture and "
               "kernel JIT where a variant has them, else first-call allocation and warm-up.")
 

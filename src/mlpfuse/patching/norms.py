@@ -90,8 +90,9 @@ def _self_call(stmt) -> Optional[tuple[str, str, Optional[str]]]:
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
         return None
     call = stmt.value
-    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name)
-            and call.func.value.id == "self" and len(call.args) == 1 and not call.keywords):
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+            and isinstance(call.func.value, ast.Name) and call.func.value.id == "self" and len(call.args) == 1
+            and not call.keywords):
         return None
     arg = call.args[0]
     return stmt.targets[0].id, call.func.attr, arg.id if isinstance(arg, ast.Name) else None
