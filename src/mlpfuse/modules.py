@@ -68,6 +68,12 @@ def _size(name: str, value) -> int:
     return n
 
 
+def _check_recompute(recompute) -> bool:
+    if not isinstance(recompute, bool):
+        raise InputError(f"recompute: expected True or False, got {recompute!r}")
+    return recompute
+
+
 def _check_init(sizes: tuple, bias, device, dtype) -> tuple[int, ...]:
     """Constructor arguments, checked before anything is allocated (construction is not the hot path); the sizes
     come back as plain ints."""
@@ -226,6 +232,8 @@ class GatedMLP(nn.Module):
     """down_proj(act(gate_proj(x)) * up_proj(x)): the Llama / Gemma / Mistral / Qwen MLP, gate and up in one kernel.
 
     backend: "auto" | "triton" | "torch" | "cuda", or None to read MLPFUSE_BACKEND at each call (else "auto").
+    recompute: in training keep only the input for the backward, which recomputes the pre-activations with the
+    forward's kernels (three [tokens, hidden] tensors less per block, two GEMMs more), eager and compiled.
     """
 
     def __init__(
@@ -237,12 +245,14 @@ class GatedMLP(nn.Module):
         device=None,
         dtype=None,
         backend: Optional[str] = None,
+        recompute: bool = False,
     ):
         super().__init__()
         dim, hidden = _check_init((("dim", dim), ("hidden", hidden)), bias, device, dtype)
         self.dim, self.hidden = dim, hidden
         self.activation: str = activations.get(activation).name
         self.backend: str = dispatch.check_backend_name(backend)
+        self.recompute: bool = _check_recompute(recompute)
         self.gate_proj = nn.Linear(dim, hidden, bias=bias, device=device, dtype=dtype)
         self.up_proj = nn.Linear(dim, hidden, bias=bias, device=device, dtype=dtype)
         self.down_proj = nn.Linear(hidden, dim, bias=bias, device=device, dtype=dtype)
@@ -258,7 +268,8 @@ class GatedMLP(nn.Module):
             wd, bd = _weight_bias(mods["down_proj"])
             if _sharded(wg, wu, wd):
                 return self._sharded_forward(x)
-            return gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, _plan_of(self, CallPlan))
+            return gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, _plan_of(self, CallPlan),
+                                  None, getattr(self, "recompute", False))
         return registered_call(
             x,
             self.gate_proj.weight,
@@ -269,6 +280,7 @@ class GatedMLP(nn.Module):
             self.down_proj.bias,
             self.activation,
             self.backend,
+            self.recompute,
         )
 
     @torch.jit.unused
@@ -282,7 +294,7 @@ class GatedMLP(nn.Module):
         bias = self.gate_proj.bias is not None
         return (
             f"dim={self.dim}, hidden={self.hidden}, activation={self.activation}, bias={bias}"
-            f"{_repr_backend(self.backend)}"
+            f"{_repr_backend(self.backend)}{', recompute=True' if getattr(self, 'recompute', False) else ''}"
         )
 
     @classmethod
@@ -356,12 +368,14 @@ class PackedGatedMLP(GatedMLP):
         device=None,
         dtype=None,
         backend: Optional[str] = None,
+        recompute: bool = False,
     ):
         nn.Module.__init__(self)  # not GatedMLP's: this layout has no separate gate_proj / up_proj
         dim, hidden = _check_init((("dim", dim), ("hidden", hidden)), bias, device, dtype)
         self.dim, self.hidden = dim, hidden
         self.activation: str = activations.get(activation).name
         self.backend: str = dispatch.check_backend_name(backend)
+        self.recompute: bool = _check_recompute(recompute)
         self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=bias, device=device, dtype=dtype)
         self.down_proj = nn.Linear(hidden, dim, bias=bias, device=device, dtype=dtype)
 
@@ -377,7 +391,8 @@ class PackedGatedMLP(GatedMLP):
             gate_bias, up_bias = b[: self.hidden], b[self.hidden :]
         if not torch.jit.is_scripting():
             return gated_mlp_call(x, w[: self.hidden], w[self.hidden :], self.down_proj.weight, gate_bias, up_bias,
-                                  self.down_proj.bias, self.activation, self.backend, _plan_of(self, CallPlan))
+                                  self.down_proj.bias, self.activation, self.backend, _plan_of(self, CallPlan), None,
+                                  getattr(self, "recompute", False))
         return registered_call(
             x,
             w[: self.hidden],
@@ -388,6 +403,7 @@ class PackedGatedMLP(GatedMLP):
             self.down_proj.bias,
             self.activation,
             self.backend,
+            self.recompute,
         )
 
     @torch.jit.unused

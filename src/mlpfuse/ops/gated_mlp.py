@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from mlpfuse import activations, csrc, reference
 from mlpfuse.ops import _checks, _plan, dispatch
@@ -416,11 +417,12 @@ class _EagerTraining(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, path: str, entry=None):
+    def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, path: str, entry=None,
+                save: bool = True):
         plan = entry.held if entry is not None and path == dispatch.SPLIT else None
-        y, _, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, dispatch.SAVE_PREACT, path,
-                              plan)
-        ctx.activation, ctx.backend, ctx.extra_inputs, ctx.path = activation, backend, 2, path  # extras: path, entry
+        y, _, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, save, path, plan)
+        # extras: path, entry, save
+        ctx.activation, ctx.backend, ctx.extra_inputs, ctx.path = activation, backend, 3, path
         ctx.entry = entry if path == dispatch.SPLIT else None
         ctx.held = None if g is None else [g, u]
         ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd)
@@ -452,7 +454,7 @@ class _EagerTraining(torch.autograd.Function):
         dx = grads[0]
         if dx is not None and x.dim() != 2:
             dx = dx.reshape(x.shape)
-        return (dx, *(t if need[i] else None for i, t in enumerate(grads[1:], 1)), None, None, None, None)
+        return (dx, *(t if need[i] else None for i, t in enumerate(grads[1:], 1)), None, None, None, None, None)
 
 
 class CallPlan(_plan.Memo):
@@ -469,19 +471,21 @@ class CallPlan(_plan.Memo):
 
     __slots__ = ()
 
-    def run(self, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool, norm=None) -> Tensor:
+    def run(self, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool, norm=None,
+            recompute: bool = False) -> Tensor:
+        norm_key = None if norm is None else norm.key(x)
         key = (dispatch.resolve_backend(backend), _plan.x_key(x), _plan.weight_key(wg), _plan.weight_key(wu),
                _plan.weight_key(wd), _plan.bias_key(bg), _plan.bias_key(bu), _plan.bias_key(bd), activation, grad,
-               x.dtype is torch.float32 and dispatch.allow_tf32(), None if norm is None else norm.key(x))
+               x.dtype is torch.float32 and dispatch.allow_tf32(), norm_key, grad and recompute)
         entry = self.entries.get(key)
         if entry is None:
             _checks.module_input(x, wg, "gate_proj.weight")
-            entry = _Entry.choose(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, True)
-            if norm is not None and (key[-1] is None or entry.path != dispatch.DECODE):
+            entry = _Entry.choose(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, True, not recompute)
+            if norm is not None and (norm_key is None or entry.path != dispatch.DECODE):
                 entry = False  # the norm's own forward, then the block as for any input
             entry = self.remember(key, entry)
         if entry is False:
-            return self.run(norm(x), wg, wu, wd, bg, bu, bd, activation, backend, grad)
+            return self.run(norm(x), wg, wu, wd, bg, bu, bd, activation, backend, grad, None, recompute)
         return entry(x, wg, wu, wd, bg, bu, bd, norm)
 
 
@@ -492,31 +496,39 @@ class _Entry:
     pass's, looked up after the first call, is held here and run directly (`hold`: a module's plan keeps the entry;
     a one-off call's entry does not look the plans up)."""
 
-    __slots__ = ("path", "activation", "act", "backend", "grad", "held", "held_backward")
+    __slots__ = ("path", "activation", "act", "backend", "grad", "held", "held_backward", "save")
 
-    def __init__(self, path: str, activation: str, backend: str, grad: bool, hold: bool):
+    def __init__(self, path: str, activation: str, backend: str, grad: bool, hold: bool, save: bool = True):
         self.path, self.activation, self.backend, self.grad = path, activation, backend, grad
+        self.save = save and dispatch.SAVE_PREACT  # training: keep g and u for the backward (else recompute)
         self.act = activations.get(activation)
         self.held = None if hold else False  # the kernel's launch plan; False once known there is none to hold
         self.held_backward = None  # the same for the GLU-backward pass (SPLIT path, training; _triton_backward)
 
     @classmethod
-    def choose(cls, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool, hold: bool) -> "_Entry":
-        """The entry for this call's layout: the arguments checked, the path chosen (dispatch.gated_mlp_path)."""
+    def choose(cls, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool, hold: bool,
+               save: bool = True) -> "_Entry":
+        """The entry for this call's layout: the arguments checked, the path chosen (dispatch.gated_mlp_path).
+        `save` False: a training call keeps only x, and its backward recomputes g and u."""
         if _checks.foreign(wg, wu, wd):
             return cls(dispatch.TORCH, activation, backend, grad, False)
         _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
         activations.get(activation)
-        return cls(dispatch.gated_mlp_path(backend, rows(x), wg.shape[0], grad), activation, backend, grad, hold)
+        return cls(dispatch.gated_mlp_path(backend, rows(x), wg.shape[0], grad), activation, backend, grad, hold,
+                   save)
 
     def __call__(self, x, wg, wu, wd, bg, bu, bd, norm=None) -> Tensor:
         if self.path == dispatch.DECODE and not self.grad:  # (with `norm`: the kernels apply it)
             return self._decode(x, wg, wu, wd, bg, bu, bd, norm)
         if self.path == dispatch.TORCH:  # eager's kernels, under autograd when a gradient is needed
+            if self.grad and not self.save:  # recompute: keep x alone, run the forward again in the backward
+                return checkpoint(reference.gated_mlp_forward, x, wg, wu, wd, bg, bu, bd, self.act,
+                                  use_reentrant=False)
             return reference.gated_mlp_forward(x, wg, wu, wd, bg, bu, bd, self.act)
         plan = self.held
         if self.grad:
-            y = _EagerTraining.apply(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, self.path, self)
+            y = _EagerTraining.apply(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, self.path, self,
+                                     self.save)
         elif plan:
             x2 = rows(x)
             if self.path == dispatch.SPLIT:
@@ -573,6 +585,7 @@ def gated_mlp_call(
     backend: str,
     plan: Optional[CallPlan] = None,
     norm=None,
+    recompute: bool = False,
 ) -> Tensor:
     """Every gated MLP call's one way in (the modules, the patched blocks, `ops.gated_mlp`, tensor parallelism).
 
@@ -582,7 +595,8 @@ def gated_mlp_call(
     the registered ops (`registered_call`). Under torch.profiler an eager call shows as a `mlpfuse::gated_mlp` CPU
     op around the kernels it launches. `plan` also marks a module's call: bad input is then named in its terms.
     `norm` (ops.norm.RMSNormPrologue): the block's input is norm(x); the decode kernels apply it themselves, every
-    other path calls the norm first.
+    other path calls the norm first. `recompute`: a training call keeps only x (not g, u, h); its backward
+    recomputes them with the forward's kernels (two GEMMs more, three [tokens, hidden] tensors less).
     """
     if not plain_eager(x):
         if norm is not None:
@@ -597,16 +611,17 @@ def gated_mlp_call(
         if plan is not None:
             _checks.module_input(x, gate_weight, "gate_proj.weight")
         return registered_call(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation,
-                               backend)
+                               backend, recompute)
     if profiling():
         with op_span("mlpfuse::gated_mlp"):
             return _eager(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend,
-                          plan, norm)
+                          plan, norm, recompute)
     return _eager(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend, plan,
-                  norm)
+                  norm, recompute)
 
 
-def _eager(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, plan: Optional[CallPlan], norm=None) -> Tensor:
+def _eager(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, plan: Optional[CallPlan], norm=None,
+           recompute: bool = False) -> Tensor:
     low = autocast_dtype(x)
     if low is not None:  # the ops are outside autocast's op lists: cast here, as it would for nn.Linear
         if norm is not None:
@@ -617,10 +632,11 @@ def _eager(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, plan: Optio
     if norm is not None and (grad or plan is None):
         x, norm = norm(x), None  # under autograd (or without a plan to hold the choice): the norm's own forward
     if plan is not None and type(wg) in _checks.PLAIN and type(wu) in _checks.PLAIN and type(wd) in _checks.PLAIN:
-        return plan.run(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, norm)
+        return plan.run(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, norm, recompute)
     if norm is not None:
         x = norm(x)
-    return _Entry.choose(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, False)(x, wg, wu, wd, bg, bu, bd)
+    entry = _Entry.choose(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, False, not recompute)
+    return entry(x, wg, wu, wd, bg, bu, bd)
 
 
 def registered_call(
@@ -633,9 +649,10 @@ def registered_call(
     down_bias: Optional[Tensor],
     activation: str,
     backend: str,
+    recompute: bool = False,
 ) -> Tensor:
     """The call as a graph records it: `mlpfuse::gated_mlp_train` when a gradient is needed (it keeps g, u and h for
-    the backward), else `mlpfuse::gated_mlp`, which computes inference only. TorchScript-compatible (a scripted
+    the backward, unless `recompute`), else `mlpfuse::gated_mlp`, which computes inference only. TorchScript-compatible (a scripted
     module calls it directly). Weights the kernels cannot read (`_checks.foreign`) take the module's own math
     instead, in the graph, with no break."""
     if not torch.jit.is_scripting():
@@ -651,7 +668,7 @@ def registered_call(
     if needs_grad([x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias]):
         return torch.ops.mlpfuse.gated_mlp_train(
             x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend,
-            dispatch.SAVE_PREACT,
+            dispatch.SAVE_PREACT and not recompute,
         )[0]
     return torch.ops.mlpfuse.gated_mlp(
         x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend
@@ -669,16 +686,21 @@ def gated_mlp(
     down_bias: Optional[Tensor] = None,
     *,
     backend: Optional[str] = None,
+    recompute: bool = False,
 ) -> Tensor:
     """y = down_proj(act(gate_proj(x)) · up_proj(x)) with nn.Linear-layout weights, for any leading dimensions.
 
     gate_weight, up_weight: [hidden, dim] (separate tensors; views of one packed [2·hidden, dim] tensor are fine);
     down_weight: [dim, hidden]; biases optional. activation: a name or alias from mlpfuse.activations (None:
     identity). backend: "auto" | "triton" | "torch" | "cuda"; None reads MLPFUSE_BACKEND, else "auto".
-    Differentiable in x, every weight and every bias.
+    Differentiable in x, every weight and every bias. recompute: under autograd keep only x for the backward,
+    which recomputes the pre-activations (less memory, two GEMMs more).
     """
     name = activations.get(activation).name
     backend_name = dispatch.check_backend_name(backend)
     _checks.tensors([("x", x), ("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight", down_weight)],
                     [("gate_bias", gate_bias), ("up_bias", up_bias), ("down_bias", down_bias)])
-    return gated_mlp_call(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, name, backend_name)
+    if not isinstance(recompute, bool):
+        raise InputError(f"recompute: expected True or False, got {recompute!r}")
+    return gated_mlp_call(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, name, backend_name,
+                          recompute=recompute)

@@ -72,8 +72,9 @@ class GatedBlock(PatchedBlock):
 
     def __init__(self, source: nn.Module, family: str, linears: tuple[str, ...], activation: str, backend: str,
                  dropout: str = "", gate_multiplier: float = 1.0, down_multiplier: float = 1.0,
-                 gate_second: bool = False):
+                 gate_second: bool = False, recompute: bool = False):
         super().__init__(source, family, activation, backend, dropout)
+        self.fused_recompute = recompute  # training keeps only x; the backward recomputes g and u
         self.fused_packed = len(linears) == 2
         self.fused_gate_second = gate_second  # packed halves in (up, gate) order (Moonshine's fc1)
         self.fused_linears = linears
@@ -110,7 +111,7 @@ class GatedBlock(PatchedBlock):
             return self._source_forward(hidden_states if norm is None else norm(hidden_states))
         x = hidden_states if self.fused_in_scale == 1.0 else hidden_states * self.fused_in_scale
         y = gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.fused_activation, self.fused_backend, self._fused_plan,
-                           norm)
+                           norm, self.fused_recompute)
         return y if self.fused_out_scale == 1.0 else y * self.fused_out_scale
 
     def _sharded_forward(self, hidden_states: Tensor, w: Tensor, wd: Tensor) -> Tensor:

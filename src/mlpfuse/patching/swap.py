@@ -21,7 +21,7 @@ from mlpfuse.patching.verify import one_line, verify_block
 
 
 def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = True,
-          fuse_norms: bool = True) -> PatchReport:
+          fuse_norms: bool = True, recompute: bool = False) -> PatchReport:
     """Swap, in place, every MLP block of `model` that mlpfuse recognises (by class name or by structure) for a
     fused one; return the report.
 
@@ -30,12 +30,16 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
     the family table's rows are taken at their word, and nothing is swapped on its structure alone).
     fuse_norms: hand the RMSNorm in front of each swapped gated block to it where the layer's forward shows
     that only the block reads the norm's output (mlpfuse.patching.norms): its decode kernels then normalise x.
+    recompute: the swapped gated blocks keep only their input for the backward and recompute g and u there
+    (training memory: three [tokens, hidden] tensors less per block, for two GEMMs more).
     Parameters are reused (same objects), state_dict keys do not change, a second call changes nothing, and
     `unpatch(model)` puts the original modules back.
     """
     if not isinstance(model, nn.Module):
         raise InputError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     backend_name = dispatch.check_backend_name(backend)
+    if not isinstance(recompute, bool):
+        raise InputError(f"recompute: expected True or False, got {recompute!r}")
     report = PatchReport(type(model).__name__, backend_name or "env")
     if isinstance(model, blocks.PatchedBlock):
         report.already_patched.append("")
@@ -43,7 +47,7 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
         report.left.append(Left("", type(model).__name__, "the model itself is an MLP block: patch the model "
                                 "that holds it, or use mlpfuse.GatedMLP / MLP.from_module"))
     else:
-        _walk(model, "", report, backend_name, verify, {}, getattr(model, "config", None))
+        _walk(model, "", report, backend_name, verify, {}, getattr(model, "config", None), recompute=recompute)
         if fuse_norms:
             norms.fuse_norms(model, report)
     return report
@@ -75,7 +79,7 @@ def unpatch(model: nn.Module) -> list[str]:
 
 
 def _walk(parent: nn.Module, prefix: str, report: PatchReport, backend: str, verify: bool, verdicts: dict,
-          config, skip: frozenset = frozenset()) -> None:
+          config, skip: frozenset = frozenset(), recompute: bool = False) -> None:
     for name, child in list(parent._modules.items()):
         if child is None or name in skip:
             continue
@@ -85,7 +89,7 @@ def _walk(parent: nn.Module, prefix: str, report: PatchReport, backend: str, ver
             continue
         match, reason, reading = decide(child, backend, verify, verdicts, config)
         if match is not None:
-            block = build(child, match, backend)
+            block = build(child, match, backend, recompute)
             parent._modules[name] = block
             report.swapped.append(Swapped(path, type(child).__name__, match.layout, match.family,
                                           block.fused_activation, match.how, match.roles))
@@ -100,7 +104,7 @@ def _walk(parent: nn.Module, prefix: str, report: PatchReport, backend: str, ver
             if experts:
                 report.left.append(Left(path, type(child).__name__, f"a mixture of experts: {reading.why_not}"))
             before = (len(report.swapped), len(report.left))
-            _walk(child, path, report, backend, verify, verdicts, config, experts)
+            _walk(child, path, report, backend, verify, verdicts, config, experts, recompute)
             if not experts and table.looks_like_mlp(child) and (len(report.swapped), len(report.left)) == before:
                 report.left.append(Left(path, type(child).__name__, f"no layout mlpfuse fuses: {reading.why_not}"))
 
@@ -164,12 +168,13 @@ def decide(module: nn.Module, backend: str, verify: bool, verdicts: dict, config
 _READING_FAILURES = ("the fused block's output differs", "the fused block's output has shape", "the fused forward")
 
 
-def build(module: nn.Module, match: structure.Match, backend: str) -> blocks.PatchedBlock:
+def build(module: nn.Module, match: structure.Match, backend: str, recompute: bool = False) -> blocks.PatchedBlock:
     """The fused block for a module as `match` reads it."""
     if match.layout == table.GATED:
         return blocks.GatedBlock(module, match.family, match.linears, match.activation, backend,
                                  dropout=match.dropout, gate_multiplier=match.gate_multiplier,
-                                 down_multiplier=match.down_multiplier, gate_second=match.gate_second)
+                                 down_multiplier=match.down_multiplier, gate_second=match.gate_second,
+                                 recompute=recompute)
     if match.layout == table.TWO_LAYER:
         return blocks.TwoLayerBlock(module, match.family, match.linears, match.activation, backend,
                                     dropout=match.dropout, transposed=match.transposed,
