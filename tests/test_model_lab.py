@@ -337,3 +337,21 @@ def test_decode_step_on_a_gpu_replays_a_graph_timed_by_two_harnesses(tmp_path):
         else:
             busy = row["gpu_busy_rounds_ms"]
             assert len(busy) == 5 and 0 < row["gpu_busy_ms"] == pytest.approx(statistics.median(busy))
+
+
+def test_recompute_variants_train_with_equal_logits_and_compare_memory_with_compile(tmp_path):
+    code, data, out = run_lab(tmp_path, "--model", "llama3-8b", "--mode", "train",
+                              "--variants", "eager,compile,mlpfuse,mlpfuse-recompute,mlpfuse-recompute-compile",
+                              "--compile-backend", "eager")
+    assert code == 0
+    rows = rows_by(data)
+    for v in ("mlpfuse-recompute", "mlpfuse-recompute-compile"):
+        row = rows[("train", v)]
+        assert row["status"] == "ok", row["error"]
+        assert row["patched"] == 2 and row["rel_err"] < 1e-5
+        assert row["vs_compile"] == pytest.approx(row["time_ms"] / rows[("train", "compile")]["time_ms"])
+        assert "mem_vs_compile" in row  # CUDA only: no peak memory on a CPU
+    # Not in the default set: a plain run keeps the five variants it had.
+    from mlpfuse.bench import model_lab
+
+    assert model_lab.parse_variants(None) == list(model_lab.DEFAULT_VARIANTS)

@@ -10,8 +10,8 @@ position's logits; time_ms keeps only the last, as generate does) — each of th
 _rounds_ms —, peak_mem_mb (CUDA: the peak above what was allocated before the call, the weights' gradients freed
 first), first_call_ms (compilation included; decode-step: building, compiling and capturing the step), rel_err
 (last-position logits against the fp32 run, relative Frobenius), err_vs_eager, logits_vs_eager (relative difference
-from eager's logits on the same input), vs_eager (time ratio, < 1 is faster), vs_compile, mem_vs_eager, patched
-(blocks mlpfuse swapped).
+from eager's logits on the same input), vs_eager (time ratio, < 1 is faster), vs_compile, mem_vs_eager,
+mem_vs_compile, patched (blocks mlpfuse swapped).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from mlpfuse.bench.sweep import BenchResult
 CSV_FIELDS = (
     "model layers mode batch seq new_tokens variant dtype status error time_ms unit spread_pct rounds wall_ms "
     "gpu_busy_ms gpu_busy_spread_pct do_bench_ms do_bench_spread_pct full_logits_ms full_logits_spread_pct "
-    "peak_mem_mb first_call_ms rel_err err_vs_eager logits_vs_eager vs_eager vs_compile mem_vs_eager patched"
+    "peak_mem_mb first_call_ms rel_err err_vs_eager logits_vs_eager vs_eager vs_compile mem_vs_eager mem_vs_compile patched"
 ).split()
 
 
@@ -65,6 +65,7 @@ COLUMNS = (
     (f"vs compile {outputs.TIME_RATIO}", lambda r: outputs.ratio(r["vs_compile"])),
     ("peak MiB", lambda r: _num(r["peak_mem_mb"], "{:.0f}")),
     ("mem vs eager (<1 smaller)", lambda r: outputs.ratio(r["mem_vs_eager"])),
+    ("mem vs compile (<1 smaller)", lambda r: outputs.ratio(r.get("mem_vs_compile"))),
     ("logits rel. err vs fp32", lambda r: _num(r["rel_err"], "{:.2e}")),
     ("err vs eager (<1 smaller)", lambda r: outputs.ratio(r["err_vs_eager"])),
     ("logits diff vs eager", lambda r: _num(r["logits_vs_eager"], "{:.2e}")),

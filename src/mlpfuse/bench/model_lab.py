@@ -7,6 +7,9 @@ Variants, each on its own copy of the model's module tree sharing one set of wei
     liger             Liger's MLP patch for the model's type (apply_liger_kernel_to_<type>(swiglu/geglu only))
     mlpfuse           mlpfuse.patch(model)
     mlpfuse-compile   mlpfuse.patch(model), then as `compile`
+    mlpfuse-recompute, mlpfuse-recompute-compile
+                      mlpfuse.patch(model, recompute=True) (training keeps only each MLP's input; the backward
+                      recomputes the pre-activations), eager and compiled; asked for by name, not in the default set
 Modes: prefill (a forward under no_grad keeping the last position's logits, `logits_to_keep=1` as generate runs
 it, and beside it the same forward returning every position's logits), decode (greedy generate: ms per token is
 (T(N+1 new tokens) − T(1)) / N, so the prompt's prefill cancels; host wall time, and on CUDA the GPU's busy time per
@@ -39,7 +42,8 @@ from mlpfuse.errors import InputError
 
 MODES = ("prefill", "decode", "decode-step", "train")
 GENERATES = ("decode", "decode-step")  # modes a masked LM cannot run
-VARIANTS = ("eager", "compile", "liger", "mlpfuse", "mlpfuse-compile")
+DEFAULT_VARIANTS = ("eager", "compile", "liger", "mlpfuse", "mlpfuse-compile")
+VARIANTS = (*DEFAULT_VARIANTS, "mlpfuse-recompute", "mlpfuse-recompute-compile")
 _MODE_ALIASES = {"fwd": "prefill", "forward": "prefill", "generate": "decode", "fwd+bwd": "train",
                  "step": "decode-step"}
 
@@ -82,7 +86,7 @@ def parse_modes(text: str | None) -> list[str]:
 
 
 def parse_variants(text: str | None) -> list[str]:
-    names = [n.strip().lower() for n in (text or "").split(",") if n.strip()] or list(VARIANTS)
+    names = [n.strip().lower() for n in (text or "").split(",") if n.strip()] or list(DEFAULT_VARIANTS)
     if names == ["all"]:
         names = list(VARIANTS)
     for n in names:
@@ -201,7 +205,7 @@ def prepare(variant: str, built: models.Built, case: LabCase, ids: torch.Tensor,
     if variant.startswith("mlpfuse"):
         from mlpfuse.patching import patch
 
-        report = patch(module, backend=settings.backend)
+        report = patch(module, backend=settings.backend, recompute="recompute" in variant)
         if not report.changed:
             reasons = "; ".join(sorted({item.reason for item in report.left})) or "no MLP block mlpfuse recognises"
             raise InputError(f"mlpfuse.patch swapped nothing: {reasons}")
@@ -347,7 +351,7 @@ def _row(built, layers, case, variant, dtype_name, settings) -> dict:
         "do_bench_ms": None, "do_bench_spread_pct": None, "do_bench_rounds_ms": None,
         "full_logits_ms": None, "full_logits_spread_pct": None, "full_logits_rounds_ms": None,
         "peak_mem_mb": None, "first_call_ms": None, "rel_err": None, "err_vs_eager": None, "logits_vs_eager": None,
-        "vs_eager": None, "vs_compile": None, "mem_vs_eager": None, "patched": None,
+        "vs_eager": None, "vs_compile": None, "mem_vs_eager": None, "mem_vs_compile": None, "patched": None,
     }
 
 
@@ -603,4 +607,6 @@ def _derive(rows: list[dict]) -> None:
                 r["mem_vs_eager"] = r["peak_mem_mb"] / eager["peak_mem_mb"]
         if compiled and compiled["status"] == "ok" and compiled["time_ms"] and r["time_ms"] is not None:
             r["vs_compile"] = r["time_ms"] / compiled["time_ms"]
+            if compiled["peak_mem_mb"] and r["peak_mem_mb"] is not None:
+                r["mem_vs_compile"] = r["peak_mem_mb"] / compiled["peak_mem_mb"]
 
