@@ -270,3 +270,14 @@ def test_a_blocks_second_decode_call_goes_straight_to_the_kernels_plan(monkeypat
             torch.use_deterministic_algorithms(False)
     assert len(keys) > built  # another mode: the general route, its own plan
     assert ((det - first).norm() / first.norm()).item() < 1e-5
+
+
+def test_a_norm_that_cannot_run_is_kept_with_its_reason():
+    class Broken(_RMS):
+        def forward(self, x):
+            raise RuntimeError("no kernel for this device")
+
+    report = mlpfuse.patch(nn.Sequential(_Layer(Broken())), backend="torch")
+    assert len(report.swapped) == 1 and report.norms == []
+    assert report.norms_kept[0].reason == ("not fused into mlp: its forward failed on random rows "
+                                           "(RuntimeError: no kernel for this device)")
