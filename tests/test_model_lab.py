@@ -355,3 +355,32 @@ def test_recompute_variants_train_with_equal_logits_and_compare_memory_with_comp
     from mlpfuse.bench import model_lab
 
     assert model_lab.parse_variants(None) == list(model_lab.DEFAULT_VARIANTS)
+
+
+def test_a_replay_keeps_the_captured_step_alive():
+    """A graph reads its step's tensors by address: the replay must hold the step (cache, token, positions), or the
+    allocator reuses that memory and the replay reads garbage."""
+    import gc
+    import weakref
+
+    from mlpfuse.bench.decode_step import Replay
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            Graph.replays += 1
+
+    class Step:
+        pass
+
+    step = Step()
+    alive = weakref.ref(step)
+    replay = Replay(Graph(), step)
+    del step
+    gc.collect()
+    replay()
+    assert alive() is not None and Graph.replays == 1
+    del replay
+    gc.collect()
+    assert alive() is None

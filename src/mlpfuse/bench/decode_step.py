@@ -63,9 +63,25 @@ def inference(fn):
     return call
 
 
+class Replay:
+    """A captured graph's replay that keeps alive what the graph reads. A CUDA graph holds addresses, not tensors:
+    once the step (its cache, token, positions, compiled function) is garbage, the allocator hands that memory to
+    the next tensor and the replay reads whatever lands there (a token id past the vocabulary: a device-side assert
+    in the embedding's index_select). The step is held here for as long as the replay is."""
+
+    __slots__ = ("graph", "step")
+
+    def __init__(self, graph, step):
+        self.graph, self.step = graph, step
+
+    def __call__(self) -> None:
+        self.graph.replay()
+
+
 def capture(step, device: torch.device):
     """`step` recorded in a CUDA graph: (replay, the graph's output tensor, refreshed by each replay). Warmed up on a
-    side stream first, as capture needs: lazy initialisation, autotuning and workspace allocation happen there."""
+    side stream first, as capture needs: lazy initialisation, autotuning and workspace allocation happen there. The
+    replay holds `step` (see Replay)."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -76,7 +92,7 @@ def capture(step, device: torch.device):
     with torch.cuda.graph(graph):
         out = step()
     torch.cuda.synchronize(device)
-    return graph.replay, out
+    return Replay(graph, step), out
 
 
 def do_bench_rounds(steps: dict, rounds: int) -> dict[str, timing.Stat]:
