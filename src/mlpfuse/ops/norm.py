@@ -5,8 +5,9 @@ A pre-norm decoder layer computes `mlp(norm(h))` and uses `norm(h)` nowhere else
 eight small kernels in eager PyTorch (casts, square, mean, rsqrt, two products) and one in torch.compile, each a
 launch and a round trip of a vector through HBM; the decode kernels read x anyway, so they can normalise it on chip.
 `mlpfuse.patch` hands such a norm to the block after it (`RMSNormPrologue`) and makes the norm module itself pass
-its input through (mlpfuse.patching.norms); wherever the fused kernels do not run (prefill, training, compiled graphs,
-other backends) the block calls the norm's own forward first, so those paths compute exactly what they did.
+its input through (mlpfuse.patching.norms); wherever the fused kernels do not run (prefill, training, other backends)
+the block calls the norm's own forward first, so those paths compute exactly what they did (compiled, one
+`mlpfuse::norm_gated_mlp` node runs `rms_norm` below, the same ops as the norm's forward).
 
 Kinds (the rounding of the two RMSNorm conventions in transformers, r = 1/sqrt(mean(x²) + eps) in fp32):
     WEIGHT_AFTER   weight · round(x·r), rounded again          Llama, Mistral, Qwen, OLMo, Granite, ...
@@ -25,7 +26,8 @@ KINDS = {WEIGHT_AFTER: "weight·norm(x)", ONE_PLUS: "norm(x)·(1+weight)"}
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, kind: int) -> Tensor:
-    """The kind's RMSNorm in PyTorch, rounded as the kernel rounds (the oracle for recognising a norm)."""
+    """The kind's RMSNorm in PyTorch, rounded as transformers' modules round (the oracle that recognises a norm, and
+    the compiled op's norm off the decode path)."""
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if kind == WEIGHT_AFTER:
