@@ -281,3 +281,21 @@ def test_a_norm_that_cannot_run_is_kept_with_its_reason():
     assert len(report.swapped) == 1 and report.norms == []
     assert report.norms_kept[0].reason == ("not fused into mlp: its forward failed on random rows "
                                            "(RuntimeError: no kernel for this device)")
+
+
+def test_a_patched_model_pickles_and_deep_copies_with_its_norms_handed_over():
+    import io
+
+    model = _tiny("llama")
+    mlpfuse.patch(model, backend="triton")
+    ids = torch.randint(0, 64, (1, 5), device=DEVICE)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for other in (torch.load(buf, weights_only=False), copy.deepcopy(model)):
+        layer = other.model.layers[0]
+        assert layer.mlp.fused_norm.module is layer.post_attention_layernorm
+        x = torch.randn(2, 32, device=DEVICE)
+        assert layer.post_attention_layernorm(x) is x
+        for got, want in zip(_logits(other, ids), _logits(model, ids)):
+            assert torch.equal(got, want)

@@ -140,4 +140,17 @@ def _passthrough(cls: type) -> type:
     def forward(self, hidden_states, *args, **kwargs):
         return hidden_states
 
-    return type(cls.__name__, (cls,), {"forward": forward, "_mlpfuse_norm_of": cls, "__module__": cls.__module__})
+    def __reduce_ex__(self, protocol):
+        # Pickled (torch.save, deepcopy) as the original class plus the swap: this class exists only in memory.
+        return _rebuild, (cls, self.__getstate__())
+
+    return type(cls.__name__, (cls,), {"forward": forward, "__reduce_ex__": __reduce_ex__, "_mlpfuse_norm_of": cls,
+                                       "__module__": cls.__module__})
+
+
+def _rebuild(cls: type, state: dict) -> nn.Module:
+    """A passed-through norm back from its pickled state: the original class's module, then the swap again."""
+    module = cls.__new__(cls)
+    module.__setstate__(state)
+    module.__class__ = _passthrough(cls)
+    return module
