@@ -89,6 +89,10 @@ class GatedBlock(PatchedBlock):
         # then passes its input through and this block applies it (its decode kernels, or the norm's own forward).
         self.fused_norm = None
 
+    def extra_repr(self) -> str:
+        extra = ", the norm in front handed over" if self.fused_norm is not None else ""
+        return super().extra_repr() + extra + (", recompute=True" if self.fused_recompute else "")
+
     def forward(self, hidden_states: Tensor) -> Tensor:
         mods = self._modules
         norm = self.fused_norm

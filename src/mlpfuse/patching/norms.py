@@ -144,8 +144,11 @@ def _passthrough(cls: type) -> type:
         # Pickled (torch.save, deepcopy) as the original class plus the swap: this class exists only in memory.
         return _rebuild, (cls, self.__getstate__())
 
-    return type(cls.__name__, (cls,), {"forward": forward, "__reduce_ex__": __reduce_ex__, "_mlpfuse_norm_of": cls,
-                                       "__module__": cls.__module__})
+    def extra_repr(self) -> str:
+        return ", ".join(part for part in (cls.extra_repr(self), "applied by the block after it (mlpfuse)") if part)
+
+    return type(cls.__name__, (cls,), {"forward": forward, "__reduce_ex__": __reduce_ex__, "extra_repr": extra_repr,
+                                       "_mlpfuse_norm_of": cls, "__module__": cls.__module__})
 
 
 def _rebuild(cls: type, state: dict) -> nn.Module:
