@@ -114,6 +114,8 @@ def test_recompute_must_be_a_bool():
         mlpfuse.GatedMLP(8, 16, recompute="yes")
     with pytest.raises(InputError, match="recompute: expected True or False"):
         mlpfuse.patch(torch.nn.Sequential(torch.nn.Linear(4, 4)), recompute=1)
+    with pytest.raises(InputError, match="fuse_norms: expected True or False, got 'no'"):
+        mlpfuse.patch(torch.nn.Sequential(torch.nn.Linear(4, 4)), fuse_norms="no")
     with pytest.raises(InputError, match="recompute: expected True or False"):
         mlpfuse.ops.gated_mlp(torch.randn(2, 8), torch.randn(16, 8), torch.randn(16, 8), torch.randn(8, 16),
                               recompute=None)

@@ -38,8 +38,9 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
     if not isinstance(model, nn.Module):
         raise InputError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     backend_name = dispatch.check_backend_name(backend)
-    if not isinstance(recompute, bool):
-        raise InputError(f"recompute: expected True or False, got {recompute!r}")
+    for name, value in (("fuse_norms", fuse_norms), ("recompute", recompute)):
+        if not isinstance(value, bool):
+            raise InputError(f"{name}: expected True or False, got {value!r}")
     report = PatchReport(type(model).__name__, backend_name or "env")
     if isinstance(model, blocks.PatchedBlock):
         report.already_patched.append("")
