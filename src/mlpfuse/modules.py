@@ -21,7 +21,7 @@ from torch import Tensor
 
 from mlpfuse import activations
 from mlpfuse.errors import InputError
-from mlpfuse.ops import dispatch
+from mlpfuse.ops import _checks, dispatch
 from mlpfuse.ops.gated_mlp import CallPlan, gated_mlp_call, registered_call
 from mlpfuse.ops.linear_act import LinearActPlan, linear_act_call
 from mlpfuse.ops.linear_act import registered_call as linear_registered_call
@@ -66,12 +66,6 @@ def _size(name: str, value) -> int:
     if n is None or not 1 <= n < 2**63:
         raise InputError(f"{name}: expected an integer >= 1, got {type(value).__name__} {_show(value)}")
     return n
-
-
-def _check_recompute(recompute) -> bool:
-    if not isinstance(recompute, bool):
-        raise InputError(f"recompute: expected True or False, got {recompute!r}")
-    return recompute
 
 
 def _check_init(sizes: tuple, bias, device, dtype) -> tuple[int, ...]:
@@ -252,7 +246,7 @@ class GatedMLP(nn.Module):
         self.dim, self.hidden = dim, hidden
         self.activation: str = activations.get(activation).name
         self.backend: str = dispatch.check_backend_name(backend)
-        self.recompute: bool = _check_recompute(recompute)
+        self.recompute: bool = _checks.flag("recompute", recompute)
         self.gate_proj = nn.Linear(dim, hidden, bias=bias, device=device, dtype=dtype)
         self.up_proj = nn.Linear(dim, hidden, bias=bias, device=device, dtype=dtype)
         self.down_proj = nn.Linear(hidden, dim, bias=bias, device=device, dtype=dtype)
@@ -375,7 +369,7 @@ class PackedGatedMLP(GatedMLP):
         self.dim, self.hidden = dim, hidden
         self.activation: str = activations.get(activation).name
         self.backend: str = dispatch.check_backend_name(backend)
-        self.recompute: bool = _check_recompute(recompute)
+        self.recompute: bool = _checks.flag("recompute", recompute)
         self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=bias, device=device, dtype=dtype)
         self.down_proj = nn.Linear(hidden, dim, bias=bias, device=device, dtype=dtype)
 

@@ -531,8 +531,7 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
             b_down = b_down.contiguous()
         m = x.shape[0]
         bucket = _bucket(m)
-        mode = _mode if _mode is not None else _POLICY[(_size_class(w_down.shape[0], w_down.shape[1]), bucket,
-                                                        bool(deterministic))]
+        mode = _mode if _mode is not None else _policy_mode(w_down, bucket, deterministic)
         key = _key(bucket, activation, mode, allow_tf32, _config, x, w_gate, w_up, w_down, b_gate, b_up, b_down,
                    norm_kind, norm_weight)
     except (AttributeError, TypeError, IndexError, ValueError):
@@ -563,9 +562,13 @@ def held_plan(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, a
     if any(b is not None and b.stride(0) != 1 for b in (b_gate, b_up, b_down)) or x.shape[0] > MAX_M:
         return None
     bucket = _bucket(x.shape[0])
-    mode = _POLICY[(_size_class(w_down.shape[0], w_down.shape[1]), bucket, bool(deterministic))]
+    mode = _policy_mode(w_down, bucket, deterministic)
     return _plans.get(_key(bucket, activation, mode, allow_tf32, None, x, w_gate, w_up, w_down, b_gate, b_up, b_down,
                            norm_kind, norm_weight))
+
+
+def _policy_mode(w_down, bucket: int, deterministic: bool) -> int:
+    return _POLICY[(_size_class(w_down.shape[0], w_down.shape[1]), bucket, bool(deterministic))]
 
 
 def _key(bucket, activation, mode, allow_tf32, config, x, wg, wu, wd, bg, bu, bd, norm_kind, norm_weight):

@@ -26,6 +26,13 @@ def foreign(*weights: Tensor) -> bool:
     return any(is_traceable_wrapper_subclass(w) for w in weights)
 
 
+def flag(name: str, value) -> bool:
+    """A True/False option (`recompute`, `fuse_norms`), or one InputError line naming it."""
+    if not isinstance(value, bool):
+        raise InputError(f"{name}: expected True or False, got {value!r}")
+    return value
+
+
 def _shape(t: Tensor) -> list:
     return list(t.shape)
 

@@ -111,11 +111,16 @@ def _gated_mlp_op(
     return _forward(*args, activation, backend, False, False, recorded=True)[0]
 
 
-@_gated_mlp_op.register_fake
-def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend):
+def _fake_output(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation) -> Tensor:
+    """The ops' fake implementations: the same argument checks as the real ones, then y's shape."""
     _checks.gated_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
     activations.get(activation)
     return x.new_empty(*x.shape[:-1], down_weight.shape[0])
+
+
+@_gated_mlp_op.register_fake
+def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend):
+    return _fake_output(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
 
 
 @torch.library.custom_op("mlpfuse::norm_gated_mlp", mutates_args=())
@@ -158,9 +163,7 @@ class _OpNorm:
 @_norm_gated_mlp_op.register_fake
 def _(x, norm_weight, norm_eps, norm_kind, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
       activation, backend):
-    _checks.gated_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-    activations.get(activation)
-    return x.new_empty(*x.shape[:-1], down_weight.shape[0])
+    return _fake_output(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
 
 
 @torch.library.custom_op("mlpfuse::gated_mlp_train", mutates_args=())
@@ -183,9 +186,7 @@ def _gated_mlp_train_op(
 
 @_gated_mlp_train_op.register_fake
 def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend, save_preact):
-    _checks.gated_mlp_args(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-    activations.get(activation)
-    y = x.new_empty(*x.shape[:-1], down_weight.shape[0])
+    y = _fake_output(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
     if not save_preact:
         return y, nothing(x), nothing(x), nothing(x)
     m, hidden = leading(x), gate_weight.shape[0]
@@ -518,7 +519,7 @@ class _Entry:
                    save)
 
     def __call__(self, x, wg, wu, wd, bg, bu, bd, norm=None) -> Tensor:
-        if self.path == dispatch.DECODE and not self.grad:  # (with `norm`: the kernels apply it)
+        if self.path == dispatch.DECODE:  # inference only (with `norm`: the kernels apply it)
             return self._decode(x, wg, wu, wd, bg, bu, bd, norm)
         if self.path == dispatch.TORCH:  # eager's kernels, under autograd when a gradient is needed
             if self.grad and not self.save:  # recompute: keep x alone, run the forward again in the backward
@@ -629,12 +630,12 @@ def _eager(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, plan: Optio
         x, wg, wu, wd, bg, bu, bd = cast_all([x, wg, wu, wd, bg, bu, bd], low)
         plan = None  # fresh copies every call: no layout worth remembering
     grad = needs_grad([x, wg, wu, wd, bg, bu, bd, None if norm is None else norm.weight])
-    if norm is not None and (grad or plan is None):
+    plain = _checks.PLAIN  # (three tests, not a generator: this runs on every eager call)
+    planned = plan is not None and type(wg) in plain and type(wu) in plain and type(wd) in plain
+    if norm is not None and (grad or not planned):
         x, norm = norm(x), None  # under autograd (or without a plan to hold the choice): the norm's own forward
-    if plan is not None and type(wg) in _checks.PLAIN and type(wu) in _checks.PLAIN and type(wd) in _checks.PLAIN:
+    if planned:
         return plan.run(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, norm, recompute)
-    if norm is not None:
-        x = norm(x)
     entry = _Entry.choose(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, False, not recompute)
     return entry(x, wg, wu, wd, bg, bu, bd)
 
@@ -700,7 +701,6 @@ def gated_mlp(
     backend_name = dispatch.check_backend_name(backend)
     _checks.tensors([("x", x), ("gate_weight", gate_weight), ("up_weight", up_weight), ("down_weight", down_weight)],
                     [("gate_bias", gate_bias), ("up_bias", up_bias), ("down_bias", down_bias)])
-    if not isinstance(recompute, bool):
-        raise InputError(f"recompute: expected True or False, got {recompute!r}")
+    _checks.flag("recompute", recompute)
     return gated_mlp_call(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, name, backend_name,
                           recompute=recompute)

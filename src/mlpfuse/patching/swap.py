@@ -14,7 +14,7 @@ from typing import Optional
 import torch.nn as nn
 
 from mlpfuse.errors import InputError
-from mlpfuse.ops import dispatch
+from mlpfuse.ops import _checks, dispatch
 from mlpfuse.patching import blocks, checks, norms, structure, table
 from mlpfuse.patching.report import Left, PatchReport, Swapped
 from mlpfuse.patching.verify import one_line, verify_block
@@ -38,9 +38,8 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
     if not isinstance(model, nn.Module):
         raise InputError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     backend_name = dispatch.check_backend_name(backend)
-    for name, value in (("fuse_norms", fuse_norms), ("recompute", recompute)):
-        if not isinstance(value, bool):
-            raise InputError(f"{name}: expected True or False, got {value!r}")
+    _checks.flag("fuse_norms", fuse_norms)
+    _checks.flag("recompute", recompute)
     report = PatchReport(type(model).__name__, backend_name or "env")
     if isinstance(model, blocks.PatchedBlock):
         report.already_patched.append("")
