@@ -92,3 +92,78 @@ def test_reduce_overhead_keeps_every_cudagraph(case):
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+def _replayed_kernels(graph) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _atomic_decode_module():
+    """The decode path's one-launch mode (its accumulator must be zero at entry; each launch leaves it so)."""
+    torch.manual_seed(1)
+    m = mlpfuse.GatedMLP(768, 3072, activation="silu", device="cuda", dtype=torch.bfloat16, backend="triton")
+    xs = [torch.randn(2, 768, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    return m, xs
+
+
+def test_graphs_captured_after_a_warm_up_replay_the_decode_kernel_alone():
+    # A graph captured on a stream that never ran the kernels takes a zeroed scratch made before the capture: its
+    # replays launch the decode kernels and nothing else (a fresh scratch would add a fill to every replay; captured,
+    # the one-launch mode becomes the atomics and their cast launch). Two graphs captured one after the other own
+    # different scratch, so each replays right after the other ran.
+    torch.use_deterministic_algorithms(False)
+    m, xs = _atomic_decode_module()
+    graphs = []
+    with torch.no_grad():
+        want = [m(x) for x in xs]
+        for _ in range(2):
+            static = xs[0].clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                m(static)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = m(static)
+            graphs.append((graph, static, out))
+        kernels = _replayed_kernels(graphs[0][0])
+        assert sorted(kernels) == ["mlpfuse_decode_mlp_kernel", "mlpfuse_decode_reduce_kernel"], kernels
+        for x, w in zip(xs[1:] + xs[:1], want[1:] + want[:1]):
+            for graph, static, out in graphs:
+                static.copy_(x)
+                graph.replay()
+                torch.cuda.synchronize()
+                torch.testing.assert_close(out, w, rtol=2e-2, atol=2e-2)
+        from mlpfuse.kernels import decode_mlp as K
+
+        m(xs[0])  # a call outside any capture releases what the captures took
+        taken = [s for s in K._graveyard if s is not None]
+        assert len({s[0].data_ptr() for s in taken}) >= 2  # two captures, two accumulators
+
+
+def test_reduce_overhead_keeps_the_cudagraph_with_the_atomic_decode_kernels():
+    # CUDA-graph trees warm up and record inside their own pool; the decode kernels' scratch kept between calls is
+    # made outside it, so the tree has no untracked live tensor in its pool and records the graph.
+    from torch._dynamo.utils import counters
+
+    torch.use_deterministic_algorithms(False)
+    m, xs = _atomic_decode_module()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(m, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        want = [m(x) for x in xs]
+        for _ in range(3):
+            compiled(xs[0])
+        got = [compiled(x).clone() for x in xs]
+    torch.cuda.synchronize()
+    assert counters["inductor"].get("cudagraph_skips", 0) == 0, dict(counters["inductor"])
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)

@@ -357,6 +357,31 @@ def test_recompute_variants_train_with_equal_logits_and_compare_memory_with_comp
     assert model_lab.parse_variants(None) == list(model_lab.DEFAULT_VARIANTS)
 
 
+def test_compile_checkpoint_trains_with_the_models_own_checkpointing(tmp_path, monkeypatch):
+    """The peer recompute is measured against: transformers' gradient checkpointing on every decoder layer, then
+    torch.compile. Its gradients are compile's; outside training it has nothing to change and says so."""
+    from transformers import PreTrainedModel
+
+    enabled = []
+    real = PreTrainedModel.gradient_checkpointing_enable
+
+    def spy(self, *a, **kw):
+        real(self, *a, **kw)
+        enabled.append(any(getattr(m, "gradient_checkpointing", False) is True for m in self.modules()))
+
+    monkeypatch.setattr(PreTrainedModel, "gradient_checkpointing_enable", spy)
+    code, data, out = run_lab(tmp_path, "--model", "llama3-8b", "--mode", "prefill,train",
+                              "--variants", "compile,compile-checkpoint", "--compile-backend", "eager")
+    assert code == 0
+    rows = rows_by(data)
+    row = rows[("train", "compile-checkpoint")]
+    assert row["status"] == "ok", row["error"]
+    assert enabled == [True]
+    assert row["rel_err"] == pytest.approx(rows[("train", "compile")]["rel_err"], rel=1e-4)
+    assert rows[("prefill", "compile-checkpoint")]["status"] == "skipped"
+    assert "training only" in rows[("prefill", "compile-checkpoint")]["error"]
+
+
 def test_a_replay_keeps_the_captured_step_alive():
     """A graph reads its step's tensors by address: the replay must hold the step (cache, token, positions), or the
     allocator reuses that memory and the replay reads garbage."""

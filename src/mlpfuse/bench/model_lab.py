@@ -10,6 +10,10 @@ Variants, each on its own copy of the model's module tree sharing one set of wei
     mlpfuse-recompute, mlpfuse-recompute-compile
                       mlpfuse.patch(model, recompute=True) (training keeps only each MLP's input; the backward
                       recomputes the pre-activations), eager and compiled; asked for by name, not in the default set
+    compile-checkpoint
+                      train mode: the model's own activation checkpointing (transformers'
+                      gradient_checkpointing_enable, every decoder layer recomputed in the backward), then as
+                      `compile` — the memory-for-time trade recompute is measured against; by name only
 Modes: prefill (a forward under no_grad keeping the last position's logits, `logits_to_keep=1` as generate runs
 it, and beside it the same forward returning every position's logits), decode (greedy generate: ms per token is
 (T(N+1 new tokens) − T(1)) / N, so the prompt's prefill cancels; host wall time, and on CUDA the GPU's busy time per
@@ -43,7 +47,7 @@ from mlpfuse.errors import InputError
 MODES = ("prefill", "decode", "decode-step", "train")
 GENERATES = ("decode", "decode-step")  # modes a masked LM cannot run
 DEFAULT_VARIANTS = ("eager", "compile", "liger", "mlpfuse", "mlpfuse-compile")
-VARIANTS = (*DEFAULT_VARIANTS, "mlpfuse-recompute", "mlpfuse-recompute-compile")
+VARIANTS = (*DEFAULT_VARIANTS, "mlpfuse-recompute", "mlpfuse-recompute-compile", "compile-checkpoint")
 _MODE_ALIASES = {"fwd": "prefill", "forward": "prefill", "generate": "decode", "fwd+bwd": "train",
                  "step": "decode-step"}
 
@@ -209,7 +213,9 @@ def prepare(variant: str, built: models.Built, case: LabCase, ids: torch.Tensor,
         if not report.changed:
             reasons = "; ".join(sorted({item.reason for item in report.left})) or "no MLP block mlpfuse recognises"
             raise InputError(f"mlpfuse.patch swapped nothing: {reasons}")
-    compiled = variant.endswith("compile")
+    if variant == "compile-checkpoint":
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compiled = "compile" in variant
     kind = built.kind
     module.train(case.mode == "train")
 
@@ -459,6 +465,8 @@ def _reset_compiler():
 def _skip_reason(variant: str, built: models.Built, case: LabCase, device: torch.device) -> str | None:
     if case.mode in GENERATES and built.kind != models.CAUSAL:
         return f"a {built.kind} LM does not generate"
+    if variant == "compile-checkpoint" and case.mode != "train":
+        return "activation checkpointing changes training only"
     if variant == "liger":
         missing = liger_missing(device)
         if missing:

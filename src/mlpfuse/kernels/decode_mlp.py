@@ -33,6 +33,8 @@ two streams running this kernel at once never share them.
 
 from __future__ import annotations
 
+import threading
+
 
 import torch
 import triton
@@ -346,6 +348,8 @@ def default_config(d: int, h: int, bucket: int, elem_size: int, mode: int) -> tu
 _FINAL_BLOCK = 64 if _INTERPRET else 4096  # elements per step of mode 0's tail (16 per thread at 8 warps)
 _DIRECT_LAUNCH = not _INTERPRET  # benchmarks switch it off to measure Triton's own launch path
 _scratch: dict = {}  # (device index, stream) -> [acc fp32, counter int32, partials fp32]
+_spares: dict = {}  # device index -> a zeroed scratch for the next CUDA graph captured on a stream with none
+_captured: list = []  # _scratch keys a capture in progress took from _spares
 _graveyard: list = []  # outgrown buffers: a CUDA graph captured earlier may still point at them
 _plans: dict = {}  # call key -> _Plan
 _hbufs: dict = {}  # (device index, stream, dtype) -> h scratch of the split mode
@@ -353,10 +357,10 @@ _hbufs: dict = {}  # (device index, stream, dtype) -> h scratch of the split mod
 
 class _Plan:
     __slots__ = ("n_progs", "cfg", "consts", "w_strides", "compiled", "reduce_consts", "reduce_compiled",
-                 "down_grid", "down_consts", "down_compiled")
+                 "down_grid", "down_consts", "down_compiled", "captured")
 
     def __init__(self, **kw):
-        self.compiled = self.reduce_compiled = self.down_compiled = None
+        self.compiled = self.reduce_compiled = self.down_compiled = self.captured = None
         for k, v in kw.items():
             setattr(self, k, v)
 
@@ -372,36 +376,95 @@ def _fresh_scratch(x: torch.Tensor, acc_numel: int, part_numel: int):
             torch.empty(max(part_numel, 1), dtype=torch.float32, device=x.device)]
 
 
+def _outside_pools(make):
+    """`make()` on a helper thread. torch.compile's CUDA-graph trees route every allocation of the thread that warms
+    up or records into their private pool, where a buffer kept between calls is a live tensor they do not track
+    ("tensors in the cudagraph pool not tracked as outputs"); the caching allocator routes by thread, so a buffer
+    made on another thread lives outside. Only when a buffer is (re)made: never on a steady call."""
+    if not torch.cuda.is_available():
+        return make()
+    box: list = []
+
+    def run():
+        try:
+            box.append((make(), None))
+            torch.cuda.synchronize()  # the zero fill is done before any stream reads the buffer
+        except BaseException as e:  # re-raised on the caller's thread
+            box.append((None, e))
+
+    worker = threading.Thread(target=run, name="mlpfuse-scratch")
+    worker.start()
+    worker.join()
+    made, err = box[0]
+    if err is not None:
+        raise err
+    return made
+
+
+def _zeroed_scratch(device: torch.device, acc_numel: int, part_numel: int):
+    # The atomic path relies on acc and the counter being zero at entry; every launch leaves them so.
+    return _outside_pools(lambda: [torch.zeros(max(acc_numel, 1), dtype=torch.float32, device=device),
+                                   torch.zeros(1, dtype=torch.int32, device=device),
+                                   torch.empty(max(part_numel, 1), dtype=torch.float32, device=device)])
+
+
+def _fits(s, acc_numel: int, part_numel: int) -> bool:
+    return s is not None and s[0].numel() >= acc_numel and s[2].numel() >= part_numel
+
+
+def _release_captured() -> None:
+    """After a capture: its graph keeps the spare it took (the graph reads that address on every replay), and the
+    next capture on the same stream takes a spare of its own."""
+    for key in _captured:
+        _graveyard.append(_scratch.pop(key, None))
+    _captured.clear()
+
+
 def _get_scratch(x: torch.Tensor, acc_numel: int, part_numel: int):
+    """The accumulator, counter and partials for a call on x's device and current stream, zeroed at entry.
+
+    Kept per (device, stream) between calls. A CUDA graph captured on a stream with none takes the spare made beside
+    the last buffer (`_spares`): captured, a fresh zeroed buffer would be one more fill on every replay. Each capture
+    takes its own spare, so graphs replayed on different streams never share one."""
+    if _captured and not _capturing(x):
+        _release_captured()
     key = (x.get_device(), torch._C._cuda_getCurrentRawStream(x.get_device())) if x.is_cuda else (-1, 0)
     s = _scratch.get(key)
-    if s is None or s[0].numel() < acc_numel or s[2].numel() < part_numel:
-        if _capturing(x):
-            # Made while a CUDA graph is captured, a kept buffer would live in the graph's private pool: the graph
-            # gets its own zeroed scratch, the fill captured with it, and nothing is kept.
+    if _fits(s, acc_numel, part_numel):
+        return s
+    if _capturing(x):
+        spare = _spares.pop(key[0], None)
+        if not _fits(spare, acc_numel, part_numel):
+            if spare is not None:
+                _graveyard.append(spare)
+            # No spare to take: the graph gets its own zeroed scratch, the fill captured with it.
             return _fresh_scratch(x, acc_numel, part_numel)
         if s is not None:
             _graveyard.append(s)
-        old_acc = s[0].numel() if s is not None else 0
-        old_part = s[2].numel() if s is not None else 0
-        # The atomic path relies on acc and the counter being zero at entry; every launch leaves them so.
-        s = [torch.zeros(max(acc_numel, old_acc, 1), dtype=torch.float32, device=x.device),
-             torch.zeros(1, dtype=torch.int32, device=x.device),
-             torch.empty(max(part_numel, old_part, 1), dtype=torch.float32, device=x.device)]
-        _scratch[key] = s
+        _scratch[key] = spare
+        _captured.append(key)
+        return spare
+    if s is not None:
+        _graveyard.append(s)
+    acc_numel = max(acc_numel, s[0].numel() if s is not None else 0)
+    part_numel = max(part_numel, s[2].numel() if s is not None else 0)
+    s = _scratch[key] = _zeroed_scratch(x.device, acc_numel, part_numel)
+    if x.is_cuda and not _fits(_spares.get(key[0]), acc_numel, part_numel):
+        _spares[key[0]] = _zeroed_scratch(x.device, acc_numel, part_numel)
     return s
 
 
 def _get_hbuf(x: torch.Tensor, numel: int):
-    """Split mode's h [M, H] in the input dtype, cached per (device, stream, dtype) like the scratch."""
+    """Split mode's h [M, H] in the input dtype, cached per (device, stream, dtype) like the scratch (it is written
+    in full before it is read: a graph captured with none takes an empty one from its own pool, at no cost)."""
     key = (x.get_device(), torch._C._cuda_getCurrentRawStream(x.get_device()) if x.is_cuda else 0, x.dtype)
     buf = _hbufs.get(key)
     if buf is None or buf.numel() < numel:
-        if _capturing(x):  # as in _get_scratch: a graph's own buffer, not kept
+        if _capturing(x):
             return torch.empty(max(numel, 1), dtype=x.dtype, device=x.device)
         if buf is not None:
             _graveyard.append(buf)
-        buf = _hbufs[key] = torch.empty(max(numel, 1), dtype=x.dtype, device=x.device)
+        buf = _hbufs[key] = _outside_pools(lambda: torch.empty(max(numel, 1), dtype=x.dtype, device=x.device))
     return buf
 
 
@@ -502,7 +565,7 @@ def _launch(plan, which, grid, args, stream):
 
 
 def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, activation: int,
-                     deterministic: bool = False, allow_tf32: bool = True, keep_scratch: bool = True,
+                     deterministic: bool = False, allow_tf32: bool = True,
                      norm_weight=None, norm_eps: float = 0.0, norm_kind: int = NORM_NONE,
                      _mode: int | None = None, _config: tuple | None = None):
     """y [M, D] = down(act(x·w_gateᵀ + b_gate) · (x·w_upᵀ + b_up)) + b_down in one or two small launches.
@@ -511,9 +574,6 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
     (bf16/fp16/fp32) and device, any strides. `deterministic=True` gives bit-identical results run to run (the
     split mode; without it the faster of atomics and split is taken per layer size and M, see `_POLICY`).
     `allow_tf32` selects tf32 for fp32 inputs. Graph-capturable; allocates only the output once warm.
-    `keep_scratch` False: the call's scratch is its own (one fill more), not the buffers cached per stream — for
-    calls a compiler records, whose allocations a CUDA-graph tree accounts for (torch.compile's "reduce-overhead"
-    warms up and records inside its own memory pool, where a cached buffer would be an untracked live tensor).
     `norm_weight` [D] with `norm_kind` NORM_WEIGHT_AFTER or NORM_ONE_PLUS: x goes through an RMSNorm first (each row
     scaled by 1/sqrt(mean(x²) + norm_eps) in fp32, see the kernel), read by the same kernel that streams the weights.
     `_mode` / `_config` override the scheme and the tile config (benchmarks and tests only).
@@ -550,7 +610,13 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
     if plan is None:
         plan = _plans[key] = _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow_tf32,
                                    bucket, _config, norm_kind)
-    return run_plan(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, norm_weight, norm_eps, keep_scratch, out)
+        if _mode is None and mode == 0:
+            # Inside a CUDA graph the launch the one-launch mode saves costs nothing, and its one-SM tail costs GPU
+            # time: captured calls take mode 3 (atomics, then the cast launch). 1×4096×14336, 20-call graph, µs
+            # per call: H100 126.1 (mode 0) vs 122.4 (mode 3); H200 86.3 vs 85.9 (benchmarks/tune_decode.py).
+            plan.captured = _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, 3, allow_tf32, bucket,
+                                  _config, norm_kind)
+    return run_plan(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, norm_weight, norm_eps, out)
 
 
 def held_plan(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, activation: int,
@@ -581,21 +647,19 @@ def _key(bucket, activation, mode, allow_tf32, config, x, wg, wu, wd, bg, bu, bd
 
 
 def run_plan(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, norm_weight=None, norm_eps: float = 0.0,
-             keep_scratch: bool = True, out=None):
+             out=None):
     """One call on a plan made for this layout (M >= 1, D and H > 0): the output, scratch, and the launches."""
     m, d = x.shape
     h = w_gate.shape[0]
+    if plan.captured is not None and _capturing(x):
+        plan = plan.captured
     mode = plan.consts[4]
     if out is None:
         out = torch.empty((m, d), dtype=x.dtype, device=x.device)
     n_progs = plan.n_progs
     acc_numel, part_numel = MAX_M * d if mode in (0, 3) else 0, n_progs * m * d if mode == 2 else 0
-    if keep_scratch:
-        acc, cnt, part = _get_scratch(x, acc_numel, part_numel)
-        hbuf = _get_hbuf(x, m * h) if mode == 4 else out
-    else:
-        acc, cnt, part = _fresh_scratch(x, acc_numel, part_numel)
-        hbuf = torch.empty(m * h, dtype=x.dtype, device=x.device) if mode == 4 else out
+    acc, cnt, part = _get_scratch(x, acc_numel, part_numel)
+    hbuf = _get_hbuf(x, m * h) if mode == 4 else out
     stream = torch._C._cuda_getCurrentRawStream(x.get_device()) if x.is_cuda else None
     bd = out if b_down is None else b_down  # `out` stands in for absent biases; never read
     xs = x.stride()

@@ -36,14 +36,13 @@ from mlpfuse.ops._util import (
 )
 
 
-def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int, recorded: bool, norm=None) -> Tensor:
+def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int, norm=None) -> Tensor:
     """The decode kernels on 2-D x. torch.use_deterministic_algorithms(True) selects their run-to-run identical
-    reduction; fp32 inputs follow torch's tf32 flag. `recorded`: a call inside a registered op (a compiler's graph),
-    which keeps no scratch between calls. `norm`: an RMSNormPrologue the kernels apply to x first."""
+    reduction; fp32 inputs follow torch's tf32 flag. `norm`: an RMSNormPrologue the kernels apply to x first."""
     return dispatch.kernel("decode_mlp").decode_gated_mlp(
         x2, wg, wu, wd, bg, bu, bd, activation=act_id,
         deterministic=torch.are_deterministic_algorithms_enabled(),
-        allow_tf32=x2.dtype != torch.float32 or dispatch.allow_tf32(), keep_scratch=not recorded,
+        allow_tf32=x2.dtype != torch.float32 or dispatch.allow_tf32(),
         **({} if norm is None else {"norm_weight": norm.weight, "norm_eps": norm.eps, "norm_kind": norm.kind}),
     )
 
@@ -59,11 +58,10 @@ def _split(x2, wg, wu, wd, bg, bu, bd, act_id: int, save: bool = False, plan=Non
 
 
 def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool, save: bool, path: str = "",
-             plan=None, recorded: bool = False, norm=None):
+             plan=None, norm=None):
     """(y [..., dim], h, g, u): with `save`, g and u the 2-D pre-activations and h = act(g)·u; else all None.
     `path` given: the caller already checked the arguments and chose the path. `plan`: on the SPLIT path, the GLU
-    pass's held launch plan (see `_split`). `recorded`: called by a registered op's implementation. `norm`: an
-    RMSNormPrologue the DECODE path's kernels apply (the caller chose that path for it)."""
+    pass's held launch plan (see `_split`). `norm`: an RMSNormPrologue the DECODE path's kernels apply (the caller chose that path for it)."""
     if not path:
         _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
     act = activations.get(activation)
@@ -74,7 +72,7 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: boo
         out = reference.gated_mlp_forward(x2, wg, wu, wd, bg, bu, bd, act, save_preact=save)
         y, h, g, u = out if save else (out, None, None, None)
     elif path == dispatch.DECODE:
-        y = _decode(x2, wg, wu, wd, bg, bu, bd, act.id, recorded, norm)
+        y = _decode(x2, wg, wu, wd, bg, bu, bd, act.id, norm)
     elif path == dispatch.SPLIT:
         y, h, g, u = _split(x2, wg, wu, wd, bg, bu, bd, act.id, save, plan)
     elif path == dispatch.CUDA:
@@ -108,7 +106,7 @@ def _gated_mlp_op(
     # model's Parameters require grad under no_grad too. The op keeps nothing, so any path may run it, the decode
     # kernels included; its autograd formula (for a direct call under autograd) recomputes g and u from x.
     args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
-    return _forward(*args, activation, backend, False, False, recorded=True)[0]
+    return _forward(*args, activation, backend, False, False)[0]
 
 
 def _fake_output(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation) -> Tensor:
@@ -145,10 +143,10 @@ def _norm_gated_mlp_op(
     _checks.gated_mlp_args(*args)
     if (dispatch.gated_mlp_path(backend, rows(x), gate_weight.shape[0], False) == dispatch.DECODE
             and norm_weight.dtype == x.dtype):
-        return _forward(*args, activation, backend, False, False, dispatch.DECODE, recorded=True,
+        return _forward(*args, activation, backend, False, False, dispatch.DECODE,
                         norm=_OpNorm(norm_weight, norm_eps, norm_kind))[0]
     normed = rms_norm(x, norm_weight, norm_eps, norm_kind)
-    return _forward(normed, *args[1:], activation, backend, False, False, recorded=True)[0]
+    return _forward(normed, *args[1:], activation, backend, False, False)[0]
 
 
 class _OpNorm:
@@ -603,8 +601,11 @@ def gated_mlp_call(
         if norm is not None:
             if plan is not None:
                 _checks.module_input(x, gate_weight, "gate_proj.weight")
-            if not needs_grad([x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, norm.weight]):
-                # One node for the norm and the block: the decode kernels apply the norm, other paths run it first.
+            if (leading(x) <= _decode_rows()
+                    and not needs_grad([x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
+                                        norm.weight])):
+                # One node for the norm and the block, which the decode kernels apply themselves. Past decode sizes
+                # the norm stays in the graph, where the compiler fuses it (the op would run it unfused).
                 return torch.ops.mlpfuse.norm_gated_mlp(x, norm.weight, norm.eps, norm.kind, gate_weight, up_weight,
                                                         down_weight, gate_bias, up_bias, down_bias, activation,
                                                         backend)
@@ -619,6 +620,12 @@ def gated_mlp_call(
                           plan, norm, recompute)
     return _eager(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend, plan,
                   norm, recompute)
+
+
+@torch.compiler.assume_constant_result
+def _decode_rows() -> int:
+    """The most tokens the decode kernels take (0 without them); a constant to a graph being recorded."""
+    return dispatch.decode_max_m()
 
 
 def _eager(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, plan: Optional[CallPlan], norm=None,
