@@ -376,19 +376,20 @@ def _fresh_scratch(x: torch.Tensor, acc_numel: int, part_numel: int):
             torch.empty(max(part_numel, 1), dtype=torch.float32, device=x.device)]
 
 
-def _outside_pools(make):
+def _outside_pools(make, device: torch.device):
     """`make()` on a helper thread. torch.compile's CUDA-graph trees route every allocation of the thread that warms
     up or records into their private pool, where a buffer kept between calls is a live tensor they do not track
     ("tensors in the cudagraph pool not tracked as outputs"); the caching allocator routes by thread, so a buffer
     made on another thread lives outside. Only when a buffer is (re)made: never on a steady call."""
-    if not torch.cuda.is_available():
+    if device.type != "cuda":
         return make()
     box: list = []
 
     def run():
         try:
-            box.append((make(), None))
-            torch.cuda.synchronize()  # the zero fill is done before any stream reads the buffer
+            made = make()
+            torch.cuda.synchronize(device)  # the zero fill is done before any stream reads the buffer
+            box.append((made, None))
         except BaseException as e:  # re-raised on the caller's thread
             box.append((None, e))
 
@@ -405,7 +406,7 @@ def _zeroed_scratch(device: torch.device, acc_numel: int, part_numel: int):
     # The atomic path relies on acc and the counter being zero at entry; every launch leaves them so.
     return _outside_pools(lambda: [torch.zeros(max(acc_numel, 1), dtype=torch.float32, device=device),
                                    torch.zeros(1, dtype=torch.int32, device=device),
-                                   torch.empty(max(part_numel, 1), dtype=torch.float32, device=device)])
+                                   torch.empty(max(part_numel, 1), dtype=torch.float32, device=device)], device)
 
 
 def _fits(s, acc_numel: int, part_numel: int) -> bool:
@@ -464,7 +465,8 @@ def _get_hbuf(x: torch.Tensor, numel: int):
             return torch.empty(max(numel, 1), dtype=x.dtype, device=x.device)
         if buf is not None:
             _graveyard.append(buf)
-        buf = _hbufs[key] = _outside_pools(lambda: torch.empty(max(numel, 1), dtype=x.dtype, device=x.device))
+        buf = _hbufs[key] = _outside_pools(lambda: torch.empty(max(numel, 1), dtype=x.dtype, device=x.device),
+                                           x.device)
     return buf
 
 
