@@ -292,3 +292,27 @@ def test_fused_linear_bad_input_after_a_good_call_gets_the_same_error():
         assert len(m._plan.entries) == entries  # autocast's casts bypass the plan
     assert len(copy.deepcopy(m)._plan.entries) == 0
     assert len(pickle.loads(pickle.dumps(m))._plan.entries) == 0
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton kernels (or their interpreter)")
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_planned_call_records_few_dispatcher_ops_under_the_profiler(bias):
+    """Under torch.profiler (shapes recorded, as the walkthrough runs it) every dispatcher op costs host time. A
+    planned call on the gated path views 3-D x as rows (no flatten), runs the down projection as the mm / addmm that
+    F.linear would reach (no aten::linear, aten::matmul around it) and views the result back (no reshape)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(5)
+    m = mlpfuse.GatedMLP(DIM, HIDDEN, activation="silu", bias=bias, backend="triton", device=DEVICE)
+    x = torch.randn(3, 70, DIM, device=DEVICE)
+    with torch.no_grad():
+        assert dispatch.gated_mlp_path("triton", x.view(-1, DIM), HIDDEN, False) == dispatch.GATED
+        for _ in range(2):
+            m(x)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            y = m(x)
+    names = {e.name for e in prof.events()}
+    assert "mlpfuse::gated_mlp" in names
+    assert not names & {"aten::linear", "aten::matmul", "aten::flatten", "aten::reshape"}, sorted(names)
+    assert ("aten::addmm" if bias else "aten::mm") in names
+    close(y, ref(m, x))

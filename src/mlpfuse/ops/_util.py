@@ -17,11 +17,27 @@ def rows(t: Tensor) -> Tensor:
     """t as [tokens, features]: a view whenever the leading dimensions allow it (reshape copies otherwise)."""
     if t.dim() == 2 and (t.stride(1) == 1 or t.stride(0) == 1):
         return t  # already 2-D with a unit-stride dimension: the common case, on every call
+    if t.dim() > 2 and t.is_contiguous():
+        return t.view(leading(t), t.shape[-1])  # one dispatcher op, where flatten records two (flatten, view)
     t2 = t.unsqueeze(0) if t.dim() == 1 else t.flatten(0, -2)
     if t2.stride(0) != 1 and t2.stride(1) != 1 and t2.numel() > 0:
         # Neither dimension is unit-stride (e.g. an expanded gradient): kernels need one of them to be.
         t2 = t2.contiguous()
     return t2
+
+
+def unrows(y: Tensor, x: Tensor) -> Tensor:
+    """A 2-D result y [tokens, n] back in x's leading dimensions (a view of the fresh, contiguous y)."""
+    if x.dim() == 2:
+        return y
+    return y.view(*x.shape[:-1], y.shape[1]) if y.is_contiguous() else y.reshape(*x.shape[:-1], y.shape[1])
+
+
+def linear2d(t: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """F.linear on 2-D t computed as F.linear computes it there — one mm, or addmm with the bias, on weight.t() —
+    without its two outer dispatcher ops (aten::linear, aten::matmul): host time on every call, most of all while
+    torch.profiler records each op's shapes."""
+    return torch.mm(t, weight.t()) if bias is None else torch.addmm(bias, t, weight.t())
 
 
 def nothing(like: Tensor) -> Tensor:

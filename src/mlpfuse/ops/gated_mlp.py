@@ -23,7 +23,6 @@ costs more host time than a decode-sized kernel runs. Graph capture, export and 
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
@@ -32,7 +31,7 @@ from mlpfuse.ops import _checks, _plan, dispatch
 from mlpfuse.ops.norm import rms_norm
 from mlpfuse.errors import InputError
 from mlpfuse.ops._util import (
-    autocast_dtype, cast_all, leading, needs_grad, nothing, op_span, plain_eager, profiling, rows,
+    autocast_dtype, cast_all, leading, linear2d, needs_grad, nothing, op_span, plain_eager, profiling, rows, unrows,
 )
 
 
@@ -51,9 +50,9 @@ def _split(x2, wg, wu, wd, bg, bu, bd, act_id: int, save: bool = False, plan=Non
     """(y, h, g, u): cuBLAS's gate and up GEMMs, the Triton GLU pass between them and the down projection, cuBLAS's
     down GEMM; h, g and u None unless `save`. `plan`: the GLU pass's launch plan held for this layout (kernels/glu.py
     `cached_plan`), which skips the pass's checks."""
-    g, u = F.linear(x2, wg, bg), F.linear(x2, wu, bu)
+    g, u = linear2d(x2, wg, bg), linear2d(x2, wu, bu)
     h = plan.run(g, u) if plan else dispatch.kernel("glu").glu_forward(g, u, activation=act_id)
-    y = F.linear(h, wd, bd)
+    y = linear2d(h, wd, bd)
     return (y, h, g, u) if save else (y, None, None, None)
 
 
@@ -84,10 +83,10 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: boo
             x2, wg, wu, bg, bu, activation=act.id, save_preact=save, allow_tf32=dispatch.allow_tf32()
         )
         h, g, u = out if save else (out, None, None)
-        y = F.linear(h, wd, bd)
+        y = linear2d(h, wd, bd)
         if not save:
             h = None
-    return (y if x.dim() == 2 else y.reshape(*x.shape[:-1], wd.shape[0])), h, g, u
+    return unrows(y, x), h, g, u
 
 
 @torch.library.custom_op("mlpfuse::gated_mlp", mutates_args=())
@@ -533,8 +532,8 @@ class _Entry:
             if self.path == dispatch.SPLIT:
                 y = _split(x2, wg, wu, wd, bg, bu, bd, self.act.id, False, plan)[0]
             else:
-                y = F.linear(plan.run(x2, wg, wu, bg, bu), wd, bd)
-            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], wd.shape[0])
+                y = linear2d(plan.run(x2, wg, wu, bg, bu), wd, bd)
+            return unrows(y, x)
         else:
             y = _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, False, False, self.path)[0]
         if plan is None:
@@ -550,7 +549,7 @@ class _Entry:
             y = dispatch.kernel("decode_mlp").run_plan(
                 held[0], rows(x), wg, wu, wd, bg, bu, bd,
                 *((None, 0.0) if norm is None else (norm.weight, norm.eps)))
-            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], wd.shape[0])
+            return unrows(y, x)
         y = _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, False, False, self.path, norm=norm)[0]
         if held is None:
             plan = dispatch.kernel("decode_mlp").held_plan(
