@@ -472,19 +472,27 @@ class FusedLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.jit.is_scripting():
-            params = self._parameters  # plain dict reads: the host time per call is the cost at small sizes
-            w, b = params["weight"], params["bias"]
-            if _sharded(w):
-                return self._sharded_forward(x)
-            if (self.activation == "identity" and type(x) is Tensor and x.dtype is w.dtype and x.dim() > 0
-                    and x.shape[-1] == w.shape[1] and x.get_device() == w.get_device()
-                    and dispatch.resolve_backend(self.backend) == "auto"):
-                # Nothing to fuse: `auto` runs nn.Linear's own call (one cuBLAS GEMM, the bias in its epilogue), and
-                # so does this, without the op layer. Through it, the walkthrough's linear step took 246.9 µs against
-                # eager's 217.7 under the profiler on an H100 (+34.6 µs of `mlpfuse::linear_act` self time).
-                return F.linear(x, w, b)
-            return linear_act_call(x, w, b, self.activation, self.backend, _plan_of(self, LinearActPlan))
+            return self._call(x)
         return linear_registered_call(x, self.weight, self.bias, self.activation, self.backend)
+
+    @torch.jit.unused
+    def _call(self, x: Tensor) -> Tensor:
+        params = self._parameters  # plain dict reads: the host time per call is the cost at small sizes
+        w, b = params["weight"], params["bias"]
+        if _sharded(w):
+            return self._sharded_forward(x)
+        if self.activation == "identity" and type(x) is Tensor and dispatch.resolve_backend(self.backend) == "auto":
+            # Nothing to fuse: `auto` runs nn.Linear's own call (one cuBLAS GEMM, the bias in its epilogue), and so
+            # does this, without the op layer and with nothing checked first (nn.Linear's host time: through the op
+            # layer the walkthrough's linear step took 246.9 µs against eager's 217.7 under the profiler on an
+            # H100). Input F.linear refuses goes on to the op layer, whose checks name the argument.
+            try:
+                return F.linear(x, w, b)
+            except torch.OutOfMemoryError:
+                raise
+            except (RuntimeError, TypeError, IndexError):
+                pass
+        return linear_act_call(x, w, b, self.activation, self.backend, _plan_of(self, LinearActPlan))
 
     @torch.jit.unused
     def _sharded_forward(self, x: Tensor) -> Tensor:
