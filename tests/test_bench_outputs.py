@@ -125,3 +125,20 @@ def test_roofline_legend_covers_no_point(tmp_path, monkeypatch):
         legend = ax.get_legend().get_window_extent()
         assert not legend.overlaps(ax.get_window_extent())  # beside the axes: nothing drawn there is hidden
         assert legend.x1 <= fig.bbox.x1 + 1  # and inside the picture
+
+
+def test_roofline_names_each_fused_point_against_the_gemms_alone(tmp_path, monkeypatch):
+    cases = [Case("swiglu", "silu", 16, 16, 32, "fp32", "fwd")]
+    peaks = roofline.Peaks("test-cpu", {"fp32": 0.05}, 10.0)
+    result = sweep.run(cases, [VARIANTS["eager"], VARIANTS["gemms-alone"], VARIANTS["mlpfuse-torch"]],
+                       torch.device("cpu"), peaks, sweep.Settings(rounds=1, target_ms=1.0, warmup=1, profile=False))
+    by = {r["variant"]: r for r in result.rows}
+    fused = by["mlpfuse-torch"]
+    assert fused["vs_gemms"] == pytest.approx(fused["wall_us"] / by["gemms-alone"]["wall_us"])
+    labels = plots.fusion_labels([r for r in result.rows if r["status"] == "ok"])
+    assert labels == [(fused["intensity"], fused["tflops"], f"{fused['vs_gemms']:.2f}× GEMMs")]
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig))
+    plots.roofline_plot(result, tmp_path / "roof.png")
+    [ax] = figures[0].axes
+    assert [t.get_text() for t in ax.texts] == [labels[0][2]]

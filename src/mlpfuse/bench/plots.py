@@ -118,6 +118,13 @@ def _speedup_bars(result: BenchResult, rows, style, path: Path) -> Path:
     return path
 
 
+def fusion_labels(rows) -> list[tuple[float, float, str]]:
+    """(intensity, TFLOP/s, text) beside each mlpfuse point of a case with a `gemms-alone` row: its time over the
+    projections' alone (1.00× = the activation, its traffic and launches are free)."""
+    return [(r["intensity"], r["tflops"], f"{r['vs_gemms']:.2f}× GEMMs") for r in rows
+            if not r["peer"] and not r.get("floor") and r.get("vs_gemms") and r.get("tflops")]
+
+
 def roofline_plot(result: BenchResult, path: Path) -> Path | None:
     """Arithmetic intensity (FLOPs / min bytes) vs achieved TFLOP/s, under the measured compute and memory roofs."""
     rows = [r for r in _ok(result.rows) if r.get("tflops")]
@@ -142,6 +149,8 @@ def roofline_plot(result: BenchResult, path: Path) -> Path | None:
         ax.scatter(r["intensity"], r["tflops"], label=None if v in labelled else v, s=28, alpha=0.85,
                    color=style[v]["color"], marker=style[v]["marker"])
         labelled.add(v)
+    for x, y, text in fusion_labels(rows):
+        ax.annotate(text, (x, y), xytext=(5, -9), textcoords="offset points", fontsize=7, color="dimgray")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.xaxis.set_minor_formatter(NullFormatter())
