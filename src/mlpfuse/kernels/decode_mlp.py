@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import threading
 
-
 import torch
 import triton
 import triton.language as tl
@@ -414,10 +413,13 @@ def _fits(s, acc_numel: int, part_numel: int) -> bool:
 
 
 def _release_captured() -> None:
-    """After a capture: its graph keeps the spare it took (the graph reads that address on every replay), and the
-    next capture on the same stream takes a spare of its own."""
+    """After a capture (on the first call outside one): its graph keeps the spare it took (the graph reads that
+    address on every replay), and a new spare waits for the next capture, which takes its own."""
     for key in _captured:
-        _graveyard.append(_scratch.pop(key, None))
+        taken = _scratch.pop(key, None)
+        _graveyard.append(taken)
+        if taken is not None and not _fits(_spares.get(key[0]), taken[0].numel(), taken[2].numel()):
+            _spares[key[0]] = _zeroed_scratch(torch.device("cuda", key[0]), taken[0].numel(), taken[2].numel())
     _captured.clear()
 
 
