@@ -60,7 +60,8 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: boo
              plan=None, norm=None):
     """(y [..., dim], h, g, u): with `save`, g and u the 2-D pre-activations and h = act(g)·u; else all None.
     `path` given: the caller already checked the arguments and chose the path. `plan`: on the SPLIT path, the GLU
-    pass's held launch plan (see `_split`). `norm`: an RMSNormPrologue the DECODE path's kernels apply (the caller chose that path for it)."""
+    pass's held launch plan (see `_split`). `norm`: an RMSNormPrologue the DECODE path's kernels apply (the caller
+    chose that path for it)."""
     if not path:
         _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
     act = activations.get(activation)
