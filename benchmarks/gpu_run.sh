@@ -9,7 +9,10 @@
 #        bench-sweep-train, bench-sweep-large, bench-sweep-large-train, kernels, tune-mid-m, tune-small-m,
 #        tune-linear, tune-blog, tune-llama, host-paths, host-paths-train, cuda-backend, decode-kernels,
 #        decode-shapes (the CUDA decode kernels' launch shapes, benchmarks/decode_shapes.cu; needs nvcc and sm_90),
-#        multi-gpu, multi-gpu-sp (every visible GPU, tensor parallel; NCCL with NVLink multicast off).
+#        multi-gpu, multi-gpu-sp (every visible GPU, tensor parallel; NCCL with NVLink multicast off),
+#        tune-decode, model-decode-step, model-prefill-compile, model-train-compile, model-generate-compile (the
+#        compiled and graph-replayed rows of the model lab, 32 layers; training 4), layer-sweep-DxH-MODE (one layer
+#        size, MODE fwd or fwd+bwd: 64-16384 tokens, GeGLU and SwiGLU, every peer and the GEMMs-alone floor).
 #        benchmarks/README.md says what each answers and where its latest result is.
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
@@ -81,6 +84,20 @@ for spec in "$@"; do
         host-paths-train) run_step host-paths-train "$secs" python3 benchmarks/host_paths.py --only train --out "$W/host-paths-train" ;;
         bench-sweep-large) run_step bench-sweep-large "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 4096 --hidden 14336 --workload geglu,swiglu --mode fwd --variants eager,compile,liger,mlpfuse --out "$W/bench-sweep-large" ;;
         bench-sweep-large-train) run_step bench-sweep-large-train "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 4096 --hidden 14336 --workload geglu,swiglu --mode fwd+bwd --variants eager,compile,liger,mlpfuse --out "$W/bench-sweep-large-train" ;;
+        tune-decode) run_step tune-decode "$secs" python3 benchmarks/tune_decode.py --out "$W/tune-decode" ;;
+        model-decode-step) run_step model-decode-step "$secs" python3 -m mlpfuse bench --model llama3-8b --mode decode-step \
+            --tokens 1x128,8x128 --variants eager,mlpfuse,compile,mlpfuse-compile --rounds 5 --out "$W/model-decode-step" ;;
+        model-prefill-compile) run_step model-prefill-compile "$secs" python3 -m mlpfuse bench --model llama3-8b --mode prefill \
+            --tokens 1x8192 --variants eager,mlpfuse,compile,mlpfuse-compile --rounds 5 --out "$W/model-prefill-compile" ;;
+        model-train-compile) run_step model-train-compile "$secs" python3 -m mlpfuse bench --model llama3-8b --layers 4 --mode train \
+            --tokens 2x2048 --variants compile,mlpfuse-compile,mlpfuse-recompute-compile,compile-checkpoint --rounds 7 \
+            --out "$W/model-train-compile" ;;
+        model-generate-compile) run_step model-generate-compile "$secs" python3 -m mlpfuse bench --model llama3-8b --mode decode \
+            --tokens 1x128,8x128 --new-tokens 32 --variants compile,mlpfuse-compile --rounds 5 --out "$W/model-generate-compile" ;;
+        layer-sweep-*x*-*) shape=${step#layer-sweep-}; mode=${shape#*-}; shape=${shape%%-*}
+            run_step "$step" "$secs" python3 -m mlpfuse bench --tokens 64,256,1024,4096,16384 --dim "${shape%x*}" \
+                --hidden "${shape#*x}" --workload geglu,swiglu --mode "$mode" --rounds 5 --no-profile \
+                --variants eager,compile,liger,eager-cudagraph,gemms-alone,mlpfuse --out "$W/$step" ;;
         multi-gpu) run_step multi-gpu "$secs" python3 benchmarks/multi_gpu.py --out "$W/multi-gpu" ;;
         multi-gpu-sp) run_step multi-gpu-sp "$secs" python3 benchmarks/multi_gpu.py --sequence-parallel --out "$W/multi-gpu-sp" ;;
         cuda-backend) MLPFUSE_CACHE_DIR=$W/cache run_step cuda-backend "$secs" python3 benchmarks/cuda_backend_gpu.py --out "$W/cuda-backend.md" ;;
