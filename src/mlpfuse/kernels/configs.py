@@ -7,7 +7,9 @@ keyed by the device's name and SM count) with the command that measured them. A 
 rows gets the first H200 rows for the kernels a caller forces, and `auto` keeps cuBLAS's GEMMs for the gated MLP's
 projections (ops.dispatch: the SPLIT path, never slower than eager); the generic rows are safe pointer-path tiles
 for older GPUs.
-To add a card: run `benchmarks/tune_kernels.py` and `.../tune_gated.py` there, add its rows and a `CARDS` entry.
+To add a card: run `benchmarks/tune_kernels.py` and `.../tune_gated.py` there, add its rows and a `CARDS` entry; run
+`benchmarks/tune_decode.py` too — the decode kernels' one table (kernels/decode_mlp.py `_CONFIGS`, from the H200) was
+also the best of its candidates on the H100 SXM at 1 and 8 rows × 4096×14336, so it is not kept per card yet.
 """
 
 from __future__ import annotations
