@@ -316,3 +316,26 @@ def test_a_planned_call_records_few_dispatcher_ops_under_the_profiler(bias):
     assert not names & {"aten::linear", "aten::matmul", "aten::flatten", "aten::reshape"}, sorted(names)
     assert ("aten::addmm" if bias else "aten::mm") in names
     close(y, ref(m, x))
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="needs the Triton kernels (or their interpreter)")
+def test_decode_calls_of_any_rank_and_layout_keep_their_shape_and_values():
+    """The decode path's steady call reads a contiguous x of any rank as its rows; other layouts go through a 2-D
+    copy or view. Each layout, called twice (the second through the held plan), matches the fp64 reference."""
+    torch.manual_seed(6)
+    m = mlpfuse.GatedMLP(DIM, HIDDEN, activation="silu", backend="triton", device=DEVICE)
+    base = torch.randn(4, 3, 2 * DIM, device=DEVICE)
+    layouts = {
+        "3-D": base[..., :DIM].contiguous(),
+        "4-D": base[..., :DIM].contiguous().view(2, 2, 3, DIM),
+        "strided rows": base[..., ::2],  # every other feature: no unit stride, copied as rows
+        "transposed": base[..., :DIM].transpose(0, 1),  # leading dims swapped: not contiguous
+        "2-D": base[0, :, :DIM],
+    }
+    with torch.no_grad():
+        for name, x in layouts.items():
+            assert dispatch.gated_mlp_path("triton", x.reshape(-1, DIM), HIDDEN, False) == dispatch.DECODE
+            for _ in range(2):
+                y = m(x)
+                assert y.shape == x.shape, name
+                close(y, ref(m, x))

@@ -652,24 +652,29 @@ def _key(bucket, activation, mode, allow_tf32, config, x, wg, wu, wd, bg, bu, bd
 
 def run_plan(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, norm_weight=None, norm_eps: float = 0.0,
              out=None):
-    """One call on a plan made for this layout (M >= 1, D and H > 0): the output, scratch, and the launches."""
-    m, d = x.shape
+    """One call on a plan made for this layout (M >= 1, D and H > 0): the output, scratch, and the launches. x is
+    [M, D], or a contiguous [..., D] read as its rows (no view op; the output then has x's shape)."""
+    d = x.shape[-1]
+    if x.dim() == 2:
+        m = x.shape[0]
+        sm, sd = x.stride()
+    else:
+        m, sm, sd = x.numel() // d, d, 1
     h = w_gate.shape[0]
     if plan.captured is not None and _capturing(x):
         plan = plan.captured
     mode = plan.consts[4]
     if out is None:
-        out = torch.empty((m, d), dtype=x.dtype, device=x.device)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_progs = plan.n_progs
     acc_numel, part_numel = MAX_M * d if mode in (0, 3) else 0, n_progs * m * d if mode == 2 else 0
     acc, cnt, part = _get_scratch(x, acc_numel, part_numel)
     hbuf = _get_hbuf(x, m * h) if mode == 4 else out
     stream = torch._C._cuda_getCurrentRawStream(x.get_device()) if x.is_cuda else None
     bd = out if b_down is None else b_down  # `out` stands in for absent biases; never read
-    xs = x.stride()
     _launch(plan, "", (n_progs, 1), (
         x, w_gate, w_up, w_down, out if b_gate is None else b_gate, out if b_up is None else b_up, bd, out, acc,
-        part, cnt, hbuf, out if norm_weight is None else norm_weight, float(norm_eps), m, d, h, xs[0], xs[1],
+        part, cnt, hbuf, out if norm_weight is None else norm_weight, float(norm_eps), m, d, h, sm, sd,
         *plan.w_strides), stream)
     if mode == 4:
         _launch(plan, "down_", (plan.down_grid, 1), (hbuf, w_down, bd, out, m, d, h, plan.w_strides[4],

@@ -547,10 +547,11 @@ class _Entry:
         held = self.held
         deterministic = torch.are_deterministic_algorithms_enabled()
         if held and held[1] is deterministic:
+            # A contiguous x goes as it is (the kernels read its rows; no view op either way); else as rows.
+            xr = x if x.is_contiguous() else rows(x)
             y = dispatch.kernel("decode_mlp").run_plan(
-                held[0], rows(x), wg, wu, wd, bg, bu, bd,
-                *((None, 0.0) if norm is None else (norm.weight, norm.eps)))
-            return unrows(y, x)
+                held[0], xr, wg, wu, wd, bg, bu, bd, *((None, 0.0) if norm is None else (norm.weight, norm.eps)))
+            return y if xr is x else unrows(y, x)
         y = _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, False, False, self.path, norm=norm)[0]
         if held is None:
             plan = dispatch.kernel("decode_mlp").held_plan(
