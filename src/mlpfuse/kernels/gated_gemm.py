@@ -169,6 +169,8 @@ class _Plan:
                  "save", "warps", "stages", "raw", "device", "x_maps", "h_maps", "w_flat", "tail")
 
     def run(self, x, wg, wu, bg, bu):
+        """x [M, K] as the plan was made for, or a contiguous [..., K] with the same rows (read in place by the direct
+        launch, which needs only its address); h (and g, u) [M, N]."""
         h = self.make(self.shape)
         g, u = (self.make(self.shape), self.make(self.shape)) if self.save else (h, h)
         if self.raw is not None and not C.launch_hooks_set():
@@ -177,6 +179,8 @@ class _Plan:
                     u.data_ptr(), *(self.h_maps(hp) if self.h_maps is not None else (None,)), *self.tail)
             self.raw(self.grid, torch._C._cuda_getCurrentRawStream(self.device), flat)
             return (h, g, u) if self.save else h
+        if x.dim() != 2:
+            x = x.view(-1, x.shape[-1])
         pair = None
         if self.pair is not None:  # (block, gate comes first, shape, strides) of the [2, N, K] weight descriptor
             block, gate_first, shape, strides = self.pair

@@ -529,11 +529,10 @@ class _Entry:
             y = _EagerTraining.apply(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, self.path, self,
                                      self.save)
         elif plan:
-            x2 = rows(x)
             if self.path == dispatch.SPLIT:
-                y = _split(x2, wg, wu, wd, bg, bu, bd, self.act.id, False, plan)[0]
-            else:
-                y = linear2d(plan.run(x2, wg, wu, bg, bu), wd, bd)
+                y = _split(rows(x), wg, wu, wd, bg, bu, bd, self.act.id, False, plan)[0]
+            else:  # the gated GEMM's plan reads a contiguous x of any rank as its rows (no view op)
+                y = linear2d(plan.run(x if x.is_contiguous() else rows(x), wg, wu, bg, bu), wd, bd)
             return unrows(y, x)
         else:
             y = _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, False, False, self.path)[0]
