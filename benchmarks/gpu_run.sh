@@ -48,7 +48,7 @@ for spec in "$@"; do
         gpu-tests) run_step gpu-tests "$secs" python3 -m pytest -q -p no:cacheprovider --durations=10 \
             tests/test_kernels_plans.py tests/test_kernels_decode.py tests/test_kernels_gemm.py \
             tests/test_kernels_int64.py tests/test_ops.py tests/test_modules.py tests/test_compile.py tests/test_call_plan.py \
-            tests/test_module_repeats.py ;;
+            tests/test_module_repeats.py tests/test_graphs.py tests/test_compiled_inference.py ;;
         walkthrough) run_step walkthrough "$secs" python3 -m mlpfuse walkthrough --out "$W/walkthrough" ;;
         model-lab) run_step model-lab "$secs" python3 -m mlpfuse bench --model llama3-8b --layers 4 --tokens 1x2048 \
             --mode prefill,decode,train --variants eager,liger,mlpfuse --out "$W/model-lab" ;;
