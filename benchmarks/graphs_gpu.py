@@ -9,8 +9,8 @@ from torch._dynamo's counters. decode: one decode step of a Llama-3-8B-shaped mo
 preset; random init, bf16, transformers' StaticCache, prompt 128; patched with the norm in front of each MLP handed to
 the block, as `patch` does) replayed from a CUDA graph — eager, mlpfuse.patch, torch.compile(fullgraph=True) and
 both — at batch 1 and 8, variants interleaved in --rounds rounds (median, min-max of CUDA-event time over 20
-replays), beside triton.testing.do_bench of the same replay (a second harness). The cache's device-side token count is put back to
-the prompt before each timed block, so every replay times the same step.
+replays), beside triton.testing.do_bench of the same replay (a second harness). The cache's device-side token
+count is put back to the prompt before each timed block, so every replay times the same step.
 """
 import argparse, json, os, statistics, sys, time
 import torch

@@ -113,3 +113,13 @@ def gated_forward(x, wg, wu, wd, bg, bu, bd, activation: str, dtype: torch.dtype
     if "y" in rounded:
         var = var + rounding_var(y, dtype)
     return y, var
+
+
+def assert_same_grads(model, ref, ids, names, tol: float = 1e-4) -> None:
+    """The same loss backpropagated through a patched model and its unpatched copy: each named parameter's gradient
+    agrees with the copy's within `tol` (relative Frobenius distance)."""
+    model(ids).logits.square().mean().backward()
+    ref(ids).logits.square().mean().backward()
+    for name in names:
+        got, want = model.get_parameter(name).grad, ref.get_parameter(name).grad
+        assert ((got - want).norm() / want.norm()).item() < tol, name

@@ -27,7 +27,8 @@ from mlpfuse.bench.sweep import BenchResult
 CSV_FIELDS = (
     "model layers mode batch seq new_tokens variant dtype status error time_ms unit spread_pct rounds wall_ms "
     "gpu_busy_ms gpu_busy_spread_pct do_bench_ms do_bench_spread_pct full_logits_ms full_logits_spread_pct "
-    "peak_mem_mb first_call_ms rel_err err_vs_eager logits_vs_eager vs_eager vs_compile mem_vs_eager mem_vs_compile patched"
+    "peak_mem_mb first_call_ms rel_err err_vs_eager logits_vs_eager vs_eager vs_compile mem_vs_eager mem_vs_compile "
+    "patched"
 ).split()
 
 

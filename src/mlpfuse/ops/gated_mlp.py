@@ -660,9 +660,9 @@ def registered_call(
     recompute: bool = False,
 ) -> Tensor:
     """The call as a graph records it: `mlpfuse::gated_mlp_train` when a gradient is needed (it keeps g, u and h for
-    the backward, unless `recompute`), else `mlpfuse::gated_mlp`, which computes inference only. TorchScript-compatible (a scripted
-    module calls it directly). Weights the kernels cannot read (`_checks.foreign`) take the module's own math
-    instead, in the graph, with no break."""
+    the backward, unless `recompute`), else `mlpfuse::gated_mlp`, which computes inference only.
+    TorchScript-compatible (a scripted module calls it directly). Weights the kernels cannot read
+    (`_checks.foreign`) take the module's own math instead, in the graph, with no break."""
     if not torch.jit.is_scripting():
         if not isinstance(x, Tensor):
             raise InputError(f"x: expected a torch.Tensor, got {type(x).__name__}")
