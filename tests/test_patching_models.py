@@ -98,6 +98,62 @@ def test_training_with_live_dropout_draws_the_same_masks(name):
     assert_grads_equal(grads, grads_ref, **TOL)
 
 
+def test_gpt2_second_projection_and_dropout_keep_their_hooks_and_replacements():
+    # The block runs c_proj's GEMM itself and skips the inactive dropout after it, but only while calling them would
+    # run nothing more: a hook on either, a global module hook, or c_proj replaced by another class is honoured.
+    model = no_dropout(H.build("gpt2")).eval()
+    batch = H.inputs("gpt2")
+    patched = copy.deepcopy(model)
+    mlpfuse.patch(patched, backend="torch")
+    with torch.no_grad():
+        got = patched(**batch).logits
+        torch.testing.assert_close(got, model(**batch).logits, **TOL)
+    mlps = [(a.mlp, b.mlp) for a, b in zip(model.transformer.h, patched.transformer.h)]
+
+    def shift(module, args, out):  # not a constant shift: the LayerNorms after it would remove that
+        return out * 4.0 + torch.linspace(-1.0, 1.0, out.shape[-1])
+
+    for child in ("c_proj", "dropout"):
+        handles = [getattr(m, child).register_forward_hook(shift) for pair in mlps for m in pair]
+        with torch.no_grad():
+            hooked, expected = patched(**batch).logits, model(**batch).logits
+        torch.testing.assert_close(hooked, expected, **TOL)
+        assert not torch.allclose(hooked, got)  # the hook did act
+        for h in handles:
+            h.remove()
+    seen = []
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda m, a, o: seen.append(type(m).__name__) if type(m).__name__ == "Conv1D" else None)
+    try:
+        with torch.no_grad():
+            patched(**batch)
+    finally:
+        handle.remove()
+    assert seen.count("Conv1D") == 3 * len(mlps)  # attention's two Conv1Ds and the MLP's c_proj (c_fc is fused)
+    with torch.no_grad():
+        plain = patched(**batch).logits
+
+    class Scaled(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        @property
+        def weight(self):  # as adapter wrappers expose their base layer's
+            return self.inner.weight
+
+        def forward(self, h):
+            return 2 * self.inner(h)
+
+    for _, block in mlps:
+        block.c_proj = Scaled(block.c_proj)
+    with torch.no_grad():
+        assert not torch.allclose(patched(**batch).logits, plain)
+        for _, block in mlps:
+            block.c_proj = block.c_proj.inner
+        torch.testing.assert_close(patched(**batch).logits, plain, rtol=0, atol=0)
+
+
 def test_t5_dropout_inside_the_fusion():
     model = H.build("t5_gated")  # dropout_rate 0.1, between the GLU and wo
     report = mlpfuse.patch(model.train(), backend="torch")

@@ -27,10 +27,23 @@ from __future__ import annotations
 import torch.nn as nn
 from torch import Tensor
 
+import torch
+from torch.nn.modules import module as _module
+
 from mlpfuse.modules import _sharded, _weight_bias
-from mlpfuse.ops import dispatch
+from mlpfuse.ops import _checks, dispatch
+from mlpfuse.ops._util import linear2d, rows, unrows
 from mlpfuse.ops.gated_mlp import CallPlan, gated_mlp_call
 from mlpfuse.ops.linear_act import LinearActPlan, linear_act_call
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling `module` would run more than its forward: a hook of its own or a global module hook (what
+    nn.Module.__call__ itself checks before it takes its fast path)."""
+    m = _module
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
+                or m._global_backward_hooks or m._global_backward_pre_hooks)
 
 
 class PatchedBlock(nn.Module):
@@ -139,6 +152,9 @@ class TwoLayerBlock(PatchedBlock):
         self.fused_transposed = transposed
         self.fused_dropout_after = dropout_after  # GPT-2's dropout after c_proj: outside the fusion, applied as is
         self._fused_plan = LinearActPlan()
+        # The second projection's class as patched (nn.Linear or Conv1D): while it is still that class and nothing
+        # hooks its call, the block computes it from its weight (the module's own math), without its Python forward.
+        self.__dict__["fused_proj_type"] = type(self._modules[linears[1]])
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         mods = self._modules
@@ -163,8 +179,27 @@ class TwoLayerBlock(PatchedBlock):
                 if dispatch.resolve_backend(backend) == "auto":
                     backend = "torch"
             h = linear_act_call(hidden_states, w, b, self.fused_activation, backend, self._fused_plan)
-        y = proj(h)
-        return mods[self.fused_dropout_after](y) if self.fused_dropout_after else y
+        y = self._project(proj, h)
+        if self.fused_dropout_after:
+            drop = mods[self.fused_dropout_after]
+            if (drop.training and drop.p > 0) or _hooked(drop):  # an inactive dropout returns its input
+                y = drop(y)
+        return y
+
+    def _project(self, proj: nn.Module, h: Tensor) -> Tensor:
+        """proj(h): nn.Linear's or Conv1D's own GEMM on its weight (one mm/addmm between two views), or the module's
+        call where it is no longer the class patched, is hooked or holds weights the plain GEMM must not read."""
+        if type(proj) is not self.fused_proj_type or _hooked(proj):
+            return proj(h)
+        w, b = _weight_bias(proj)
+        if type(w) not in _checks.PLAIN or (b is not None and type(b) not in _checks.PLAIN) or _sharded(w):
+            return proj(h)
+        h2 = rows(h)
+        if self.fused_transposed:  # Conv1D: y = b + h·W with W [in, out]
+            y2 = torch.mm(h2, w) if b is None else torch.addmm(b, h2, w)
+        else:
+            y2 = linear2d(h2, w, b)
+        return unrows(y2, h)
 
 
 class LinearActBlock(PatchedBlock):
