@@ -75,10 +75,13 @@ def test_compile_variants_and_a_masked_model(tmp_path):
     rows = rows_by(data)
     assert rows[("prefill", "mlpfuse")]["status"] == "ok" and rows[("prefill", "mlpfuse")]["patched"] == 2
     assert rows[("decode", "eager")]["error"] == "skipped: a masked LM does not generate"
-    # On `auto` the erf-GELU intermediate layers are left as they are, and the row says why.
+    # On `auto` the erf-GELU intermediate layers are left as they are: the row times that (unpatched) model, with
+    # eager's logits, and says why.
     code, data, _ = run_lab(tmp_path, "--model", "bert-base", "--mode", "prefill", "--variants", "eager,mlpfuse")
     fused = rows_by(data)[("prefill", "mlpfuse")]
-    assert fused["status"] == "error" and "backend 'auto' keeps dense + gelu" in fused["error"]
+    assert fused["status"] == "ok" and fused["patched"] == 0 and fused["time_ms"] > 0
+    assert fused["error"].startswith("mlpfuse.patch swapped nothing, so this is the unpatched model: ")
+    assert "backend 'auto' keeps dense + gelu" in fused["error"] and fused["logits_vs_eager"] == 0
 
 
 def test_bf16_error_is_measured_against_the_fp32_run(tmp_path):

@@ -175,7 +175,13 @@ def test_rounds_are_interleaved_and_every_case_ran_in_each(results):
     rounds = summary["rounds"]
     assert rounds["rounds"] == 3  # the default
     ran = [c for c in RUN_ORDER if c in summary["cases"]]
-    assert [tuple(x) for x in rounds["order"]] == [(r, c) for r in range(3) for c in ran]
+    assert sorted(tuple(x) for x in rounds["order"]) == sorted((r, c) for r in range(3) for c in ran)
+    by_round = [[c for r2, c in rounds["order"] if r2 == r] for r in range(3)]
+    for r, order in enumerate(by_round):  # each workload's variants together, turned by one place per round
+        for workload in ("linear", "geglu-mlp"):
+            mine = [c for c in ran if c.startswith(workload + "-")]
+            assert [c for c in order if c in mine] == mine[r % len(mine):] + mine[:r % len(mine)]
+    assert by_round[0] == ran and by_round[1] != ran
 
 
 def test_medians_and_spreads_come_from_the_recorded_samples(results):

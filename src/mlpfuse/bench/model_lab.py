@@ -178,6 +178,7 @@ class Prepared:
     logits: object  # () -> [B, 1, V] logits
     main: str | None = None  # the step whose first call, peak memory and time are the row's (default: the last)
     setup_ms: float | None = None  # building the step took this (compile and graph capture), when not its first call
+    note: str | None = None  # what the row's status says beside "ok" (e.g. a patch that swapped nothing)
 
     @property
     def main_key(self) -> str:
@@ -204,17 +205,25 @@ def _forward_last(module, ids, kind):
 def prepare(variant: str, built: models.Built, case: LabCase, ids: torch.Tensor, settings: LabSettings,
             device: torch.device) -> Prepared:
     module = twin(built.model)
+    note = None
     if variant == "liger":
         apply_liger(module, built.model_type)
     if variant.startswith("mlpfuse"):
         from mlpfuse.patching import patch
 
         report = patch(module, backend=settings.backend, recompute="recompute" in variant)
-        if not report.changed:
+        if not report.changed:  # timed all the same: what a user who patches this model runs is eager's model
             reasons = "; ".join(sorted({item.reason for item in report.left})) or "no MLP block mlpfuse recognises"
-            raise InputError(f"mlpfuse.patch swapped nothing: {reasons}")
+            note = f"mlpfuse.patch swapped nothing, so this is the unpatched model: {reasons}"
     if variant == "compile-checkpoint":
         module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prepared = _prepare_steps(variant, module, built, case, ids, settings, device)
+    prepared.note = note
+    return prepared
+
+
+def _prepare_steps(variant: str, module: torch.nn.Module, built: models.Built, case: LabCase, ids: torch.Tensor,
+                   settings: LabSettings, device: torch.device) -> Prepared:
     compiled = "compile" in variant
     kind = built.kind
     module.train(case.mode == "train")
@@ -493,6 +502,7 @@ def _run_case(built, case, variants, rows, ref, settings, device, progress) -> N
                 from mlpfuse.patching import PatchedBlock
 
                 row["patched"] = sum(1 for m in p.module.modules() if isinstance(m, PatchedBlock))
+            row["error"] = p.note
             _, row["first_call_ms"] = timing.first_call_ms(p.main_step, device)
             if p.setup_ms is not None:
                 row["first_call_ms"] = p.setup_ms

@@ -15,7 +15,7 @@ import json
 import os
 import time
 
-# (case name, workload, variant), in the order each round runs them
+# (case name, workload, variant), in the order the first round runs them (round_order turns it each round)
 CASES = [
     ("linear-eager", "linear", "eager"),
     ("linear-compile", "linear", "compile"),
@@ -24,6 +24,7 @@ CASES = [
     ("geglu-mlp-compile", "geglu-mlp", "compile"),
     ("geglu-mlp-mlpfuse", "geglu-mlp", "mlpfuse"),
 ]
+_WORKLOAD_OF = {case: workload for case, workload, _ in CASES}
 DIFFS = [
     ("linear-eager", "linear-compile"),
     ("geglu-mlp-eager", "geglu-mlp-compile"),
@@ -104,6 +105,20 @@ def _build_cases(device, dtype, console, failed) -> dict:
     return built
 
 
+def round_order(cases: list[str], r: int) -> list[str]:
+    """The cases in round r's order: each workload's variants together, their order turned by one place per round
+    (eager, compile, mlpfuse; then compile, mlpfuse, eager; ...), so that no variant always runs right after the
+    same other one (compile's Dynamo frames before mlpfuse every round, say) or first after the switch of workload."""
+    groups: dict[str, list[str]] = {}
+    for case in cases:
+        groups.setdefault(_WORKLOAD_OF[case], []).append(case)
+    order = []
+    for group in groups.values():
+        k = r % len(group)
+        order += group[k:] + group[:k]
+    return order
+
+
 def _profile_rounds(args, built, staging, console, failed):
     """Each case profiled once per round, the cases interleaved; a case that fails is dropped with its reason."""
     from mlpfuse.errors import InputError
@@ -113,7 +128,8 @@ def _profile_rounds(args, built, staging, console, failed):
     rounds = Rounds({case: (workload, variant) for case, workload, variant in CASES if case in built})
     for r in range(args.rounds):
         console.rule(f"round {r + 1} of {args.rounds}")
-        for case, b in built.items():
+        for case in round_order(list(built), r):
+            b = built[case]
             if case in failed:
                 continue
             try:
