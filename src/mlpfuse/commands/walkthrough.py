@@ -24,6 +24,9 @@ CASES = [
     ("geglu-mlp-compile", "geglu-mlp", "compile"),
     ("geglu-mlp-mlpfuse", "geglu-mlp", "mlpfuse"),
 ]
+# Profiled steps per case and round. A round's step figure is the mean of its active steps: six of them, so that one
+# step the host stalled moves it a sixth as far (with three, one stall put a whole H200 round 0.1x off).
+STEPS = 8
 _WORKLOAD_OF = {case: workload for case, workload, _ in CASES}
 DIFFS = [
     ("linear-eager", "linear-compile"),
@@ -40,7 +43,8 @@ def register(subparsers) -> None:
     p.add_argument("--device", help="cpu | cuda (default cuda when present)")
     p.add_argument("--dtype", help="bf16 | fp16 | fp32 (default bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--out", help="results folder (default ./mlpfuse-results/walkthrough-<device>)")
-    p.add_argument("--steps", type=int, default=5, help="profiled steps per case: 1 wait, 1 warm-up, rest active")
+    p.add_argument("--steps", type=int, default=STEPS,
+                   help=f"profiled steps per case and round: 1 wait, 1 warm-up, rest active (default {STEPS})")
     p.add_argument("--rounds", type=int, default=3,
                    help="profiled runs of every case, interleaved (eager, compile, mlpfuse; then compile, mlpfuse, eager; ...); the tables "
                         "show the median over rounds with its min-max (default 3)")
@@ -253,7 +257,7 @@ def _command(args) -> str:
     """The command line that repeats this run (its non-default flags)."""
     words = ["python3 -m mlpfuse walkthrough"]
     for flag, value, default in (("--device", args.device, None), ("--dtype", args.dtype, None),
-                                 ("--out", args.out, None), ("--steps", args.steps, 5),
+                                 ("--out", args.out, None), ("--steps", args.steps, STEPS),
                                  ("--rounds", getattr(args, "rounds", 3), 3), ("--threads", args.threads, 1)):
         if value is not None and value != default:
             words.append(f"{flag} {value}")
