@@ -24,8 +24,8 @@ CASES = [
     ("geglu-mlp-compile", "geglu-mlp", "compile"),
     ("geglu-mlp-mlpfuse", "geglu-mlp", "mlpfuse"),
 ]
-# Profiled steps per case and round. A round's step figure is the mean of its active steps: six of them, so that one
-# step the host stalled moves it a sixth as far (with three, one stall put a whole H200 round 0.1x off).
+# Profiled steps per case and round. A round's step figure is the mean of its active steps: with six, one step the
+# host stalled moves it by a sixth of the stall, not a third (host stalls decided single rounds on H100 and H200).
 STEPS = 8
 _WORKLOAD_OF = {case: workload for case, workload, _ in CASES}
 DIFFS = [
