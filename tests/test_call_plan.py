@@ -247,19 +247,21 @@ def linear_ref(m: mlpfuse.FusedLinear, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fused_linear_plan_serves_layouts_and_sees_replaced_weights(backend):
     m = linear(backend)
+    # On the torch backend every call is eager's F.linear + activation: nothing to plan, so the plan stays empty.
+    planned = backend != "torch"
     x = rand(5, 3, DIM)  # leading dimensions kept
     with torch.no_grad():
         for _ in range(2):
             close(m(x), linear_ref(m, x))
-        assert len(m._plan.entries) == 1
+        assert len(m._plan.entries) == planned
         m.weight.mul_(-0.5)  # in place: same entry, new values
         close(m(x), linear_ref(m, x))
-        assert len(m._plan.entries) == 1
+        assert len(m._plan.entries) == planned
         m.weight = torch.nn.Parameter(rand(HIDDEN, DIM, seed=9))  # replaced: another address, another entry
         close(m(x), linear_ref(m, x))
         xt = rand(DIM, 7, seed=4).t()  # strided x
         close(m(xt), linear_ref(m, xt))
-    assert len(m._plan.entries) == 3
+    assert len(m._plan.entries) == 3 * planned
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -279,7 +281,8 @@ def test_fused_linear_plan_grad_switch_and_gradients(backend):
     close(xg.grad, x64.grad)
     close(m.weight.grad, w64.grad)
     close(m.bias.grad, b64.grad)
-    assert len(m._plan.entries) == 2  # inference and training are separate entries
+    # Inference and training are separate entries (none on the torch backend: every call is eager's own ops).
+    assert len(m._plan.entries) == (2 if backend != "torch" else 0)
 
 
 def test_fused_linear_bad_input_after_a_good_call_gets_the_same_error():

@@ -75,13 +75,25 @@ def test_compile_variants_and_a_masked_model(tmp_path):
     rows = rows_by(data)
     assert rows[("prefill", "mlpfuse")]["status"] == "ok" and rows[("prefill", "mlpfuse")]["patched"] == 2
     assert rows[("decode", "eager")]["error"] == "skipped: a masked LM does not generate"
-    # On `auto` the erf-GELU intermediate layers are left as they are: the row times that (unpatched) model, with
-    # eager's logits, and says why.
+    # On `auto` too (the erf GELU is never fused; the block runs eager's own ops with less Python per call).
     code, data, _ = run_lab(tmp_path, "--model", "bert-base", "--mode", "prefill", "--variants", "eager,mlpfuse")
     fused = rows_by(data)[("prefill", "mlpfuse")]
+    assert fused["status"] == "ok" and fused["patched"] == 2 and fused["logits_vs_eager"] == 0
+
+
+def test_a_patch_that_swaps_nothing_is_timed_as_the_model_it_leaves(tmp_path):
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
+                                  activation_function="quick_gelu")  # an activation mlpfuse does not fuse
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "m")
+    out = tmp_path / "lab"
+    code = main(["bench", "--model", str(tmp_path / "m"), "--device", "cpu", "--rounds", "1", "--target-ms", "1",
+                 "--tokens", "1x8", "--variants", "eager,mlpfuse", "--out", str(out)])
+    assert code == 0
+    fused = rows_by(json.loads((out / "results.json").read_text()))[("prefill", "mlpfuse")]
     assert fused["status"] == "ok" and fused["patched"] == 0 and fused["time_ms"] > 0
     assert fused["error"].startswith("mlpfuse.patch swapped nothing, so this is the unpatched model: ")
-    assert "backend 'auto' keeps dense + gelu" in fused["error"] and fused["logits_vs_eager"] == 0
+    assert "unknown activation QuickGELUActivation" in fused["error"] and fused["logits_vs_eager"] == 0
+    assert "ok (mlpfuse.patch swapped nothing" in (out / "results.md").read_text()
 
 
 def test_bf16_error_is_measured_against_the_fp32_run(tmp_path):
@@ -111,6 +123,7 @@ def test_bf16_models_keep_the_rotary_frequencies_of_the_fp32_model():
     angles = torch.cat([inv, inv]) * 4095
     assert (cos.double().flatten() - angles.cos()).abs().max() < 1e-2
     assert (sin.double().flatten() - angles.sin()).abs().max() < 1e-2
+
 
 def test_a_local_model_folder(tmp_path):
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,

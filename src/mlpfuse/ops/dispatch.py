@@ -297,6 +297,13 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
     return GATED
 
 
+def eager_math(backend: str, activation_id: int) -> bool:
+    """Whether every linear+activation call runs eager's own ops whatever its input: backend "torch", or `auto` with
+    an activation `auto` never fuses (linear_act_path below makes the same choice for each call)."""
+    name = resolve_backend(backend)
+    return name == "torch" or (name == "auto" and activation_id not in LINEAR_ACT_ACTIVATIONS)
+
+
 def linear_act_path(backend: str, x: torch.Tensor, out_features: int, activation_id: int) -> str:
     """"torch", "triton" or "cuda" for a linear+activation call on 2-D x."""
     name = resolve_backend(backend)

@@ -204,11 +204,27 @@ def linear_act_call(x: Tensor, weight: Tensor, bias: Optional[Tensor], activatio
     """Every linear+activation call's one way in, as `ops.gated_mlp.gated_mlp_call` is for the gated MLP: whether a
     gradient is needed is decided here, once; plain eager calls run their path (through the module's `plan` when
     given), the rest the registered ops. Under torch.profiler an eager call shows as a `mlpfuse::linear_act` CPU op
-    around the kernels it launches."""
+    around the kernels it launches.
+
+    A plain eager module call (`plan` given: its weights are a Linear's) where every call takes eager's own ops
+    whatever x is (backend "torch", or `auto` with an activation it never fuses) is those ops and nothing else, with
+    no plan to look up. Input they refuse goes on to the checks, which name the argument."""
     if not plain_eager(x):
         if plan is not None:
             _checks.module_input(x, weight, "weight")
         return registered_call(x, weight, bias, activation, backend)
+    if plan is not None:
+        act = activations.get(activation)
+        if dispatch.eager_math(backend, act.id):
+            try:
+                if profiling():
+                    with op_span("mlpfuse::linear_act"):
+                        return act.forward(F.linear(x, weight, bias))
+                return act.forward(F.linear(x, weight, bias))
+            except torch.OutOfMemoryError:
+                raise
+            except (RuntimeError, TypeError, IndexError, ValueError):
+                pass
     if profiling():
         with op_span("mlpfuse::linear_act"):
             return _eager(x, weight, bias, activation, backend, plan)

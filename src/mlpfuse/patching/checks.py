@@ -93,20 +93,6 @@ def match_problem(module: nn.Module, match: Match) -> Optional[str]:
             or _multipliers_problem(module, match))
 
 
-def nothing_to_gain(match: Match, backend: str) -> Optional[str]:
-    """Why a lone linear + activation is left as it is on backend="auto": where `auto` never fuses the activation,
-    the block would run eager's own two kernels behind more Python per call than nn.Linear + the activation module
-    (BERT-base measured 1.04-1.09x eager's prefill time patched so, benchmarks/results/nvidia-h200/model-lab-families).
-    """
-    if match.layout != table.LINEAR_ACT or backend != "auto":
-        return None
-    act = activations.get(match.activation)
-    if act.id in dispatch.LINEAR_ACT_ACTIVATIONS:
-        return None
-    return (f"backend 'auto' keeps {match.linears[0]} + {act.name} as eager runs them (the fused kernel measured "
-            f"slower for {act.name}): the block would only add host time; patch with backend='triton' to fuse anyway")
-
-
 def _dropout_active(module: nn.Module, match: Match) -> Optional[str]:
     drop = module._modules.get(match.dropout) if match.dropout else None
     if drop is None or not drop.training or drop.p <= 0:

@@ -136,7 +136,7 @@ def decide(module: nn.Module, backend: str, verify: bool, verdicts: dict, config
     matches += structural
     first_failure, tried = None, 0
     for match in matches:
-        reason = checks.match_problem(module, match) or checks.nothing_to_gain(match, backend)
+        reason = checks.match_problem(module, match)
         if reason is None and not verify:
             reason = "read from its structure, which is trusted only once verified (patch(verify=False))"
         if reason is None:
