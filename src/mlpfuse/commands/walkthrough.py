@@ -46,8 +46,8 @@ def register(subparsers) -> None:
     p.add_argument("--steps", type=int, default=STEPS,
                    help=f"profiled steps per case and round: 1 wait, 1 warm-up, rest active (default {STEPS})")
     p.add_argument("--rounds", type=int, default=3,
-                   help="profiled runs of every case, interleaved (eager, compile, mlpfuse; then compile, mlpfuse, eager; ...); the tables "
-                        "show the median over rounds with its min-max (default 3)")
+                   help="profiled runs of every case, interleaved (eager, compile, mlpfuse; then compile, mlpfuse, "
+                        "eager; ...); the tables show the median over rounds with its min-max (default 3)")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU intra-op threads during the run (default 1: threads competing for a few cores make CPU "
                         "timings swing from run to run; the previous setting is restored afterwards)")
@@ -314,8 +314,9 @@ def _rounds_html(rounds, sentences) -> str:
             for case in rounds.runs]
     heads = ["case", *(esc(h) for _, h, _ in FIGURES), "verdict (median round)"]
     return (f"<p>Every case was profiled in {n} interleaved round{'s' * (n != 1)} (eager, compile, mlpfuse; "
-            "then compile, mlpfuse, eager; ...): each figure is the median over rounds, with the rounds' min–max in brackets. The sections below "
-            "show each case's median round.</p>" + table(heads, rows, "rounds", numeric=range(1, len(FIGURES) + 1))
+            "then compile, mlpfuse, eager; ...): each figure is the median over rounds, with the rounds' min–max in "
+            "brackets. The sections below show each case's median round.</p>"
+            + table(heads, rows, "rounds", numeric=range(1, len(FIGURES) + 1))
             + "<ul>" + "".join(f"<li>{esc(s, 2000)}</li>" for s in sentences) + "</ul>")
 
 

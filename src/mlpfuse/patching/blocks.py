@@ -24,10 +24,9 @@ Layouts (mlpfuse.patching.table names the families that use them):
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 from torch import Tensor
-
-import torch
 from torch.nn.modules import module as _module
 
 from mlpfuse.modules import _sharded, _weight_bias

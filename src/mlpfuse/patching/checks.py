@@ -17,9 +17,7 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
-from mlpfuse import activations
 from mlpfuse.modules import activation_name
-from mlpfuse.ops import dispatch
 from mlpfuse.patching import table
 from mlpfuse.patching.structure import NAME, Match
 
