@@ -379,6 +379,26 @@ def test_module_calls_check_x_first_in_the_module_terms(make):
         assert m(torch.randn(2, 8)).shape[-1] == (8 if not isinstance(m, FusedLinear) else 12)
 
 
+def test_fused_linear_with_an_activation_auto_never_fuses_is_eager_math_under_its_own_span():
+    """The erf GELU on `auto`: eager's F.linear + GELU bit for bit, no plan entry, and under the profiler the kernels
+    sit inside a `mlpfuse::linear_act` CPU op, as every eager mlpfuse call's do."""
+    torch.manual_seed(0)
+    ref = nn.Linear(8, 12)
+    m = FusedLinear.from_module(ref, activation="gelu", backend="auto")
+    x = torch.randn(2, 3, 8)
+    with torch.no_grad():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            got = m(x)
+        assert torch.equal(got, torch.nn.functional.gelu(ref(x)))
+    spans = [e for e in prof.events() if e.name == "mlpfuse::linear_act"]
+    assert len(spans) == 1
+    inside = {e.name for e in prof.events() if e.cpu_parent is not None and e.cpu_parent.name == "mlpfuse::linear_act"}
+    assert {"aten::linear", "aten::gelu"} <= inside, inside
+    assert len(m._plan.entries) == 0
+    with pytest.raises(InputError, match="^x: "):
+        m(torch.randn(3, 9))  # refused by F.linear, then named by the op layer's checks
+
+
 def test_fused_linear_without_activation_under_auto_is_nn_linear_itself():
     """Nothing to fuse: the call records exactly nn.Linear's ops (no mlpfuse span) and returns its bits."""
     torch.manual_seed(0)
