@@ -11,7 +11,8 @@
 #        decode-shapes (the CUDA decode kernels' launch shapes, benchmarks/decode_shapes.cu; needs nvcc and sm_90),
 #        multi-gpu, multi-gpu-sp (every visible GPU, tensor parallel; NCCL with NVLink multicast off),
 #        tune-decode, model-decode-step, model-prefill-compile, model-train-compile, model-generate-compile (the
-#        compiled and graph-replayed rows of the model lab, 32 layers; training 4), layer-sweep-DxH-MODE (one layer
+#        compiled and graph-replayed rows of the model lab, 32 layers; training 4), model-generate-eager (plain
+#        generate, batch 1 and 8; ~300 s on an H100 host), layer-sweep-DxH-MODE (one layer
 #        size, MODE fwd or fwd+bwd: 64-16384 tokens, GeGLU and SwiGLU, every peer and the GEMMs-alone floor).
 #        benchmarks/README.md says what each answers and where its latest result is.
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
@@ -92,6 +93,8 @@ for spec in "$@"; do
         model-train-compile) run_step model-train-compile "$secs" python3 -m mlpfuse bench --model llama3-8b --layers 4 --mode train \
             --tokens 2x2048 --variants compile,mlpfuse-compile,mlpfuse-recompute-compile,compile-checkpoint --rounds 7 \
             --out "$W/model-train-compile" ;;
+        model-generate-eager) run_step model-generate-eager "$secs" python3 -m mlpfuse bench --model llama3-8b --mode decode \
+            --tokens 1x128,8x128 --new-tokens 24 --variants eager,mlpfuse --rounds 5 --out "$W/model-generate-eager" ;;
         model-generate-compile) run_step model-generate-compile "$secs" python3 -m mlpfuse bench --model llama3-8b --mode decode \
             --tokens 1x128,8x128 --new-tokens 32 --variants compile,mlpfuse-compile --rounds 5 --out "$W/model-generate-compile" ;;
         layer-sweep-*x*-*) shape=${step#layer-sweep-}; mode=${shape#*-}; shape=${shape%%-*}
