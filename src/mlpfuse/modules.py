@@ -16,12 +16,12 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 from mlpfuse import activations
 from mlpfuse.errors import InputError
 from mlpfuse.ops import _checks, dispatch
+from mlpfuse.ops._util import plain_linear
 from mlpfuse.ops.gated_mlp import CallPlan, gated_mlp_call, registered_call
 from mlpfuse.ops.linear_act import LinearActPlan, linear_act_call
 from mlpfuse.ops.linear_act import registered_call as linear_registered_call
@@ -197,16 +197,6 @@ def _weight_bias(linear: nn.Module) -> tuple[Tensor, Optional[Tensor]]:
         w = linear.weight
     b = params["bias"] if "bias" in params else getattr(linear, "bias", None)
     return w, b
-
-
-def _plain_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optional[Tensor]:
-    """F.linear(x, weight, bias), or None where F.linear refuses the input (the op layer's checks then name it)."""
-    try:
-        return F.linear(x, weight, bias)
-    except torch.OutOfMemoryError:
-        raise
-    except (RuntimeError, TypeError, IndexError):
-        return None
 
 
 @torch.jit.unused
@@ -491,7 +481,7 @@ class FusedLinear(nn.Linear):
                 # each through Module.__getattr__). Through the op layer the walkthrough's linear step took 246.9 µs
                 # against eager's 217.7 under the profiler on an H100; with two helper frames in between, still ~7 µs
                 # more than nn.Linear's before F.linear. Input F.linear refuses goes on to the op layer's checks.
-                y = _plain_linear(x, w, params["bias"])
+                y = plain_linear(x, w, params["bias"])
                 if y is not None:
                     return y
             return self._call(x)

@@ -316,7 +316,7 @@ def linear_act_path(backend: str, x: torch.Tensor, out_features: int, activation
         _require_triton(x, "gemm_act")
         return "triton"
     # Without an activation, cuBLAS's addmm already is one kernel with the bias in its epilogue.
-    if (activation_id not in LINEAR_ACT_ACTIVATIONS or not _auto_may_use(x.device, x.dtype, "gemm_act")
+    if (eager_math(name, activation_id) or not _auto_may_use(x.device, x.dtype, "gemm_act")
             or not tuned_card(x.device)):
         return "torch"
     return "triton" if x.shape[0] * x.shape[1] * out_features >= LINEAR_ACT_MIN_WORK else "torch"

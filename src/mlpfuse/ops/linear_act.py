@@ -16,7 +16,7 @@ from mlpfuse import activations, csrc, reference
 from mlpfuse.ops import _checks, _plan, dispatch
 from mlpfuse.errors import InputError
 from mlpfuse.ops._util import (
-    autocast_dtype, cast_all, leading, needs_grad, nothing, op_span, plain_eager, profiling, rows,
+    autocast_dtype, cast_all, leading, needs_grad, nothing, op_span, plain_eager, plain_linear, profiling, rows,
 )
 
 
@@ -216,15 +216,13 @@ def linear_act_call(x: Tensor, weight: Tensor, bias: Optional[Tensor], activatio
     if plan is not None:
         act = activations.get(activation)
         if dispatch.eager_math(backend, act.id):
-            try:
-                if profiling():
-                    with op_span("mlpfuse::linear_act"):
-                        return act.forward(F.linear(x, weight, bias))
-                return act.forward(F.linear(x, weight, bias))
-            except torch.OutOfMemoryError:
-                raise
-            except (RuntimeError, TypeError, IndexError, ValueError):
-                pass
+            if profiling():
+                with op_span("mlpfuse::linear_act"):
+                    y = plain_linear(x, weight, bias, act.forward)
+            else:
+                y = plain_linear(x, weight, bias, act.forward)
+            if y is not None:
+                return y
     if profiling():
         with op_span("mlpfuse::linear_act"):
             return _eager(x, weight, bias, activation, backend, plan)

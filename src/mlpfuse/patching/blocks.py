@@ -191,7 +191,7 @@ class TwoLayerBlock(PatchedBlock):
         if type(proj) is not self.fused_proj_type or _hooked(proj):
             return proj(h)
         w, b = _weight_bias(proj)
-        if type(w) not in _checks.PLAIN or (b is not None and type(b) not in _checks.PLAIN) or _sharded(w):
+        if type(w) not in _checks.PLAIN or (b is not None and type(b) not in _checks.PLAIN):  # DTensors included
             return proj(h)
         h2 = rows(h)
         if self.fused_transposed:  # Conv1D: y = b + h·W with W [in, out]
