@@ -4,12 +4,14 @@
     PYTHONPATH=src python3 benchmarks/multi_gpu.py --gpus 2 --tokens 8192,16384 --mode fwd,fwd+bwd --out DIR
     PYTHONPATH=src python3 benchmarks/multi_gpu.py --cpu-gloo --out DIR       # smoke run: CPU processes, gloo
 
-One process per GPU, started by this script. For each tokens × mode, two variants under the same plan (gate and
+One process per GPU, started by this script. For each tokens × mode, the variants under the same plan (gate and
 up column-parallel, down row-parallel, one all-reduce per block; `--sequence-parallel`: the tokens sharded at the
 block's edges, all-gather + reduce-scatter):
 - eager: nn.Linear projections and the activation as transformers writes them, `parallelize_module` with
   ColwiseParallel / RowwiseParallel;
-- mlpfuse: `GatedMLP` over the same weights, `mlpfuse.parallel.tensor_parallel`;
+- mlpfuse: `GatedMLP` over the same weights, `mlpfuse.parallel.tensor_parallel` (the block's all-reduce in row
+  chunks behind its own down GEMM, dx's behind its weight gradients);
+- mlpfuse-serial (on request): the same with `overlap=False`, the all-reduce after the block as eager's;
 and both unsharded on one GPU (rank 0's; the baseline).
 
 Each row: the step time (CUDA events around `--reps` steps, ranks lined up by a barrier first, the slowest rank's
@@ -41,7 +43,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 MODES = ("fwd", "fwd+bwd")
-VARIANTS = ("eager", "mlpfuse")
+VARIANTS = ("eager", "mlpfuse", "mlpfuse-serial")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu")
 # bf16 bound of the benchmark lab (mlpfuse bench): relative error of the output and gradients against fp32.
@@ -85,7 +87,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, help="hidden width (default 14336)")
     p.add_argument("--activation", default="silu", help=f"{' | '.join(ACTIVATIONS)} (default silu: SwiGLU)")
     p.add_argument("--mode", default="fwd,fwd+bwd", help="fwd, fwd+bwd (comma-separated)")
-    p.add_argument("--variants", default="eager,mlpfuse", help="eager, mlpfuse (comma-separated)")
+    p.add_argument("--variants", default="eager,mlpfuse", help="eager, mlpfuse, mlpfuse-serial (comma-separated)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 (--cpu-gloo: fp32)")
     p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch", "cuda"), help="mlpfuse's backend")
     p.add_argument("--sequence-parallel", action="store_true", help="tokens sharded at the blocks' edges")
@@ -177,8 +179,9 @@ def _blocks(args, device, dtype, variants=VARIANTS):
     built = {}
     if "eager" in variants:
         built["eager"] = EagerGatedMLP(*linears())
-    if "mlpfuse" in variants:
-        built["mlpfuse"] = GatedMLP.from_linears(*linears(), args.activation, backend=args.backend)
+    for name in ("mlpfuse", "mlpfuse-serial"):
+        if name in variants:
+            built[name] = GatedMLP.from_linears(*linears(), args.activation, backend=args.backend)
     return built
 
 
@@ -193,8 +196,9 @@ def _plans(blocks, mesh, sequence_parallel: bool):
         parallelize_module(blocks["eager"], mesh, {"gate_proj": ColwiseParallel(input_layouts=acts),
                                                    "up_proj": ColwiseParallel(input_layouts=acts),
                                                    "down_proj": RowwiseParallel(output_layouts=acts)})
-    if "mlpfuse" in blocks:
-        tensor_parallel(blocks["mlpfuse"], mesh, sequence_dim=0 if sequence_parallel else None)
+    for name, overlap in (("mlpfuse", True), ("mlpfuse-serial", False)):
+        if name in blocks:
+            tensor_parallel(blocks[name], mesh, sequence_dim=0 if sequence_parallel else None, overlap=overlap)
 
 
 def _step(module, x, dy, mode: str):

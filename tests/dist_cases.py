@@ -91,9 +91,9 @@ def _counts(mode: CommDebugMode) -> dict:
     return {str(op).split(".")[-1]: n for op, n in mode.get_comm_counts().items() if n}
 
 
-def tp_matches_single(rank, world, mesh, kind, bias, backend, dtype, via="helper", sequence_dim=None):
+def tp_matches_single(rank, world, mesh, kind, bias, backend, dtype, via="helper", sequence_dim=None, tokens=(2, 6)):
     """Tensor parallelism: output, dx and every parameter's gradient equal the single-process block's; the fused
-    kernel ran on this rank's hidden slice; the collectives per block are those of eager TP under the same plan."""
+    kernel ran on this rank's hidden slice; returns the collectives of the forward and of the backward."""
     dtype = DTYPES[dtype]
     block = make(kind, bias, dtype, backend)
     single = copy.deepcopy(block)
@@ -102,8 +102,8 @@ def tp_matches_single(rank, world, mesh, kind, bias, backend, dtype, via="helper
     else:
         parallelize_module(block, mesh, styles(kind))
     torch.manual_seed(1)
-    x = torch.randn(2, 6, DIM, dtype=dtype)
-    dy = torch.randn(2, 6, DIM, dtype=dtype)
+    x = torch.randn(*tokens, DIM, dtype=dtype)
+    dy = torch.randn(*tokens, DIM, dtype=dtype)
 
     xs = x.clone().requires_grad_()
     ys = single(xs)

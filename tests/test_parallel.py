@@ -51,6 +51,21 @@ def test_tensor_parallel_equals_single_process(group, kind, bias, backend, dtype
     assert counts == [{"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}] * WORLD
 
 
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("kind", ("gated", "packed"))
+def test_block_sums_its_output_behind_its_own_gemms(group, kind, bias, backend, dtype):
+    """From 2·CHUNK_ROWS tokens a gated block under the all-reduce plan sums the ranks' outputs itself: its down
+    projection in row chunks, each chunk's all-reduce started once the chunk is written, and x's gradient
+    all-reduced before the weight gradients are computed. Values equal the single process's; the collectives are
+    those chunks' and dx's, and DTensor adds none (it would sum the sums again)."""
+    from mlpfuse.ops import reduce_overlap
+
+    tokens = (2, reduce_overlap.CHUNK_ROWS + 76)  # 2200 rows: two chunks of 1100
+    counts = group.run(CASES, "tp_matches_single", kind=kind, bias=bias, backend=backend, dtype=dtype, tokens=tokens)
+    assert counts == [{"forward": {"allreduce_": 2}, "backward": {"allreduce_": 1}}] * WORLD
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_pytorch_styles_directly(group, kind, bias):

@@ -90,6 +90,42 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: boo
     return unrows(y, x), h, g, u
 
 
+def hidden(x2, wg, wu, bg, bu, activation: str, path: str, grad: bool):
+    """(h, g, u) on 2-D x along `path` (TORCH, SPLIT or GATED; the caller checked the arguments and chose it): the
+    block up to the down projection's input h = act(g)·u, and with `grad` the pre-activations g and u a backward reads
+    (else None). For a caller that runs the down projection itself (ops/reduce_overlap.py)."""
+    act = activations.get(activation)
+    if path == dispatch.TORCH or x2.shape[0] == 0:
+        g, u = reference.gated_preact(x2, wg, wu, bg, bu)
+        h = reference.glu(g, u, act)
+    elif path == dispatch.SPLIT:
+        g, u = linear2d(x2, wg, bg), linear2d(x2, wu, bu)
+        h = dispatch.kernel("glu").glu_forward(g, u, activation=act.id)
+    else:
+        out = dispatch.kernel("gated_gemm").gated_gemm(
+            x2, wg, wu, bg, bu, activation=act.id, save_preact=grad, allow_tf32=dispatch.allow_tf32()
+        )
+        h, g, u = out if grad else (out, None, None)
+    return (h, g, u) if grad else (h, None, None)
+
+
+def hidden_gradients(path: str, dy2, x2, wg, wu, wd, held: list, activation: str, need_dx: bool, need_dw: bool,
+                     bias_grads, on_dx=None):
+    """(dx, dWg, dWu, dWd, dbg, dbu, dbd) from what `hidden` kept for `path`: g and u, taken out of `held` (their
+    buffers become dg and du). `on_dx(dx)` is called as soon as dx exists, before the weight gradients that read dg
+    and du are computed (a caller can start reducing dx across ranks behind them)."""
+    if path in (dispatch.GATED, dispatch.SPLIT):
+        return _triton_backward(dy2, x2, wg, wu, wd, held, None, activations.get(activation).id, need_dx, need_dw,
+                                bias_grads, True, on_dx=on_dx)
+    g, u = held
+    held.clear()
+    grads = reference.gated_mlp_backward(dy2, x2, wg, wu, wd, g, u, activation, need_dx=need_dx, need_dw=need_dw,
+                                         bias_grads=bias_grads)
+    if on_dx is not None and grads.x is not None:
+        on_dx(grads.x)
+    return tuple(grads)
+
+
 @torch.library.custom_op("mlpfuse::gated_mlp", mutates_args=())
 def _gated_mlp_op(
     x: Tensor,
@@ -276,7 +312,7 @@ def _cuda_backward(dy2, x, x2, wg, wu, wd, bg, bu, g, u, h, act_id: int, recompu
 
 
 def _triton_backward(dy2, x2, wg, wu, wd, held: list, h, act_id: int, need_dx: bool, need_dw: bool, bias_grads,
-                     consume: bool, entry: "Optional[_Entry]" = None):
+                     consume: bool, entry: "Optional[_Entry]" = None, on_dx=None):
     """The Triton path's gradients from the saved (or recomputed) g and u, taken out of `held`, and h (None or empty:
     not saved, rebuilt here). `entry`: the module call plan's entry of a SPLIT-path step, which holds the GLU-backward
     pass's launch plan (g, u fresh from cuBLAS and dh from this function: contiguous, aligned).
@@ -327,6 +363,8 @@ def _triton_backward(dy2, x2, wg, wu, wd, held: list, h, act_id: int, need_dx: b
     del h
     if need_dx:
         dx = dg.mm(wg).addmm_(du, wu)
+        if on_dx is not None:
+            on_dx(dx)
     # Bias gradients are column sums taken in fp32 (the split pass has them from before dg and du were rounded).
     dbg, dbu, dbd = (
         (fp32 if fp32 is not None else t.sum(0, dtype=torch.float32)).to(x2.dtype) if need else None

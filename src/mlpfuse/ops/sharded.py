@@ -21,12 +21,15 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import torch
 import torch.nn as nn
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from mlpfuse.errors import InputError
+from mlpfuse.ops import reduce_overlap
+from mlpfuse.ops._util import leading, needs_grad
 from mlpfuse.ops.gated_mlp import gated_mlp_call
 from mlpfuse.ops.linear_act import linear_act_call
 
@@ -144,11 +147,23 @@ def gated(x, children: Sequence[tuple[str, nn.Module]], packed: bool, activation
     # The first projection's input hooks prepare x for all of them: running up's on their result too would add a
     # redistribution whose backward all-reduces dx a second time.
     xr = _as_dtensor(_run_input_hooks(firsts[0][1], x), mesh, REPLICATE)
-    # Each rank's dx covers its hidden slice only: the local gradient is a partial sum, which the input's
-    # redistribution (or the input hook) adds up in the backward.
-    x_local = xr.to_local(grad_placements=[Partial()])
-    y_local = gated_mlp_call(x_local, wg, wu, wd, bg, bu, None, activation, backend)
-    y = DTensor.from_local(y_local, mesh, [Partial()], run_check=False)
+    overlap = None
+    if getattr(down, reduce_overlap.REDUCES, False) and leading(xr) >= 2 * reduce_overlap.CHUNK_ROWS:
+        # The plan's all-reduce of the block's output: run here, behind the block's own GEMMs.
+        grad = needs_grad([xr, wg, wu, wd, bg, bu])
+        with torch.no_grad():
+            overlap = reduce_overlap.plan(xr.to_local(), grad, wg.shape[0], backend)
+    if overlap is not None:
+        # The sum comes back replicated, and so does x's gradient (summed in the op's backward).
+        x_local = xr.to_local(grad_placements=[Replicate()])
+        y_local = reduce_overlap.gated(x_local, wg, wu, wd, bg, bu, activation, grad, *overlap, mesh.get_group())
+        y = DTensor.from_local(y_local, mesh, [Replicate()], run_check=False)
+    else:
+        # Each rank's dx covers its hidden slice only: the local gradient is a partial sum, which the input's
+        # redistribution (or the input hook) adds up in the backward.
+        x_local = xr.to_local(grad_placements=[Partial()])
+        y_local = gated_mlp_call(x_local, wg, wu, wd, bg, bu, None, activation, backend)
+        y = DTensor.from_local(y_local, mesh, [Partial()], run_check=False)
     if down.bias is not None:
         y = y + down.bias  # DTensor adds the whole bias once to the sum over ranks
     return _run_output_hooks(down, x, y)

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from mlpfuse.errors import InputError
+from mlpfuse.ops.reduce_overlap import REDUCES
 from mlpfuse.ops.sharded import PACKED
 
 
@@ -38,6 +39,22 @@ class PackedColwiseParallel(ColwiseParallel):
             module.register_parameter(key, nn.Parameter(shard, requires_grad=param.requires_grad))
 
 
+class ReducedRowwiseParallel(RowwiseParallel):
+    """RowwiseParallel to a replicated output (one all-reduce of the ranks' partial sums) that lets the fused block
+    run that all-reduce itself: in row chunks, each started as soon as its rows are written, behind the block's
+    remaining GEMMs (mlpfuse.ops.reduce_overlap). The output hook then finds the sum already replicated and only
+    passes it on. A block that does not (a compiled call, a few tokens) leaves its output partial, and the hook
+    all-reduces it as RowwiseParallel's does."""
+
+    def __init__(self, *, use_local_output: bool = True):
+        super().__init__(output_layouts=Replicate(), use_local_output=use_local_output)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        setattr(module, REDUCES, True)
+        return module
+
+
 def _hidden(block: nn.Module) -> Optional[int]:
     """The hidden size of an mlpfuse MLP block (a module or a block mlpfuse.patch put in), else None."""
     from mlpfuse.modules import MLP, GatedMLP
@@ -52,16 +69,20 @@ def _hidden(block: nn.Module) -> Optional[int]:
     return None
 
 
-def block_plan(block: nn.Module, sequence_dim: Optional[int] = None, name: str = "") -> dict[str, object]:
+def block_plan(block: nn.Module, sequence_dim: Optional[int] = None, name: str = "",
+               overlap: bool = True) -> dict[str, object]:
     """The ParallelStyles of one mlpfuse MLP block, keyed by its children's names: the first projections
     column-parallel, the last row-parallel. sequence_dim: the block's input and output are sharded along it on each
-    rank (sequence parallelism), else replicated. name: the block's path, for messages."""
+    rank (sequence parallelism), else replicated. name: the block's path, for messages. overlap: a gated block with
+    replicated input and output runs its all-reduce itself, behind its own GEMMs (ReducedRowwiseParallel)."""
     from mlpfuse.modules import MLP, GatedMLP, PackedGatedMLP
     from mlpfuse.patching.blocks import GatedBlock, LinearActBlock, TwoLayerBlock
 
     where = f"{name or type(block).__name__} ({type(block).__name__})"
     if sequence_dim is not None and (isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int)):
         raise InputError(f"sequence_dim: expected None or an int, got {sequence_dim!r}")
+    if not isinstance(overlap, bool):
+        raise InputError(f"overlap: expected True or False, got {overlap!r}")
     activations = Replicate() if sequence_dim is None else Shard(sequence_dim)
     first = {"input_layouts": activations}
     last = {"output_layouts": activations}
@@ -85,11 +106,15 @@ def block_plan(block: nn.Module, sequence_dim: Optional[int] = None, name: str =
     else:
         raise InputError(f"module: {where} is not an mlpfuse MLP block")
     plan: dict[str, object] = {n: (PackedColwiseParallel if packed else ColwiseParallel)(**first) for n in names[:-1]}
-    plan[names[-1]] = RowwiseParallel(**last)
+    # Row-parallel last projection; to a replicated output the fused gated blocks run the all-reduce themselves.
+    gated = isinstance(block, (GatedMLP, GatedBlock))
+    reduced = overlap and gated and sequence_dim is None
+    plan[names[-1]] = ReducedRowwiseParallel() if reduced else RowwiseParallel(**last)
     return plan
 
 
-def tensor_parallel(module: nn.Module, device_mesh, *, sequence_dim: Optional[int] = None) -> nn.Module:
+def tensor_parallel(module: nn.Module, device_mesh, *, sequence_dim: Optional[int] = None,
+                    overlap: bool = True) -> nn.Module:
     """Shard every mlpfuse MLP block in `module` (GatedMLP, PackedGatedMLP, MLP, and the blocks `mlpfuse.patch`
     puts in a model; the module itself included) over the ranks of a 1-D `device_mesh`, in place; returns `module`.
     Patch first: mlpfuse.patch leaves modules with hooks or DTensor weights alone.
@@ -98,7 +123,9 @@ def tensor_parallel(module: nn.Module, device_mesh, *, sequence_dim: Optional[in
     ColwiseParallel / RowwiseParallel; PackedColwiseParallel for a packed gate_up_proj). Each rank then runs the
     fused kernels on its slice of the hidden dimension and the block ends in one all-reduce. sequence_dim: the
     blocks' inputs and outputs are sharded along this dimension on each rank (sequence parallelism): one all-gather
-    at the block's start and a reduce-scatter at its end instead of the all-reduce.
+    at the block's start and a reduce-scatter at its end instead of the all-reduce. overlap: without sequence
+    parallelism, a gated block's all-reduce runs inside it, in row chunks behind its down projection, and x's
+    gradient's behind its weight gradients (from 2048 tokens in plain eager calls; mlpfuse.ops.reduce_overlap).
     """
     if not isinstance(module, nn.Module):
         raise InputError(f"module: expected an nn.Module, got {type(module).__name__}")
@@ -117,7 +144,7 @@ def tensor_parallel(module: nn.Module, device_mesh, *, sequence_dim: Optional[in
         if any(isinstance(p, DTensor) for p in block.parameters()):
             raise InputError(f"module: {where} already has DTensor parameters; apply tensor_parallel once, to "
                              f"plain modules")
-        styles = block_plan(block, sequence_dim, name)
+        styles = block_plan(block, sequence_dim, name, overlap)
         if hidden % n:
             raise InputError(f"device_mesh: {n} ranks do not divide the hidden size {hidden} of {where}; each "
                              f"rank must hold an equal slice of it")

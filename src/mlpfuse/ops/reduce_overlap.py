@@ -1,0 +1,115 @@
+"""A tensor-parallel gated block that sums its ranks' outputs while its own GEMMs still run.
+
+Under the Megatron split (gate and up column-parallel, down row-parallel) each rank ends its block with a partial
+output that one all-reduce sums; run after the block, that all-reduce is time the GPU spends on nothing else
+(at 16384 tokens × 4096×14336 on two GPUs, 128 MB per block). Here the block runs its down projection in row
+chunks and starts each chunk's all-reduce as soon as that chunk is written, so every transfer but the last runs
+behind the next chunk's GEMM. In the backward, dx (a partial sum on each rank too) is all-reduced as soon as it
+exists, behind the weight gradients dWu and dWg that are computed after it.
+
+Taken by `ops.sharded.gated` for a block whose down projection was sharded by `mlpfuse.parallel`'s all-reduce plan
+(`REDUCES`), in plain eager calls from CHUNK_ROWS·2 tokens on the TORCH, SPLIT and GATED paths; the result is the
+sum, replicated, and x's gradient comes back summed. Elsewhere (compiled calls, sequence parallelism, the decode and
+CUDA paths, fewer tokens) the block's output stays a partial sum for DTensor to reduce after it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mlpfuse import activations
+from mlpfuse.ops import _checks, dispatch
+from mlpfuse.ops._util import autocast_dtype, plain_eager, rows, unrows
+from mlpfuse.ops.gated_mlp import hidden, hidden_gradients
+
+# A projection carrying this attribute (True) is row-parallel with a replicated output: its output hook only
+# passes on a sum that is already replicated. Set by mlpfuse.parallel's plan, read by ops.sharded.
+REDUCES = "_mlpfuse_reduces_output"
+CHUNK_ROWS = 1024  # rows per chunk of the down projection, ...
+MAX_CHUNKS = 4  # ... at most this many chunks (each adds one GEMM launch and one collective)
+_PATHS = (dispatch.TORCH, dispatch.SPLIT, dispatch.GATED)
+
+
+def plan(x: Tensor, grad: bool, hidden_size: int, backend: str) -> Optional[tuple[int, str]]:
+    """(chunks, path) for a call on x (this rank's replicated input, a plain tensor) that takes the overlapped path,
+    else None. grad: whether the call needs a gradient (autograd's rule, decided by the caller)."""
+    x2 = rows(x)
+    n = min(MAX_CHUNKS, x2.shape[0] // CHUNK_ROWS)
+    if n < 2 or not plain_eager(x) or autocast_dtype(x) is not None:
+        return None
+    path = dispatch.gated_mlp_path(backend, x2, hidden_size, grad)
+    return (n, path) if path in _PATHS else None
+
+
+def gated(x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, bg: Optional[Tensor], bu: Optional[Tensor], activation: str,
+          grad: bool, n: int, path: str, group) -> Tensor:
+    """The sum over `group`'s ranks of down(act(x·Wgᵀ + bg)·(x·Wuᵀ + bu)) for this rank's hidden slice (no down
+    bias), with `plan`'s chunks and path. Under autograd (`grad`), x's gradient is the sum over ranks too."""
+    _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, None)
+    activations.get(activation)
+    if grad:
+        return _Overlapped.apply(x, wg, wu, wd, bg, bu, activation, path, group, n)
+    h = hidden(rows(x), wg, wu, bg, bu, activation, path, False)[0]
+    return unrows(_down_all_reduce(h, wd, group, n), x)
+
+
+def _down_all_reduce(h: Tensor, wd: Tensor, group, n: int) -> Tensor:
+    """h·Wdᵀ summed over the group's ranks, computed in n row chunks, each chunk's all-reduce started as soon as the
+    chunk is written and waited for (by the current stream, not the host, on NCCL) at the end."""
+    m = h.shape[0]
+    y = h.new_empty(m, wd.shape[0])
+    wdt = wd.t()
+    pending = []
+    step = -(-m // n)
+    for start in range(0, m, step):
+        part = y[start:start + step]
+        torch.mm(h[start:start + step], wdt, out=part)
+        pending.append(dist.all_reduce(part, group=group, async_op=True))
+    for work in pending:
+        work.wait()
+    return y
+
+
+class _Overlapped(torch.autograd.Function):
+    """Training: the forward keeps g and u (as eager training does, ops.gated_mlp `_EagerTraining`) and not h;
+    the backward all-reduces dx behind dWu and dWg."""
+
+    @staticmethod
+    def forward(ctx, x, wg, wu, wd, bg, bu, activation: str, path: str, group, n: int):
+        x2 = rows(x)
+        h, g, u = hidden(x2, wg, wu, bg, bu, activation, path, True)
+        y = _down_all_reduce(h, wd, group, n)
+        ctx.activation, ctx.path, ctx.group = activation, path, group
+        ctx.held = [g, u]
+        ctx.save_for_backward(x, wg, wu, wd, bg, bu)
+        return unrows(y, x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, wg, wu, wd, bg, bu = ctx.saved_tensors
+        held, ctx.held = ctx.held, None
+        x2 = rows(x)
+        if held is None:  # a second backward through the graph (retain_graph=True): the first consumed g and u
+            held = list(hidden(x2, wg, wu, bg, bu, ctx.activation, ctx.path, True)[1:])
+        need = ctx.needs_input_grad
+        pending = []
+        group = ctx.group
+
+        def reduce_dx(dx):
+            pending.append(dist.all_reduce(dx, group=group, async_op=True))
+
+        bias_grads = (bg is not None and need[4], bu is not None and need[5], False)
+        dx, dwg, dwu, dwd, dbg, dbu, _ = hidden_gradients(
+            ctx.path, rows(dy.to(x.dtype)), x2, wg, wu, wd, held, ctx.activation, need[0],
+            need[1] or need[2] or need[3], bias_grads, reduce_dx)
+        del held
+        for work in pending:
+            work.wait()
+        if dx is not None and x.dim() != 2:
+            dx = dx.reshape(x.shape)
+        grads = (dx, dwg, dwu, dwd, dbg, dbu)
+        return (*(t if need[i] else None for i, t in enumerate(grads)), None, None, None, None)
