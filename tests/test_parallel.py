@@ -66,6 +66,19 @@ def test_block_sums_its_output_behind_its_own_gemms(group, kind, bias, backend, 
     assert counts == [{"forward": {"allreduce_": 2}, "backward": {"allreduce_": 1}}] * WORLD
 
 
+@pytest.mark.parametrize("m", [2048, 2200, 4100, 8192, 16384, 16385])
+def test_chunks_cover_the_rows_the_last_one_smallest(m):
+    from mlpfuse.ops import reduce_overlap
+
+    n = min(reduce_overlap.MAX_CHUNKS, m // reduce_overlap.CHUNK_ROWS)
+    bounds = reduce_overlap.bounds(m, n)
+    assert len(bounds) == n and bounds[0][0] == 0 and bounds[-1][1] == m
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    sizes = [b - a for a, b in bounds]
+    assert all(a % 8 == 0 for a, _ in bounds), bounds  # chunk starts keep the tensor's alignment
+    assert sizes[-1] < min(sizes[:-1]), sizes  # the all-reduce nothing runs behind is the smallest
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_pytorch_styles_directly(group, kind, bias):
