@@ -36,6 +36,14 @@ def test_cards_are_told_apart_by_name_and_sm_count():
     assert _gated("NVIDIA GH200 480GB", 132, 8192, 14336, 4096) == configs._SM90_16[("gated", "large")]
 
 
+def test_measured_cards_carry_their_cut_overs():
+    for name in (H100, H200):
+        cut = configs.card(name, 132).cutovers
+        assert isinstance(cut, configs.Cutovers)
+        # the decode kernels, then cuBLAS around the GLU pass, then the gated GEMM, in that order of tokens
+        assert 0 < cut.decode_large_max_m < cut.gated_large_min_m and cut.linear_act_min_work > 0
+
+
 def test_cpu_and_older_gpus_get_their_rows():
     assert configs.pick("gated", torch.float32, 64, 64, device=torch.device("cpu"), num_sms=1, arch=0) is \
         configs._INTERPRET

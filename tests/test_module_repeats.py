@@ -13,6 +13,7 @@ on a GPU; and `auto` made to choose as it does on a Hopper GPU, so that its deco
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -152,7 +153,8 @@ def auto_as_on_a_gpu(monkeypatch):
     monkeypatch.setattr(dispatch, "_auto_may_use", lambda device, dtype, module: True)
     monkeypatch.setattr(dispatch, "tuned_card", lambda device: True)  # the CPU stands in for a measured card
     monkeypatch.setattr(dispatch, "DECODE_LARGE_LAYER", 1)
-    monkeypatch.setattr(dispatch, "LINEAR_ACT_MIN_WORK", 0)
+    cut = dataclasses.replace(dispatch.cutovers(torch.device(DEVICE)), linear_act_min_work=0)
+    monkeypatch.setattr(dispatch, "cutovers", lambda device: cut)
     return dispatch
 
 
@@ -163,8 +165,8 @@ def test_repeated_calls_on_every_auto_path(auto_as_on_a_gpu, case, bias):
     dispatch = auto_as_on_a_gpu
     dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
     module, names, oracle = build(case, bias, dtype, "auto")
-    sizes = {dispatch.DECODE: 5, dispatch.SPLIT: dispatch.DECODE_LARGE_MAX_M + 7, dispatch.GATED:
-             dispatch.GATED_LARGE_MIN_M + 5}
+    cut = dispatch.cutovers(torch.device(DEVICE))
+    sizes = {dispatch.DECODE: 5, dispatch.SPLIT: cut.decode_large_max_m + 7, dispatch.GATED: cut.gated_large_min_m + 5}
     if case in GATED_CASES:  # the sizes are what they claim: each takes its path
         for path, rows in sizes.items():
             assert dispatch.gated_mlp_path("auto", torch.empty(rows, DIM), HIDDEN, False) == path

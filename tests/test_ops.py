@@ -288,11 +288,11 @@ def test_gated_mlp_triton_inference_small_batches(m, kernel_calls):
 @needs_triton
 @pytest.mark.parametrize("bias", [False, True])
 def test_auto_split_path_between_decode_and_gated_sizes(monkeypatch, kernel_calls, bias):
-    # A large layer past the decode sizes and below GATED_LARGE_MIN_M: cuBLAS's GEMMs around the Triton GLU pass,
+    # A large layer past the decode sizes and below gated_large_min_m tokens: cuBLAS's GEMMs around the Triton GLU pass,
     # against fp64; the module's call plan takes the same path.
     monkeypatch.setattr(dispatch, "_auto_may_use", lambda device, dtype, module: True)
     monkeypatch.setattr(dispatch, "DECODE_LARGE_LAYER", 1)
-    m = dispatch.DECODE_LARGE_MAX_M + 7
+    m = dispatch.cutovers(torch.device(DEVICE)).decode_large_max_m + 7
     with torch.no_grad():
         check_gated("auto", "silu", (m,), 16, 24, torch.float32, bias, grad=False, seed=5)
     assert kernel_calls == ["glu"]
@@ -315,7 +315,7 @@ def test_auto_split_path_between_decode_and_gated_sizes(monkeypatch, kernel_call
 @needs_triton
 @pytest.mark.parametrize("bias", [False, True])
 def test_auto_trains_large_layers_on_the_split_path_at_few_tokens(monkeypatch, kernel_calls, bias):
-    # Training a large layer below GATED_LARGE_MIN_M tokens: cuBLAS's GEMMs around the Triton GLU pass and the Triton
+    # Training a large layer below gated_large_min_m tokens: cuBLAS's GEMMs around the Triton GLU pass and the Triton
     # GLU-backward pass, against fp64; the module's call plan takes the same path, holds both passes' launch plans
     # after the first step and gives the same bits on the next.
     monkeypatch.setattr(dispatch, "_auto_may_use", lambda device, dtype, module: True)
@@ -745,27 +745,49 @@ def test_eager_training_on_the_torch_path_is_plain_autograd():
         torch.testing.assert_close(a, b)
 
 
+def test_auto_reads_the_cut_overs_of_the_card(monkeypatch):
+    # The cut-overs are data per card (kernels.configs.CARDS): a card whose measurements put them elsewhere moves
+    # `auto`'s choice with them, and a device with no entry (here the CPU) gets the defaults.
+    from mlpfuse.kernels import configs
+
+    assert dispatch.cutovers(torch.device("cpu")) is configs.DEFAULT_CUTOVERS
+    monkeypatch.setattr(dispatch, "_auto_may_use", lambda device, dtype, module: True)
+    monkeypatch.setattr(dispatch, "tuned_card", lambda device: True)
+    monkeypatch.setattr(dispatch, "decode_max_m", lambda: 64)
+    other = configs.Cutovers(decode_large_max_m=4, gated_large_min_m=200, linear_act_min_work=1.0)
+    monkeypatch.setattr(dispatch, "cutovers", lambda device: other)
+    big = 14336
+    path = lambda m, training=False: dispatch.gated_mlp_path("auto", torch.empty(m, 4096), big, training)  # noqa: E731
+    assert [path(4), path(5), path(199), path(200)] == [dispatch.DECODE, dispatch.SPLIT, dispatch.SPLIT,
+                                                        dispatch.GATED]
+    assert [path(199, True), path(200, True)] == [dispatch.SPLIT, dispatch.GATED]
+    monkeypatch.setattr(dispatch, "eager_math", lambda backend, act: False)
+    x = torch.empty(1, 1)
+    assert dispatch.linear_act_path("auto", x, 1, activations.GELU_TANH) == "triton"  # 1 multiply-add is enough
+
+
 def test_auto_decode_cutover_depends_on_layer_size(monkeypatch):
-    # The measured cut-over: large layers leave the decode path above DECODE_LARGE_MAX_M tokens, small ones keep it.
+    # The measured cut-over: large layers leave the decode path above decode_large_max_m tokens, small ones keep it.
     monkeypatch.setattr(dispatch, "_auto_may_use", lambda device, dtype, module: True)
     monkeypatch.setattr(dispatch, "tuned_card", lambda device: True)
     monkeypatch.setattr(dispatch, "decode_max_m", lambda: 64)
     big, small = 4096 * 14336 // 4096, 3072
-    at_most = dispatch.DECODE_LARGE_MAX_M
+    cut = dispatch.cutovers(torch.device("cpu"))
+    at_most, gated_from = cut.decode_large_max_m, cut.gated_large_min_m
     assert dispatch.gated_mlp_path("auto", torch.empty(at_most, 4096), big, False) == dispatch.DECODE
     # Past the decode sizes on a large layer: cuBLAS + the GLU pass until the gated GEMM wins there.
     assert dispatch.gated_mlp_path("auto", torch.empty(at_most + 1, 4096), big, False) == dispatch.SPLIT
-    assert dispatch.gated_mlp_path("auto", torch.empty(dispatch.GATED_LARGE_MIN_M - 1, 4096), big, False) \
+    assert dispatch.gated_mlp_path("auto", torch.empty(gated_from - 1, 4096), big, False) \
         == dispatch.SPLIT
-    assert dispatch.gated_mlp_path("auto", torch.empty(dispatch.GATED_LARGE_MIN_M, 4096), big, False) \
+    assert dispatch.gated_mlp_path("auto", torch.empty(gated_from, 4096), big, False) \
         == dispatch.GATED
     assert dispatch.gated_mlp_path("auto", torch.empty(64, 768), small, False) == dispatch.DECODE
     assert dispatch.gated_mlp_path("auto", torch.empty(65, 768), small, False) == dispatch.GATED
     # Training takes the forward's path without the decode kernels: on large layers the SPLIT path below
-    # GATED_LARGE_MIN_M tokens, the gated GEMM from there, and on small layers the gated GEMM at any size.
-    for m in (1, at_most + 1, dispatch.GATED_LARGE_MIN_M - 1):
+    # gated_large_min_m tokens, the gated GEMM from there, and on small layers the gated GEMM at any size.
+    for m in (1, at_most + 1, gated_from - 1):
         assert dispatch.gated_mlp_path("auto", torch.empty(m, 4096), big, True) == dispatch.SPLIT
-    for m in (dispatch.GATED_LARGE_MIN_M, 8192):
+    for m in (gated_from, 8192):
         assert dispatch.gated_mlp_path("auto", torch.empty(m, 4096), big, True) == dispatch.GATED
     for m in (1, 64, 65, 4096, 8192):
         assert dispatch.gated_mlp_path("auto", torch.empty(m, 768), small, True) == dispatch.GATED

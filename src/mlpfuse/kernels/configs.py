@@ -1,4 +1,5 @@
-"""Tile configurations: a fixed table per card, chosen by (card, dtype, size class), never searched at call time.
+"""Tile configurations and `auto`'s cut-overs, per card: a fixed table chosen by (card, dtype, size class), never
+searched at call time.
 
 Searching per shape would make the first call of every new shape cost seconds; a table keeps it to one compile per
 (config, dtype, activation), shared by every M. Configs tuned on one card do not carry to another (the gated rows
@@ -7,7 +8,8 @@ keyed by the device's name and SM count) with the command that measured them. A 
 rows gets the first H200 rows for the kernels a caller forces, and `auto` keeps cuBLAS's GEMMs for the gated MLP's
 projections (ops.dispatch: the SPLIT path, never slower than eager); the generic rows are safe pointer-path tiles
 for older GPUs.
-To add a card: run `benchmarks/tune_kernels.py` and `.../tune_gated.py` there, add its rows and a `CARDS` entry; run
+To add a card: run `benchmarks/tune_kernels.py` and `.../tune_gated.py` there, add its rows and a `CARDS` entry with
+its cut-overs (`Cutovers`: check them with the layer sweeps, `gpu_run.sh OUT layer-sweep-DxH-MODE`); run
 `benchmarks/tune_decode.py` too — the decode kernels' one table (kernels/decode_mlp.py `_CONFIGS`, from the H200) was
 also the best of its candidates on the H100 SXM at 1 and 8 rows × 4096×14336, so it is not kept per card yet.
 """
@@ -15,6 +17,7 @@ also the best of its candidates on the H100 SXM at 1 and 8 rows × 4096×14336, 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -79,16 +82,49 @@ _SM90_MEASURED = {
 }
 _LARGE_LAYER = 1 << 24  # dim·hidden from which the gated rows take the wide CTA
 
-# Cards with measured rows: (the device's name as CUDA reports it, SM count) -> (card id, 16-bit table, size rule).
-# Exact names: an H100 NVL or PCIe, a GH200 or an H800 runs other clocks, power limits or memory, and is not measured.
+
+@dataclass(frozen=True)
+class Cutovers:
+    """Where `auto` changes paths on one card (ops.dispatch reads them; the measurements behind each are told
+    there). Tokens are a call's rows; a large layer has dim·hidden from dispatch.DECODE_LARGE_LAYER."""
+
+    decode_large_max_m: int  # large layers: the decode kernels up to this many tokens, then the SPLIT path ...
+    gated_large_min_m: int  # ... and the gated GEMM from this many (small layers: the gated GEMM past decode sizes)
+    linear_act_min_work: float  # M·out·in multiply-adds from which GEMM+bias+activation replaces addmm + activation
+
+
+# H200: decode kernels against cuBLAS and the SPLIT path at 16–64 tokens (benchmarks/results/nvidia-h200/decode,
+# small-m), the gated GEMM against both at 16–4096 tokens (small-m, auto-sweeps), training (train-small), linear +
+# activation (kernels-h200.md): ops/dispatch.py has the figures.
+_H200_CUTOVERS = Cutovers(decode_large_max_m=16, gated_large_min_m=96, linear_act_min_work=9e9)
+# H100 SXM: the H200's cut-overs, checked on the card by the layer sweeps (benchmarks/results/nvidia-h100-x1/
+# layer-sweeps, `gpu_run.sh OUT layer-sweep-DxH-MODE` for 768×3072 … 8192×28672, 64–16384 tokens, forward and
+# forward+backward): `auto` faster than eager on all 80 rows, within 2 % of the best peer on 77 (the other three at
+# 64 tokens against eager's CUDA graph, 1.016–1.031×); the decode tiles at 1 and 8 rows (tune-decode/). The
+# decode/SPLIT boundary (16) and linear + activation's were not measured apart on this card.
+_H100_CUTOVERS = _H200_CUTOVERS
+# Where no card's are known (the CPU through Triton's interpreter, a GPU without a CARDS entry, on which `auto`
+# runs only the decode kernels): the H200's.
+DEFAULT_CUTOVERS = _H200_CUTOVERS
+
+
+class Card(NamedTuple):
+    id: str
+    table: dict  # the 16-bit tile rows
+    rule: str  # "layer": gated rows by layer size; "tiles": by tile count
+    cutovers: Cutovers
+
+
+# Cards with measured rows, by the device's name as CUDA reports it and its SM count. Exact names: an H100 NVL or
+# PCIe, a GH200 or an H800 runs other clocks, power limits or memory, and is not measured.
 CARDS = {
-    ("NVIDIA H200", 132): ("h200", _SM90_MEASURED, "layer"),
-    ("NVIDIA H100 80GB HBM3", 132): ("h100-sxm", _SM90_MEASURED, "layer"),
+    ("NVIDIA H200", 132): Card("h200", _SM90_MEASURED, "layer", _H200_CUTOVERS),
+    ("NVIDIA H100 80GB HBM3", 132): Card("h100-sxm", _SM90_MEASURED, "layer", _H100_CUTOVERS),
 }
 
 
-def card(name: str, num_sms: int):
-    """(card id, 16-bit table, size rule) of a device with measured rows, or None (an untuned card)."""
+def card(name: str, num_sms: int) -> Optional[Card]:
+    """The measured rows and cut-overs of a device, or None (an untuned card)."""
     return CARDS.get((name.strip(), num_sms))
 
 
@@ -121,7 +157,8 @@ def pick(op: str, dtype: torch.dtype, m: int, n: int, *, device: torch.device, n
     if device.type != "cuda":
         return _INTERPRET
     if arch >= 9:
-        _, table, rule = card(name, num_sms) or (None, _SM90_16, "tiles")
+        measured = card(name, num_sms)
+        table, rule = (measured.table, measured.rule) if measured else (_SM90_16, "tiles")
         if dtype == torch.float32:
             table = _FP32[id(table)]
         if rule == "layer" and op == "gated":

@@ -49,13 +49,14 @@ SAVE_PREACT = True
 # 0.93 / 0.90× at 96 / 128) and so did the decode kernels from 24 tokens (1.01 / 1.12 / 1.06× at 24 / 48 / 64), where
 # torch.compile's kernels — cuBLAS's GEMMs with GELU·mul fused into one pass — ran 0.95–0.96×, and the same GEMMs
 # around mlpfuse's GLU pass 0.96–0.97× (within 1.2 % of compile at 16–80 tokens). So inference takes, past the decode
-# sizes, the gated GEMM on small layers and from GATED_LARGE_MIN_M tokens on large ones (dim·hidden >=
+# sizes, the gated GEMM on small layers and from `gated_large_min_m` (96) tokens on large ones (dim·hidden >=
 # DECODE_LARGE_LAYER); in between, on large layers, that SPLIT path: cuBLAS's gate and up GEMMs, one Triton GLU pass,
 # cuBLAS's down GEMM.
 # In eager mode and in graphs alike; training makes the same choice (GATED_TRAINING below).
-GATED_LARGE_MIN_M = 96  # tokens
-# gemm_act vs addmm + activation at 768→3072: M=2048 27.5 → 45.1 µs (eager wins), M=4096 49.1 → 45.7.
-LINEAR_ACT_MIN_WORK = 9e9  # M·out·in multiply-adds from which GEMM+bias+activation replaces addmm + activation
+# The cut-overs' token counts and work sizes are data per card, with the runs that checked them on each card:
+# kernels/configs.py `Cutovers` (read through `cutovers` below).
+# gemm_act vs addmm + activation at 768→3072: M=2048 27.5 → 45.1 µs (eager wins), M=4096 49.1 → 45.7: `auto` fuses
+# from `linear_act_min_work` (9e9 multiply-adds, M·out·in) ...
 # ... for the activation it was measured with (gelu_tanh). With the erf GELU (BERT's intermediate layer) the kernel
 # lost at every size tune_mid_m.py timed, as pure GPU time at 128 / 1024 / 2048 / 4096 × 768→3072: 43.1 / 44.5 /
 # 60.9 / 77.6 µs against addmm + GELU's 11.6 / 19.7 / 30.3 / 51.9 (benchmarks/results/nvidia-h200/auto-sweeps).
@@ -70,10 +71,9 @@ GLU_BACKWARD = "split"
 # tokens (32: 106.6 vs eager 108.9 µs per call) and lost at 64 (119.1 vs 116.5), benchmarks/results/nvidia-h200/decode;
 # against the SPLIT path (pure GPU time, small-m/): 103.0 vs 110.0 µs at 16 tokens, 115.0 vs 109.7 at 24, 113.7 vs
 # 111.6 at 32.
-DECODE_LARGE_LAYER = 1 << 24  # dim·hidden from which ...
-DECODE_LARGE_MAX_M = 16  # ... the decode path stops at this many tokens (the SPLIT path takes over)
+DECODE_LARGE_LAYER = 1 << 24  # dim·hidden from which the decode path stops at `decode_large_max_m` tokens (16)
 # Under autograd `auto` trains on the path the forward would take without the decode kernels (which keep no g and
-# u): the gated GEMM saving g and u, or on large layers below GATED_LARGE_MIN_M tokens the SPLIT path saving the
+# u): the gated GEMM saving g and u, or on large layers below gated_large_min_m tokens the SPLIT path saving the
 # cuBLAS GEMMs' g and u; then the same backward (cuBLAS dh = dy·Wd, one Triton GLU-backward pass writing dg and du
 # over g and u and h over dh, cuBLAS for dWd, dx, dWu, dWg). Measured as pure GPU time (`mlpfuse bench --mode
 # fwd+bwd --variants eager,compile,eager-cudagraph,mlpfuse,mlpfuse-triton`, benchmarks/results/nvidia-h200/
@@ -208,6 +208,18 @@ def _auto_may_use(device: torch.device, dtype: torch.dtype, module: str) -> bool
 
 
 @functools.lru_cache(maxsize=None)
+def cutovers(device: torch.device):
+    """The cut-overs `auto` uses on this device (kernels.configs.Cutovers): its card's where it has a CARDS entry,
+    else configs.DEFAULT_CUTOVERS (the CPU through Triton's interpreter; an untuned card, which runs only the
+    decode kernels)."""
+    from mlpfuse.kernels import configs
+    from mlpfuse.kernels import _common as C
+
+    measured = configs.card(C.device_name(device), C.num_sms(device)) if device.type == "cuda" else None
+    return measured.cutovers if measured else configs.DEFAULT_CUTOVERS
+
+
+@functools.lru_cache(maxsize=None)
 def tuned_card(device: torch.device) -> bool:
     """Whether the GEMM kernels have tile rows measured on this card (kernels.configs.CARDS). Elsewhere `auto` keeps
     cuBLAS for every GEMM (the SPLIT path; addmm for linear+activation) and runs only the decode kernels."""
@@ -276,7 +288,8 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
         return CUDA
     use_decode = not training and 0 < m <= decode_max_m()
     large = x.shape[1] * hidden >= DECODE_LARGE_LAYER
-    if use_decode and name == "auto" and m > DECODE_LARGE_MAX_M and large:
+    cut = cutovers(x.device)
+    if use_decode and name == "auto" and m > cut.decode_large_max_m and large:
         use_decode = False
     if name == "triton":
         _require_triton(x, "gated_gemm")
@@ -291,7 +304,7 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
         return TORCH
     if training and not _auto_may_use(x.device, x.dtype, "glu_backward"):
         return TORCH
-    if (large and m < GATED_LARGE_MIN_M) or not tuned_card(x.device):
+    if (large and m < cut.gated_large_min_m) or not tuned_card(x.device):
         # An untuned card keeps cuBLAS's GEMMs around the GLU pass: eager's projections, one pass fewer.
         return SPLIT if _auto_may_use(x.device, x.dtype, "glu") else TORCH
     return GATED
@@ -319,7 +332,7 @@ def linear_act_path(backend: str, x: torch.Tensor, out_features: int, activation
     if (eager_math(name, activation_id) or not _auto_may_use(x.device, x.dtype, "gemm_act")
             or not tuned_card(x.device)):
         return "torch"
-    return "triton" if x.shape[0] * x.shape[1] * out_features >= LINEAR_ACT_MIN_WORK else "torch"
+    return "triton" if x.shape[0] * x.shape[1] * out_features >= cutovers(x.device).linear_act_min_work else "torch"
 
 
 def allow_tf32() -> bool:
