@@ -274,6 +274,14 @@ def test_every_timing_is_interleaved_rounds_with_the_spread_of_its_samples(tmp_p
         else:  # generate: host wall ms/token; no GPU busy time on a CPU
             assert row["unit"] == "ms/token" and row["wall_ms"] == row["time_ms"] and row["gpu_busy_ms"] is None
         assert row["logits_vs_eager"] < 1e-5  # fp32, the torch path: the same function as eager
+    # Beside the ratio of medians, each round's time over eager's in the same round: median, min and max.
+    rows = rows_by(data)
+    for (mode, variant), row in rows.items():
+        if variant == "mlpfuse":
+            mine, eager = row["time_rounds_ms"], rows[(mode, "eager")]["time_rounds_ms"]
+            per_round = sorted(a / b for a, b in zip(mine, eager))
+            assert len(per_round) == 5 and row["vs_eager_paired"] == pytest.approx(per_round[2])
+            assert row["vs_eager_paired_range"] == pytest.approx([per_round[0], per_round[-1]])
     # Interleaved: in the timed part, the variants' keys take turns, 5 times over (A B A B ...), not A A A B B B
     runs = collapsed(call_log)
     for keys in (["eager", "eager|full", "mlpfuse", "mlpfuse|full"], ["eager|1", "eager|3", "mlpfuse|1", "mlpfuse|3"]):
@@ -283,7 +291,9 @@ def test_every_timing_is_interleaved_rounds_with_the_spread_of_its_samples(tmp_p
     assert "GPU busy ms/token" in decode_table and "| n/a |" in decode_table
     assert "full logits ms" in md.split("prefill 1x8")[1].split("###")[0]
     csv_head = (out / "results.csv").read_text().splitlines()[0].split(",")
-    assert {"rounds", "gpu_busy_ms", "do_bench_ms", "full_logits_ms", "logits_vs_eager"} <= set(csv_head)
+    assert {"rounds", "gpu_busy_ms", "do_bench_ms", "full_logits_ms", "logits_vs_eager", "vs_eager_paired"} \
+        <= set(csv_head)
+    assert "vs eager per round (median, min–max)" in md
 
 
 def test_decode_step_is_one_static_cache_step_for_every_variant(tmp_path, one_thread, call_log):

@@ -10,7 +10,9 @@ position's logits; time_ms keeps only the last, as generate does) — each of th
 _rounds_ms —, peak_mem_mb (CUDA: the peak above what was allocated before the call, the weights' gradients freed
 first), first_call_ms (compilation included; decode-step: building, compiling and capturing the step), rel_err
 (last-position logits against the fp32 run, relative Frobenius), err_vs_eager, logits_vs_eager (relative difference
-from eager's logits on the same input), vs_eager (time ratio, < 1 is faster), vs_compile, mem_vs_eager,
+from eager's logits on the same input), vs_eager (time ratio, < 1 is faster), vs_eager_paired and
+vs_eager_paired_range (the median, min and max over rounds of each round's time over eager's in the same round),
+vs_compile, mem_vs_eager,
 mem_vs_compile, patched (blocks mlpfuse swapped).
 """
 
@@ -27,8 +29,8 @@ from mlpfuse.bench.sweep import BenchResult
 CSV_FIELDS = (
     "model layers mode batch seq new_tokens variant dtype status error time_ms unit spread_pct rounds wall_ms "
     "gpu_busy_ms gpu_busy_spread_pct do_bench_ms do_bench_spread_pct full_logits_ms full_logits_spread_pct "
-    "peak_mem_mb first_call_ms rel_err err_vs_eager logits_vs_eager vs_eager vs_compile mem_vs_eager mem_vs_compile "
-    "patched"
+    "peak_mem_mb first_call_ms rel_err err_vs_eager logits_vs_eager vs_eager vs_eager_paired vs_compile mem_vs_eager "
+    "mem_vs_compile patched"
 ).split()
 
 
@@ -56,6 +58,13 @@ def _timed(row, field: str, modes: tuple[str, ...], gpu_only: bool = True) -> st
     return f"{row[field]:.3f} ±{row[base + '_spread_pct']:.1f}%"
 
 
+def _paired(row) -> str:
+    if row.get("vs_eager_paired") is None or row["variant"] == "eager":
+        return "–"
+    lo, hi = row["vs_eager_paired_range"]
+    return f"{row['vs_eager_paired']:.3f} ({lo:.3f}–{hi:.3f})"
+
+
 COLUMNS = (
     ("variant", lambda r: r["variant"] + (" *" if r["variant"].startswith("mlpfuse") else "")),
     ("time", lambda r: "–" if r["time_ms"] is None else f"{r['time_ms']:.3f} {r['unit']} ±{r['spread_pct']:.1f}%"),
@@ -63,6 +72,7 @@ COLUMNS = (
     ("do_bench ms", lambda r: _timed(r, "do_bench_ms", ("decode-step",))),
     ("full logits ms", lambda r: _timed(r, "full_logits_ms", ("prefill",), gpu_only=False)),
     (f"vs eager {outputs.TIME_RATIO}", lambda r: outputs.ratio(r["vs_eager"])),
+    ("vs eager per round (median, min–max)", _paired),
     (f"vs compile {outputs.TIME_RATIO}", lambda r: outputs.ratio(r["vs_compile"])),
     ("peak MiB", lambda r: _num(r["peak_mem_mb"], "{:.0f}")),
     ("mem vs eager (<1 smaller)", lambda r: outputs.ratio(r["mem_vs_eager"])),

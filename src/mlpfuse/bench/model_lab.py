@@ -34,6 +34,7 @@ import gc
 import importlib.util
 import inspect
 import itertools
+import statistics
 import sys
 from dataclasses import asdict, dataclass
 
@@ -366,7 +367,8 @@ def _row(built, layers, case, variant, dtype_name, settings) -> dict:
         "do_bench_ms": None, "do_bench_spread_pct": None, "do_bench_rounds_ms": None,
         "full_logits_ms": None, "full_logits_spread_pct": None, "full_logits_rounds_ms": None,
         "peak_mem_mb": None, "first_call_ms": None, "rel_err": None, "err_vs_eager": None, "logits_vs_eager": None,
-        "vs_eager": None, "vs_compile": None, "mem_vs_eager": None, "mem_vs_compile": None, "patched": None,
+        "vs_eager": None, "vs_eager_paired": None, "vs_eager_paired_range": None, "vs_compile": None,
+        "mem_vs_eager": None, "mem_vs_compile": None, "patched": None,
     }
 
 
@@ -610,6 +612,14 @@ def _busy_per_token(prepared: dict[str, Prepared], settings) -> dict[str, timing
     return {v: timing.Stat.of_rounds(vals, len(vals)) for v, vals in values.items()}
 
 
+def _paired(rounds: list | None, base: list | None) -> list[float]:
+    """Each round's time over the base's in the same round (the variants take turns within a round, so a host that
+    slows down for a while slows both sides of a pair); empty unless both have every round."""
+    if not rounds or not base or len(rounds) != len(base) or not all(base):
+        return []
+    return [a / b for a, b in zip(rounds, base)]
+
+
 def _derive(rows: list[dict]) -> None:
     by = {r["variant"]: r for r in rows}
     eager, compiled = by.get("eager"), by.get("compile")
@@ -619,6 +629,10 @@ def _derive(rows: list[dict]) -> None:
         if eager and eager["status"] == "ok":
             if eager["time_ms"] and r["time_ms"] is not None:
                 r["vs_eager"] = r["time_ms"] / eager["time_ms"]
+                paired = _paired(r["time_rounds_ms"], eager["time_rounds_ms"])
+                if paired:
+                    r["vs_eager_paired"] = statistics.median(paired)
+                    r["vs_eager_paired_range"] = [min(paired), max(paired)]
             if eager["rel_err"] and r["rel_err"] is not None:
                 r["err_vs_eager"] = r["rel_err"] / eager["rel_err"]
             if eager["peak_mem_mb"] and r["peak_mem_mb"] is not None:
