@@ -12,7 +12,7 @@ block's edges, all-gather + reduce-scatter):
 - mlpfuse: `GatedMLP` over the same weights, `mlpfuse.parallel.tensor_parallel` (the block's all-reduce in row
   chunks behind its own down GEMM, dx's behind its weight gradients);
 - mlpfuse-serial (on request): the same with `overlap=False`, the all-reduce after the block as eager's;
-and both unsharded on one GPU (rank 0's; the baseline).
+and each unsharded on one GPU (rank 0's; the baseline).
 
 Each row: the step time (CUDA events around `--reps` steps, ranks lined up by a barrier first, the slowest rank's
 time per round, variants interleaved over `--rounds` rounds, median and spread); throughput in tokens/s; speed-up

@@ -321,7 +321,8 @@ def _triton_backward(dy2, x2, wg, wu, wd, held: list, h, act_id: int, need_dx: b
     du (and h, when not saved, over dh); dWd = dyᵀ·h, after which h is released; dx; dWu = duᵀ·x, after which du
     is released; dWg = dgᵀ·x. With `consume` (eager training's first backward) dg and du are written over g and u,
     each element by the program that just read it: the backward then allocates no [M, hidden] buffer but dh, and
-    while the last weight gradient is computed only dg is alive besides the gradients.
+    while the last weight gradient is computed only dg is alive besides the gradients. `on_dx(dx)`, when given, is
+    called as soon as dx is computed (tensor parallelism starts its all-reduce there, behind dWu and dWg).
     """
     g, u = held
     held.clear()  # no reference left with the caller: each buffer dies with its last local name below
