@@ -283,7 +283,7 @@ def profile_steps(rank, world, mesh, folder):
     return path
 
 
-def fsdp_tp_matches_single(rank, world, mesh, kind, bias):
+def fsdp_tp_matches_single(rank, world, mesh, kind, bias, tokens=(2, 5)):
     """FSDP2 over tensor parallelism (a 2-D mesh, here 1 × world: with 2 processes the data-parallel dimension has
     one rank): FSDP gathers each rank's tensor-parallel shards, the block runs on them, and the gradients equal
     the single-process block's."""
@@ -296,12 +296,13 @@ def fsdp_tp_matches_single(rank, world, mesh, kind, bias):
     tensor_parallel(block, mesh2["tp"])
     fully_shard(block, mesh=mesh2["dp"])
     torch.manual_seed(1)
-    x = torch.randn(2, 5, DIM, dtype=torch.float64)
+    x = torch.randn(*tokens, DIM, dtype=torch.float64)
     xs, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
     ys = single(xs)
     ys.square().sum().backward()
-    y = block(xt)
-    y.square().sum().backward()
+    with CommDebugMode() as comms:
+        y = block(xt)
+        y.square().sum().backward()
     tol = _tol(torch.float64)
     torch.testing.assert_close(y, ys.detach(), **tol)
     torch.testing.assert_close(xt.grad, xs.grad, **tol)
@@ -310,6 +311,7 @@ def fsdp_tp_matches_single(rank, world, mesh, kind, bias):
         param = dict(block.named_parameters())[name]
         assert isinstance(param, DTensor) and param.device_mesh.ndim == 2, name
         torch.testing.assert_close(got[name], want[name], **tol, msg=lambda m: f"{name}: {m}")
+    return _counts(comms)
 
 
 # ---------------------------------------------------------------- models patched with mlpfuse.patch
@@ -436,32 +438,37 @@ class _SpyOps:
         self.sharded, self.calls = sharded, []
 
     def __enter__(self):
-        self.real = (self.sharded.gated_mlp_call, self.sharded.linear_act_call)
-        real_gated, real_linear = self.real
+        overlap = self.sharded.reduce_overlap
+        self.real = (self.sharded.gated_mlp_call, self.sharded.linear_act_call, overlap.gated)
+        real_gated, real_linear, real_overlapped = self.real
 
         def gated(x, wg, *args):
             self.calls.append(("gated", tuple(wg.shape)))
             return real_gated(x, wg, *args)
 
+        def overlapped(x, wg, *args):  # the block that all-reduces its own output (from 2048 tokens)
+            self.calls.append(("gated", tuple(wg.shape)))
+            return real_overlapped(x, wg, *args)
+
         def linear(x, w, *args):
             self.calls.append(("linear", tuple(w.shape)))
             return real_linear(x, w, *args)
 
-        self.sharded.gated_mlp_call, self.sharded.linear_act_call = gated, linear
+        self.sharded.gated_mlp_call, self.sharded.linear_act_call, overlap.gated = gated, linear, overlapped
         return self
 
     def __exit__(self, *exc):
-        self.sharded.gated_mlp_call, self.sharded.linear_act_call = self.real
+        self.sharded.gated_mlp_call, self.sharded.linear_act_call, self.sharded.reduce_overlap.gated = self.real
 
 
-def patched_matches_single(rank, world, mesh, family, bias, backend, dtype, sequence_dim=None):
+def patched_matches_single(rank, world, mesh, family, bias, backend, dtype, sequence_dim=None, tokens=(2, 6)):
     """A model patched by mlpfuse.patch, then tensor_parallel: output, dx and gradients equal the unpatched model's
     on one process, and each block ran the fused op on its local shards."""
     dtype = DTYPES[dtype]
     model, single = patched_model(family, bias, dtype, backend)
     tensor_parallel(model, mesh, sequence_dim=sequence_dim)
     torch.manual_seed(1)
-    x = torch.randn(2, 6, DIM, dtype=dtype)
+    x = torch.randn(*tokens, DIM, dtype=dtype)
     xs = x.clone().requires_grad_()
     ys = single(xs)
     ys.square().sum().backward()

@@ -132,6 +132,21 @@ def test_fsdp2_over_tensor_parallel(group, kind, bias):
     group.run(CASES, "fsdp_tp_matches_single", kind=kind, bias=bias)
 
 
+@pytest.mark.parametrize("case,kwargs", [("fsdp_tp_matches_single", {"kind": "gated", "bias": True}),
+                                         ("patched_matches_single", {"family": "llama", "bias": False,
+                                                                     "backend": "torch", "dtype": "float64"})],
+                         ids=["fsdp2-over-tp", "patched-llama"])
+def test_the_overlapped_all_reduce_under_fsdp2_and_in_patched_models(group, case, kwargs):
+    """The block's own all-reduce (from 2048 tokens) where FSDP2 gathers the tensor-parallel shards, and in the
+    blocks mlpfuse.patch puts in a model: the same values as the single process."""
+    from mlpfuse.ops import reduce_overlap
+
+    counts = group.run(CASES, case, tokens=(2, reduce_overlap.CHUNK_ROWS + 76), **kwargs)
+    blocks = 2 if case == "patched_matches_single" else 1  # the patched model has two layers
+    # per block: two chunks' all-reduces in the forward, dx's in the backward, and none by DTensor
+    assert all(c.get("allreduce_") == 3 * blocks and "all_reduce" not in c for c in counts), counts
+
+
 @pytest.mark.parametrize("backend,dtype", BACKENDS)
 @pytest.mark.parametrize("family,bias", [("llama", False), ("llama", True), ("phi3", True), ("falcon-h1", False),
                                          ("t5", False), ("sequential", True)])
