@@ -29,7 +29,7 @@ from mlpfuse.ops.gated_mlp import hidden, hidden_gradients
 # A projection carrying this attribute (True) is row-parallel with a replicated output: its output hook only
 # passes on a sum that is already replicated. Set by mlpfuse.parallel's plan, read by ops.sharded.
 REDUCES = "_mlpfuse_reduces_output"
-CHUNK_ROWS = 1024  # rows per chunk of the down projection, ...
+CHUNK_ROWS = 1024  # one chunk of the down projection per this many rows, ...
 MAX_CHUNKS = 4  # ... at most this many chunks (each adds one GEMM launch and one collective)
 _PATHS = (dispatch.TORCH, dispatch.SPLIT, dispatch.GATED)
 
