@@ -12,9 +12,10 @@ Four ops in the `mlpfuse` namespace (the math is in mlpfuse.reference's docstrin
         g, u and the GLU output h (the down projection's input, which eager autograd saves too) come out of the
         forward kernel's epilogue and the backward reads them instead of recomputing.
     gated_mlp_backward(dy, x, Wg, Wu, Wd, bg?, bu?, g, u, h, ...) -> (dx, dWg, dWu, dWd, dbg, dbu, dbd)
-        On the Triton path: cuBLAS `dh = dy·Wd`, one Triton pass writing dg and du side by side into one [M, 2·hidden]
-        buffer (and the bias sums), then cuBLAS for dWd = dyᵀ·h, dx, and dWg, dWu as ONE GEMM over that buffer.
-        Gradients not asked for come back as empty placeholders.
+        On the Triton path: cuBLAS `dh = dy·Wd`, one Triton pass writing dg and du (over g and u when they are
+        handed over: eager training's first backward) and the bias sums, then cuBLAS for dWd = dyᵀ·h, dx = dg·Wg +
+        du·Wu, dWu and dWg (`_triton_backward` says in which order, and why). Gradients not asked for come back as
+        empty placeholders.
 Every op has a fake implementation (shapes only), so torch.compile(fullgraph=True) and torch.export see one node.
 Plain eager inference calls the implementation directly: the dispatcher's round trip through a Python custom op
 costs more host time than a decode-sized kernel runs. Graph capture, export and TorchScript always see the op.
