@@ -13,7 +13,8 @@
 #        tune-decode, model-decode-step, model-prefill-compile, model-train-compile, model-generate-compile (the
 #        compiled and graph-replayed rows of the model lab, 32 layers; training 4), model-generate-eager (plain
 #        generate, batch 1 and 8; ~300 s on an H100 host), layer-sweep-DxH-MODE (one layer
-#        size, MODE fwd or fwd+bwd: 64-16384 tokens, GeGLU and SwiGLU, every peer and the GEMMs-alone floor).
+#        size, MODE fwd or fwd+bwd: 64-16384 tokens, GeGLU and SwiGLU, every peer, the GEMMs-alone floor and mlpfuse in a
+#        CUDA graph beside eager in one).
 #        benchmarks/README.md says what each answers and where its latest result is.
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
@@ -100,7 +101,7 @@ for spec in "$@"; do
         layer-sweep-*x*-*) shape=${step#layer-sweep-}; mode=${shape#*-}; shape=${shape%%-*}
             run_step "$step" "$secs" python3 -m mlpfuse bench --tokens 64,256,1024,4096,16384 --dim "${shape%x*}" \
                 --hidden "${shape#*x}" --workload geglu,swiglu --mode "$mode" --rounds 5 --no-profile \
-                --variants eager,compile,liger,eager-cudagraph,gemms-alone,mlpfuse --out "$W/$step" ;;
+                --variants eager,compile,liger,eager-cudagraph,gemms-alone,mlpfuse,mlpfuse-cudagraph --out "$W/$step" ;;
         multi-gpu) run_step multi-gpu "$secs" python3 benchmarks/multi_gpu.py --out "$W/multi-gpu" ;;
         multi-gpu-sp) run_step multi-gpu-sp "$secs" python3 benchmarks/multi_gpu.py --sequence-parallel --out "$W/multi-gpu-sp" ;;
         cuda-backend) MLPFUSE_CACHE_DIR=$W/cache run_step cuda-backend "$secs" python3 benchmarks/cuda_backend_gpu.py --out "$W/cuda-backend.md" ;;
