@@ -15,12 +15,13 @@ block's edges, all-gather + reduce-scatter):
 and each unsharded on one GPU (rank 0's; the baseline).
 
 Each row: the step time (CUDA events around `--reps` steps, ranks lined up by a barrier first, the slowest rank's
-time per round, variants interleaved over `--rounds` rounds, median and spread); throughput in tokens/s; speed-up
-against the same variant on one GPU and scaling efficiency (speed-up / GPUs); mlpfuse against eager under the
-same plan; and, from a few steps profiled on every rank (one trace per rank under DIR/traces/<case>/, read back
-with mlpfuse's per-rank analysis, `mlpfuse analyze DIR/traces/<case>`), the time per step in NCCL kernels, its
-share of the step, the share of it overlapped by compute, and the rank skew. Outputs are checked first against
-an fp32 evaluation of the unsharded block. DIR gets results.json and results.md; the table is printed last.
+time per round, variants interleaved over `--rounds` rounds, median and spread, every round's value in
+results.json); throughput in tokens/s; speed-up against the same variant on one GPU and scaling efficiency (speed-up
+/ GPUs); mlpfuse against eager under the same plan; and, from a few steps profiled on every rank (one trace per rank
+under DIR/traces/<case>/, read back with mlpfuse's per-rank analysis, `mlpfuse analyze DIR/traces/<case>`), the time
+per step in NCCL kernels, its share of the step, the share of it overlapped by compute, and the rank skew. Outputs
+are checked first against an fp32 evaluation of the unsharded block. DIR gets results.json and results.md; the table
+is printed last.
 """
 
 from __future__ import annotations
@@ -268,7 +269,8 @@ def _timed(steps: dict, clock: _Clock, args, device, group: bool) -> dict:
     out = {}
     for name, ts in rounds.items():
         med = statistics.median(ts)
-        out[name] = {"step_ms": med * 1e3, "spread_pct": (max(ts) - min(ts)) / med * 100 if med > 0 else 0.0}
+        out[name] = {"step_ms": med * 1e3, "spread_pct": (max(ts) - min(ts)) / med * 100 if med > 0 else 0.0,
+                     "rounds_ms": [t * 1e3 for t in ts]}
     return out
 
 

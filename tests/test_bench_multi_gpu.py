@@ -9,6 +9,7 @@ the profiler, table) runs.
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -78,6 +79,7 @@ def test_cpu_gloo_smoke_run(tmp_path):
         (m, v, g) for m in ("fwd", "fwd+bwd") for v in ("eager", "mlpfuse") for g in (1, 2)}
     for r in rows:
         assert r["tokens_per_s"] == pytest.approx(r["tokens"] / (r["step_ms"] / 1e3))
+        assert len(r["rounds_ms"]) == 2 and r["step_ms"] == pytest.approx(statistics.median(r["rounds_ms"]))
         if r["gpus"] == 2:
             assert r["rel_error"] <= 5e-3
             assert r["efficiency"] == pytest.approx(r["speedup"] / 2)
