@@ -139,6 +139,32 @@ def tp_matches_single(rank, world, mesh, kind, bias, backend, dtype, via="helper
     return {"forward": _counts(fwd_comms), "backward": _counts(bwd_comms)}
 
 
+def tp_backward_twice(rank, world, mesh, backend, dtype, tokens):
+    """A second backward through the same graph (retain_graph=True): the first consumed the block's saved g and u
+    (their buffers became dg and du), so the second recomputes them; both give the single process's gradients."""
+    dtype = DTYPES[dtype]
+    block = make("gated", True, dtype, backend)
+    single = copy.deepcopy(block)
+    tensor_parallel(block, mesh)
+    torch.manual_seed(1)
+    x = torch.randn(*tokens, DIM, dtype=dtype)
+    dy = torch.randn(*tokens, DIM, dtype=dtype)
+    xs = x.clone().requires_grad_()
+    (single(xs) * dy).sum().backward()
+    xt = x.clone().requires_grad_()
+    y = block(xt)
+    tol = _tol(dtype)
+    for _ in range(2):
+        xt.grad = None
+        for p in block.parameters():
+            p.grad = None
+        (y * dy).sum().backward(retain_graph=True)
+        torch.testing.assert_close(xt.grad, xs.grad, **tol)
+        got, want = _grads(block), _grads(single)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], **tol, msg=lambda m: f"{name}: {m}")
+
+
 class _EagerGated(nn.Module):
     def __init__(self, block: GatedMLP):
         super().__init__()

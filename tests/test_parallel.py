@@ -66,6 +66,13 @@ def test_block_sums_its_output_behind_its_own_gemms(group, kind, bias, backend, 
     assert counts == [{"forward": {"allreduce_": 2}, "backward": {"allreduce_": 1}}] * WORLD
 
 
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+def test_the_overlapped_block_backward_twice(group, backend, dtype):
+    from mlpfuse.ops import reduce_overlap
+
+    group.run(CASES, "tp_backward_twice", backend=backend, dtype=dtype, tokens=(2, reduce_overlap.CHUNK_ROWS + 76))
+
+
 @pytest.mark.parametrize("m", [2048, 2200, 4100, 8192, 16384, 16385])
 def test_chunks_cover_the_rows_the_last_one_smallest(m):
     from mlpfuse.ops import reduce_overlap
