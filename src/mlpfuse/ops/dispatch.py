@@ -208,14 +208,22 @@ def _auto_may_use(device: torch.device, dtype: torch.dtype, module: str) -> bool
 
 
 @functools.lru_cache(maxsize=None)
+def _card(device: torch.device):
+    """The device's kernels.configs.CARDS entry (tile rows and cut-overs measured on that card), or None."""
+    from mlpfuse.kernels import configs
+    from mlpfuse.kernels import _common as C
+
+    return configs.card(C.device_name(device), C.num_sms(device))
+
+
+@functools.lru_cache(maxsize=None)
 def cutovers(device: torch.device):
     """The cut-overs `auto` uses on this device (kernels.configs.Cutovers): its card's where it has a CARDS entry,
     else configs.DEFAULT_CUTOVERS (the CPU through Triton's interpreter; an untuned card, which runs only the
     decode kernels)."""
     from mlpfuse.kernels import configs
-    from mlpfuse.kernels import _common as C
 
-    measured = configs.card(C.device_name(device), C.num_sms(device)) if device.type == "cuda" else None
+    measured = _card(device)
     return measured.cutovers if measured else configs.DEFAULT_CUTOVERS
 
 
@@ -223,10 +231,7 @@ def cutovers(device: torch.device):
 def tuned_card(device: torch.device) -> bool:
     """Whether the GEMM kernels have tile rows measured on this card (kernels.configs.CARDS). Elsewhere `auto` keeps
     cuBLAS for every GEMM (the SPLIT path; addmm for linear+activation) and runs only the decode kernels."""
-    from mlpfuse.kernels import configs
-    from mlpfuse.kernels import _common as C
-
-    return configs.card(C.device_name(device), C.num_sms(device)) is not None
+    return _card(device) is not None
 
 
 def untuned_note(device: torch.device) -> Optional[str]:

@@ -47,21 +47,11 @@ def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int, norm=None) -> Tensor:
     )
 
 
-def _split(x2, wg, wu, wd, bg, bu, bd, act_id: int, save: bool = False, plan=None):
-    """(y, h, g, u): cuBLAS's gate and up GEMMs, the Triton GLU pass between them and the down projection, cuBLAS's
-    down GEMM; h, g and u None unless `save`. `plan`: the GLU pass's launch plan held for this layout (kernels/glu.py
-    `cached_plan`), which skips the pass's checks."""
-    g, u = linear2d(x2, wg, bg), linear2d(x2, wu, bu)
-    h = plan.run(g, u) if plan else dispatch.kernel("glu").glu_forward(g, u, activation=act_id)
-    y = linear2d(h, wd, bd)
-    return (y, h, g, u) if save else (y, None, None, None)
-
-
 def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool, save: bool, path: str = "",
              plan=None, norm=None):
     """(y [..., dim], h, g, u): with `save`, g and u the 2-D pre-activations and h = act(g)·u; else all None.
     `path` given: the caller already checked the arguments and chose the path. `plan`: on the SPLIT path, the GLU
-    pass's held launch plan (see `_split`). `norm`: an RMSNormPrologue the DECODE path's kernels apply (the caller
+    pass's held launch plan (see `hidden`). `norm`: an RMSNormPrologue the DECODE path's kernels apply (the caller
     chose that path for it)."""
     if not path:
         _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
@@ -74,34 +64,31 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: boo
         y, h, g, u = out if save else (out, None, None, None)
     elif path == dispatch.DECODE:
         y = _decode(x2, wg, wu, wd, bg, bu, bd, act.id, norm)
-    elif path == dispatch.SPLIT:
-        y, h, g, u = _split(x2, wg, wu, wd, bg, bu, bd, act.id, save, plan)
     elif path == dispatch.CUDA:
         # The extension's decode kernel keeps no g and u, so only inference may take it.
         ext = csrc.extension()  # the path's choice checked x2 for it
         y, h, g, u = dispatch.cuda_call(ext.gated_mlp_forward, x2, wg, wu, wd, bg, bu, bd, act.id, save, not grad)
-    else:
-        out = dispatch.kernel("gated_gemm").gated_gemm(
-            x2, wg, wu, bg, bu, activation=act.id, save_preact=save, allow_tf32=dispatch.allow_tf32()
-        )
-        h, g, u = out if save else (out, None, None)
+    else:  # SPLIT or GATED: the block up to h, then cuBLAS's down projection
+        h, g, u = hidden(x2, wg, wu, bg, bu, act, path, save, plan)
         y = linear2d(h, wd, bd)
         if not save:
             h = None
     return unrows(y, x), h, g, u
 
 
-def hidden(x2, wg, wu, bg, bu, activation: str, path: str, grad: bool):
+def hidden(x2, wg, wu, bg, bu, act, path: str, grad: bool, plan=None):
     """(h, g, u) on 2-D x along `path` (TORCH, SPLIT or GATED; the caller checked the arguments and chose it): the
-    block up to the down projection's input h = act(g)·u, and with `grad` the pre-activations g and u a backward reads
-    (else None). For a caller that runs the down projection itself (ops/reduce_overlap.py)."""
-    act = activations.get(activation)
+    block up to the down projection's input h = act(g)·u (`act` an activations entry), and with `grad` the
+    pre-activations g and u a backward reads (else None). SPLIT: cuBLAS's gate and up GEMMs and the Triton GLU pass
+    between them, through `plan` where one is held for this layout (kernels/glu.py `cached_plan`, which skips the
+    pass's checks). Every path that runs its own down projection after it starts here: `_forward`, the module
+    plan's SPLIT entries, and tensor parallelism's chunked down projection (ops/reduce_overlap.py)."""
     if path == dispatch.TORCH or x2.shape[0] == 0:
         g, u = reference.gated_preact(x2, wg, wu, bg, bu)
         h = reference.glu(g, u, act)
     elif path == dispatch.SPLIT:
         g, u = linear2d(x2, wg, bg), linear2d(x2, wu, bu)
-        h = dispatch.kernel("glu").glu_forward(g, u, activation=act.id)
+        h = plan.run(g, u) if plan else dispatch.kernel("glu").glu_forward(g, u, activation=act.id)
     else:
         out = dispatch.kernel("gated_gemm").gated_gemm(
             x2, wg, wu, bg, bu, activation=act.id, save_preact=grad, allow_tf32=dispatch.allow_tf32()
@@ -570,7 +557,7 @@ class _Entry:
                                      self.save)
         elif plan:
             if self.path == dispatch.SPLIT:
-                y = _split(rows(x), wg, wu, wd, bg, bu, bd, self.act.id, False, plan)[0]
+                y = linear2d(hidden(rows(x), wg, wu, bg, bu, self.act, dispatch.SPLIT, False, plan)[0], wd, bd)
             else:  # the gated GEMM's plan reads a contiguous x of any rank as its rows (no view op)
                 y = linear2d(plan.run(x if x.is_contiguous() else rows(x), wg, wu, bg, bu), wd, bd)
             return unrows(y, x)

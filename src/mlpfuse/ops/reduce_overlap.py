@@ -55,10 +55,10 @@ def gated(x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, bg: Optional[Tensor], b
     """The sum over `group`'s ranks of down(act(x·Wgᵀ + bg)·(x·Wuᵀ + bu)) for this rank's hidden slice (no down
     bias), with `plan`'s chunks and path. Under autograd (`grad`), x's gradient is the sum over ranks too."""
     _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, None)
-    activations.get(activation)
+    act = activations.get(activation)
     if grad:
         return _Overlapped.apply(x, wg, wu, wd, bg, bu, activation, path, group, n)
-    h = hidden(rows(x), wg, wu, bg, bu, activation, path, False)[0]
+    h = hidden(rows(x), wg, wu, bg, bu, act, path, False)[0]
     return unrows(_down_all_reduce(h, wd, group, n), x)
 
 
@@ -92,7 +92,7 @@ class _Overlapped(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, wg, wu, wd, bg, bu, activation: str, path: str, group, n: int):
         x2 = rows(x)
-        h, g, u = hidden(x2, wg, wu, bg, bu, activation, path, True)
+        h, g, u = hidden(x2, wg, wu, bg, bu, activations.get(activation), path, True)
         y = _down_all_reduce(h, wd, group, n)
         ctx.activation, ctx.path, ctx.group = activation, path, group
         ctx.held = [g, u]
@@ -105,7 +105,7 @@ class _Overlapped(torch.autograd.Function):
         held, ctx.held = ctx.held, None
         x2 = rows(x)
         if held is None:  # a second backward through the graph (retain_graph=True): the first consumed g and u
-            held = list(hidden(x2, wg, wu, bg, bu, ctx.activation, ctx.path, True)[1:])
+            held = list(hidden(x2, wg, wu, bg, bu, activations.get(ctx.activation), ctx.path, True)[1:])
         need = ctx.needs_input_grad
         pending = []
         group = ctx.group
