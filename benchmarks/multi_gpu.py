@@ -16,7 +16,9 @@ and each unsharded on one GPU (rank 0's; the baseline).
 
 Each row: the step time (CUDA events around `--reps` steps, ranks lined up by a barrier first, the slowest rank's
 time per round, variants interleaved over `--rounds` rounds, median and spread, every round's value in
-results.json); throughput in tokens/s; speed-up against the same variant on one GPU and scaling efficiency (speed-up
+results.json); beside it, from the same rounds, the wall time per step by a second clock (perf_counter to the end
+of the synchronized work: the check on the CUDA-event figure), the host time per step (the launch loop alone) and
+the peak memory one step allocates above what it starts with (the largest rank's); throughput in tokens/s; speed-up against the same variant on one GPU and scaling efficiency (speed-up
 / GPUs); mlpfuse against eager under the same plan; and, from a few steps profiled on every rank (one trace per rank
 under DIR/traces/<case>/, read back with mlpfuse's per-rank analysis, `mlpfuse analyze DIR/traces/<case>`), the time
 per step in NCCL kernels, its share of the step, the share of it overlapped by compute, and the rank skew. Outputs
@@ -42,6 +44,7 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from typing import Optional  # noqa: E402
 
 MODES = ("fwd", "fwd+bwd")
 VARIANTS = ("eager", "mlpfuse", "mlpfuse-serial")
@@ -225,7 +228,9 @@ def _step(module, x, dy, mode: str):
 
 
 class _Clock:
-    """Seconds per step: CUDA events on a GPU, perf_counter on a CPU."""
+    """Per step, over `reps` steps back to back: GPU time (CUDA events; perf_counter on a CPU), host time (the launch
+    loop, before any sync) and wall time (perf_counter to the end of the work, synchronized) -- the second clock a
+    CUDA-event figure is checked against."""
 
     def __init__(self, device):
         import torch
@@ -233,25 +238,44 @@ class _Clock:
         self.cuda = device.type == "cuda"
         self.torch = torch
 
-    def time(self, step, reps: int) -> float:
+    def time(self, step, reps: int) -> tuple[float, float, float]:
         torch = self.torch
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
             start.record()
             for _ in range(reps):
                 step()
             end.record()
+            host = time.perf_counter() - t0
             end.synchronize()
-            return start.elapsed_time(end) / 1e3 / reps
+            wall = time.perf_counter() - t0
+            return start.elapsed_time(end) / 1e3 / reps, host / reps, wall / reps
         t0 = time.perf_counter()
         for _ in range(reps):
             step()
-        return (time.perf_counter() - t0) / reps
+        t = (time.perf_counter() - t0) / reps
+        return t, t, t
+
+
+def _peak_mb(step, device) -> Optional[float]:
+    """Peak memory allocated during one step, above what was allocated before it (None on a CPU)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
 def _timed(steps: dict, clock: _Clock, args, device, group: bool) -> dict:
-    """Median (and spread) over interleaved rounds of each step's time; with `group`, every rank takes part and a
-    round's time is the slowest rank's."""
+    """Median (and spread) over interleaved rounds of each step's GPU, host and wall time; with `group`, every rank
+    takes part and a round's figures are the slowest rank's (and the largest peak)."""
     import torch
     import torch.distributed as dist
 
@@ -262,15 +286,22 @@ def _timed(steps: dict, clock: _Clock, args, device, group: bool) -> dict:
                 dist.barrier()
             t = clock.time(step, args.reps)
             if group:
-                worst = torch.tensor([t], dtype=torch.float64, device=device)
+                worst = torch.tensor(t, dtype=torch.float64, device=device)
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                t = worst.item()
+                t = tuple(worst.tolist())
             rounds[name].append(t)
     out = {}
     for name, ts in rounds.items():
-        med = statistics.median(ts)
-        out[name] = {"step_ms": med * 1e3, "spread_pct": (max(ts) - min(ts)) / med * 100 if med > 0 else 0.0,
-                     "rounds_ms": [t * 1e3 for t in ts]}
+        gpu, host, wall = ([r[i] for r in ts] for i in range(3))
+        med = statistics.median(gpu)
+        peak = _peak_mb(steps[name], device)
+        if group and peak is not None:
+            most = torch.tensor([peak], dtype=torch.float64, device=device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            peak = most.item()
+        out[name] = {"step_ms": med * 1e3, "spread_pct": (max(gpu) - min(gpu)) / med * 100 if med > 0 else 0.0,
+                     "rounds_ms": [t * 1e3 for t in gpu], "host_ms": statistics.median(host) * 1e3,
+                     "wall_ms": statistics.median(wall) * 1e3, "peak_mb": peak}
     return out
 
 
@@ -449,6 +480,8 @@ def _derive(rows: list[dict]) -> None:
         r["efficiency"] = r["speedup"] / r["gpus"] if base else None
         eager = many.get((r["case"], "eager", r["gpus"]))
         r["vs_eager"] = r["step_ms"] / eager["step_ms"] if eager and r["variant"] != "eager" else None
+        r["vs_eager_wall"] = (r["wall_ms"] / eager["wall_ms"] if eager and r["variant"] != "eager"
+                              and r.get("wall_ms") and eager.get("wall_ms") else None)
 
 
 def _fmt(value, spec: str, none: str = "-") -> str:
@@ -457,12 +490,13 @@ def _fmt(value, spec: str, none: str = "-") -> str:
 
 def table(rows: list[dict]) -> str:
     head = ("case", "variant", "GPUs", "step ms", "spread", "tokens/s", "vs 1 GPU", "efficiency", "vs eager",
-            "NCCL ms", "comm share", "overlapped", "skew ms")
+            "wall ms", "wall vs eager", "host ms", "peak MB", "NCCL ms", "comm share", "overlapped", "skew ms")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = (r["case"], r["variant"], str(r["gpus"]), f"{r['step_ms']:.3f}", f"{r['spread_pct']:.1f}%",
                  f"{r['tokens_per_s']:.4g}", _fmt(r.get("speedup"), ".3f"), _fmt(r.get("efficiency"), ".1%"),
-                 _fmt(r.get("vs_eager"), ".3f"), _fmt(r.get("comm_ms"), ".3f"), _fmt(r.get("comm_share"), ".1%"),
+                 _fmt(r.get("vs_eager"), ".3f"), _fmt(r.get("wall_ms"), ".3f"), _fmt(r.get("vs_eager_wall"), ".3f"),
+                 _fmt(r.get("host_ms"), ".3f"), _fmt(r.get("peak_mb"), ".0f"), _fmt(r.get("comm_ms"), ".3f"), _fmt(r.get("comm_share"), ".1%"),
                  _fmt(r.get("overlap_share"), ".1%"), _fmt(r.get("skew_ms"), ".3f"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
