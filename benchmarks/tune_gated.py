@@ -1,9 +1,9 @@
 """Tile configs of the gated GEMM on this card against cuBLAS's packed gate_up GEMM (CUDA GPU).
 
-    PYTHONPATH=src python3 benchmarks/tune_gated.py [--out DIR]
+    PYTHONPATH=src python3 benchmarks/tune_gated.py [--shapes 16384x768x3072,...] [--activation gelu_tanh] [--out DIR]
 
 Ten candidate configs (kernels.configs.KernelConfig) at 1024–16384 tokens × 4096×14336, 8192×768×3072 and
-4096×2048×8192, SwiGLU, bf16; each timed with Triton's do_bench (L2 flushed, median) in 3 interleaved passes after a
+4096×2048×8192 (or --shapes, tokens×dim×hidden), SwiGLU (or --activation), bf16; each timed with Triton's do_bench (L2 flushed, median) in 3 interleaved passes after a
 clock spin-up; the median pass with min–max. Per config: its time over cuBLAS's packed [2·hidden, dim] GEMM, and the
 block (it + cuBLAS's down GEMM) over eager's block and over the GEMMs alone (packed + down). What a card's rows in
 kernels/configs.py come from; tune_gated.json under --out. Candidates that fail to compile are listed and skipped.
@@ -23,7 +23,13 @@ from mlpfuse.kernels.configs import KernelConfig as K
 from mlpfuse.kernels.gated_gemm import gated_gemm
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", default=os.environ.get("OUT", "."))
-OUT = ap.parse_args().out
+ap.add_argument("--shapes", default="", help="tokens x dim x hidden, comma-separated (default: the built-in list)")
+ap.add_argument("--activation", default="silu", choices=("silu", "gelu_tanh"))
+ARGS = ap.parse_args()
+OUT = ARGS.out
+os.makedirs(OUT, exist_ok=True)
+ACT, ACT_F = {"silu": (A.SILU, F.silu), "gelu_tanh": (A.GELU_TANH, lambda t: F.gelu(t, approximate="tanh"))}[
+    ARGS.activation]
 C = {
  "A cur 128x64 s3w4 x2 fl g8": K(128, 64, 64, num_stages=3, num_warps=4, programs_per_sm=2, flatten=True),
  "B 128x64 s3w4 x2 fl g4": K(128, 64, 64, group_m=4, num_stages=3, num_warps=4, programs_per_sm=2, flatten=True),
@@ -38,20 +44,22 @@ C = {
 }
 SHAPES = [(1024, 4096, 14336), (2048, 4096, 14336), (4096, 4096, 14336), (8192, 4096, 14336), (16384, 4096, 14336),
           (8192, 768, 3072), (4096, 2048, 8192)]
+if ARGS.shapes:
+    SHAPES = [tuple(int(v) for v in shape.split("x")) for shape in ARGS.shapes.split(",")]
 dev = torch.cuda.get_device_name(); print(dev, flush=True)
 a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
 for _ in range(200): a @ a
 torch.cuda.synchronize(); del a
-res = {"device": dev, "rows": {}}
+res = {"device": dev, "activation": ARGS.activation, "rows": {}}
 for M, Kd, N in SHAPES:
-    dt = torch.bfloat16; act = A.SILU
+    dt = torch.bfloat16; act = ACT
     x = torch.randn(M, Kd, device="cuda", dtype=dt)
     wgu = torch.randn(2 * N, Kd, device="cuda", dtype=dt) * Kd ** -0.5
     wg, wu = wgu[:N], wgu[N:]
     wd = torch.randn(Kd, N, device="cuda", dtype=dt) * N ** -0.5
     h = torch.empty(M, N, device="cuda", dtype=dt)
     v = {"cublas packed": lambda: torch.mm(x, wgu.T), "cublas down": lambda: torch.mm(h, wd.T),
-         "eager block": lambda: F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)}
+         "eager block": lambda: F.linear(ACT_F(F.linear(x, wg)) * F.linear(x, wu), wd)}
     for name, cfg in C.items():
         try:
             gated_gemm(x, wg, wu, activation=act, config=cfg, out=h); torch.cuda.synchronize()
