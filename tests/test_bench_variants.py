@@ -144,3 +144,29 @@ def test_variants_share_weights_and_inputs():
     module = eager_module(problem)
     assert module.fc1.weight is problem.params["fc1_weight"]
     assert module.fc2.bias is problem.params["fc2_bias"]
+
+
+@pytest.mark.parametrize("workload, activation, cls", [("geglu", "gelu_tanh", "GatedMLP"), ("mlp", "gelu", "MLP"),
+                                                       ("linear", "relu2", "FusedLinear")])
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+def test_mlpfuse_variants_time_the_drop_in_module_over_the_problems_own_weights(workload, activation, cls, mode,
+                                                                              monkeypatch):
+    """Module against module: the mlpfuse rows run GatedMLP / MLP / FusedLinear.forward (with its call plan), as a
+    user's swapped-in model does, on the problem's parameters; and they agree with the fp64 reference."""
+    from mlpfuse import modules
+
+    calls = []
+    real = getattr(modules, cls).forward
+
+    def counted(self, x):
+        calls.append(type(self).__name__)
+        return real(self, x)
+
+    monkeypatch.setattr(getattr(modules, cls), "forward", counted)
+    case = Case(workload, activation, 8, 16, 24, "fp32", mode)
+    row = _run([case], [VARIANTS["mlpfuse-torch"]])[(case.label, "mlpfuse-torch")]
+    assert row["status"] == "ok", row["error"]
+    assert row["max_rel_error"] < 1e-5
+    assert calls and set(calls) == {cls}
+    if mode == "fwd+bwd":  # gradients of the problem's own tensors: the module holds them, not copies
+        assert set(row["errors"]) == {"y", "dx", *(f"d{k}" for k in make_problem(case, CPU).params)}

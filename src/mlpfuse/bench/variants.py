@@ -308,30 +308,21 @@ def _captured(build: Callable[[Problem], Step]) -> Callable[[Problem], Step]:
 
 
 def _mlpfuse_builder(backend: str) -> Callable[[Problem], Step]:
+    """mlpfuse's drop-in module over the problem's parameters (shared, as `eager` holds them): GatedMLP, MLP or
+    FusedLinear, each with its call plan -- module against module, what a user swaps in."""
+
     def build(problem: Problem) -> Step:
-        from mlpfuse import ops
+        from mlpfuse import modules
 
-        case, p = problem.case, problem.params
-        act = None if case.activation == "identity" else case.activation
+        case, eager = problem.case, eager_module(problem)
         if case.kind == "gated":
-
-            def forward(x):
-                return ops.gated_mlp(
-                    x, p["gate_weight"], p["up_weight"], p["down_weight"], activation=act, backend=backend
-                )
-
+            module = modules.GatedMLP.from_linears(eager.gate_proj, eager.up_proj, eager.down_proj, case.activation,
+                                                   backend)
         elif case.kind == "mlp":
-
-            def forward(x):
-                h = ops.linear_act(x, p["fc1_weight"], p["fc1_bias"], activation=act, backend=backend)
-                return ops.linear_act(h, p["fc2_weight"], p["fc2_bias"], activation=None, backend=backend)
-
+            module = modules.MLP.from_module(eager.fc1, eager.fc2, case.activation, backend)
         else:
-
-            def forward(x):
-                return ops.linear_act(x, p["weight"], p["bias"], activation=act, backend=backend)
-
-        return as_step(forward, problem)
+            module = modules.FusedLinear.from_module(eager.linear, case.activation, backend)
+        return as_step(module, problem)
 
     return build
 
@@ -376,20 +367,20 @@ VARIANTS: dict[str, Variant] = {
         Variant("gemms-alone", _build_gemms_alone, floor=True,
                 about="the block's GEMMs alone (cuBLAS, no activation, no multiply): the fusion's floor",
                 skip=lambda case: "forward only" if case.mode == "fwd+bwd" else None),
-        Variant("mlpfuse", _mlpfuse_builder("auto"), about="mlpfuse.ops, backend auto"),
+        Variant("mlpfuse", _mlpfuse_builder("auto"), about="mlpfuse's drop-in module (GatedMLP / MLP / FusedLinear), backend auto"),
         Variant(
             "mlpfuse-triton",
             _mlpfuse_builder("triton"),
             needs_cuda=True,
-            about="mlpfuse.ops, Triton kernels forced",
+            about="the drop-in module, Triton kernels forced",
             missing=_triton_missing,
         ),
-        Variant("mlpfuse-torch", _mlpfuse_builder("torch"), about="mlpfuse.ops, pure-PyTorch backend"),
+        Variant("mlpfuse-torch", _mlpfuse_builder("torch"), about="the drop-in module, pure-PyTorch backend"),
         Variant(
             "mlpfuse-cudagraph",
             _captured(_mlpfuse_builder("auto")),
             needs_cuda=True,
-            about="mlpfuse.ops (auto) captured once in a torch.cuda.CUDAGraph, replayed: the pair of eager-cudagraph",
+            about="the drop-in module (auto) captured once in a torch.cuda.CUDAGraph, replayed: the pair of eager-cudagraph",
         ),
     )
 }
