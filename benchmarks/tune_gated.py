@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/tune_gated.py [--shapes 16384x768x3072,...] [--activation gelu_tanh] [--out DIR]
 
-Ten candidate configs (kernels.configs.KernelConfig) at 1024–16384 tokens × 4096×14336, 8192×768×3072 and
+Fifteen candidate configs (kernels.configs.KernelConfig) at 1024–16384 tokens × 4096×14336, 8192×768×3072 and
 4096×2048×8192 (or --shapes, tokens×dim×hidden), SwiGLU (or --activation), bf16; each timed with Triton's do_bench (L2 flushed, median) in 3 interleaved passes after a
 clock spin-up; the median pass with min–max. Per config: its time over cuBLAS's packed [2·hidden, dim] GEMM, and the
 block (it + cuBLAS's down GEMM) over eager's block and over the GEMMs alone (packed + down). What a card's rows in
@@ -41,6 +41,17 @@ C = {
  "H 128x128 s3w8 nonpers g4": K(128, 128, 64, group_m=4, num_stages=3, num_warps=8, persistent=False),
  "I 128x128 s3w8 x1 ws": K(128, 128, 64, num_stages=3, num_warps=8, programs_per_sm=1, warp_specialize=True),
  "J 128x128 s4w8 x1 fl g16": K(128, 128, 64, group_m=16, num_stages=4, num_warps=8, programs_per_sm=1, flatten=True),
+ # h through a TMA store: no register-layout conversion before the store (it goes through shared memory instead),
+ # so fewer stages keep two CTAs per SM (128×(2·64), 3 stages + the store's tile is 115 KB, over half an SM's).
+ "K 128x64 s2w4 x2 fl g4 tmast": K(128, 64, 64, group_m=4, num_stages=2, num_warps=4, programs_per_sm=2, flatten=True,
+                                  tma_store=True),
+ "L 128x64 s2w4 x2 fl g4": K(128, 64, 64, group_m=4, num_stages=2, num_warps=4, programs_per_sm=2, flatten=True),
+ "M 128x64 k32 s4w4 x2 fl g4 tmast": K(128, 64, 32, group_m=4, num_stages=4, num_warps=4, programs_per_sm=2,
+                                       flatten=True, tma_store=True),
+ "N 128x128 s3w8 x1 fl g4 tmast": K(128, 128, 64, group_m=4, num_stages=3, num_warps=8, programs_per_sm=1, flatten=True,
+                                   tma_store=True),
+ "O 128x128 s3w8 x1 fl g8 tmast": K(128, 128, 64, num_stages=3, num_warps=8, programs_per_sm=1, flatten=True,
+                                   tma_store=True),
 }
 SHAPES = [(1024, 4096, 14336), (2048, 4096, 14336), (4096, 4096, 14336), (8192, 4096, 14336), (16384, 4096, 14336),
           (8192, 768, 3072), (4096, 2048, 8192)]
