@@ -26,6 +26,28 @@ def test_measured_cards_get_their_gated_rows_by_layer_size():
     assert _gated(H100, 132, 8192, 14336, 4096, torch.float32).block_k == 32
 
 
+def test_the_h100_has_rows_of_its_own_by_activation_and_tokens():
+    """Measured on the H100 alone (tune-gated-tma-store): GeGLU on large layers and small layers from 16384 tokens
+    store h through TMA with three stages; SwiGLU on large layers and shorter calls keep the shared rows."""
+    from mlpfuse.activations import GELU_TANH, SILU
+
+    def h100(m, n, k, act, dtype=torch.bfloat16):
+        return configs.pick("gated", dtype, m, n, device=CUDA, num_sms=132, arch=9, k=k, name=H100, activation=act)
+
+    def h200(m, n, k, act):
+        return configs.pick("gated", torch.bfloat16, m, n, device=CUDA, num_sms=132, arch=9, k=k, name=H200,
+                            activation=act)
+
+    geglu_large = h100(8192, 14336, 4096, GELU_TANH)
+    assert (geglu_large.block_n, geglu_large.num_stages, geglu_large.tma_store) == (128, 3, True)
+    assert h100(8192, 14336, 4096, SILU) == h200(8192, 14336, 4096, SILU) == h200(8192, 14336, 4096, GELU_TANH)
+    for act in (GELU_TANH, SILU):
+        long = h100(16384, 3072, 768, act)
+        assert (long.block_n, long.programs_per_sm, long.tma_store) == (128, 1, True)
+        assert h100(16383, 3072, 768, act) == h200(16384, 3072, 768, act)  # the paired tiles below 16384 tokens
+        assert h100(16384, 3072, 768, act, torch.float32).block_k == 32  # fp32: the same row at half the K depth
+
+
 def test_cards_are_told_apart_by_name_and_sm_count():
     assert configs.card(H100, 132)[0] == "h100-sxm"
     assert configs.card("NVIDIA H100 PCIe", 114) is None  # fewer SMs, other clocks: not measured
@@ -40,8 +62,12 @@ def test_measured_cards_carry_their_cut_overs():
     for name in (H100, H200):
         cut = configs.card(name, 132).cutovers
         assert isinstance(cut, configs.Cutovers)
-        # the decode kernels, then cuBLAS around the GLU pass, then the gated GEMM, in that order of tokens
+        # the decode kernels, then (where the gap is more than one token) cuBLAS around the GLU pass, then the
+        # gated GEMM, in that order of tokens
         assert 0 < cut.decode_large_max_m < cut.gated_large_min_m and cut.linear_act_min_work > 0
+    # the H100 goes from the decode kernels straight to the gated GEMM (cut-over/); the H200 keeps SPLIT in between
+    assert configs.card(H100, 132).cutovers.gated_large_min_m == configs.card(H100, 132).cutovers.decode_large_max_m + 1
+    assert configs.card(H200, 132).cutovers.gated_large_min_m > configs.card(H200, 132).cutovers.decode_large_max_m + 1
 
 
 def test_cpu_and_older_gpus_get_their_rows():

@@ -21,6 +21,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from mlpfuse.activations import GELU_TANH
+
 
 @dataclass(frozen=True)
 class KernelConfig:
@@ -81,6 +83,7 @@ _SM90_MEASURED = {
                                      flatten=True),
 }
 _LARGE_LAYER = 1 << 24  # dim·hidden from which the gated rows take the wide CTA
+_LONG_M = 16384  # tokens from which a small layer's gated GEMM takes a card's ("gated", "long") row, where it has one
 
 
 @dataclass(frozen=True)
@@ -93,16 +96,34 @@ class Cutovers:
     linear_act_min_work: float  # M·out·in multiply-adds from which GEMM+bias+activation replaces addmm + activation
 
 
+# H100 SXM: two rows of its own, from `tune_gated.py` with fifteen candidates (benchmarks/results/nvidia-h100-x1/
+# tune-gated-tma-store): h written through a TMA store (no register-layout conversion before the store) by the wide
+# CTA with three stages (four and the store's tile do not fit). GeGLU on large layers (its activation's epilogue is
+# the heavier): 0.987× the GEMMs alone at 8192×4096×14336 and 0.979× at 1024 tokens, against 1.011× / 1.004× with
+# the shipped four-stage row; with SwiGLU the four-stage row stays (0.978× against 0.985×). Small layers from 16384
+# tokens, either activation: 1.021× / 1.013× the GEMMs alone at 16384×768×3072 (GeGLU / SwiGLU) against the paired
+# tiles' 1.049× / 1.039×; at 4096 tokens the paired tiles stay (0.983× against 1.011×).
+_H100_MEASURED = {
+    **_SM90_MEASURED,
+    ("gated", "large", GELU_TANH): KernelConfig(128, 128, 64, num_stages=3, num_warps=8, programs_per_sm=1,
+                                                flatten=True, tma_store=True),
+    ("gated", "long"): KernelConfig(128, 128, 64, group_m=4, num_stages=3, num_warps=8, programs_per_sm=1,
+                                    flatten=True, tma_store=True),
+}
+
+
 # H200: decode kernels against cuBLAS and the SPLIT path at 16–64 tokens (benchmarks/results/nvidia-h200/decode,
 # small-m), the gated GEMM against both at 16–4096 tokens (small-m, auto-sweeps), training (train-small), linear +
 # activation (kernels-h200.md): ops/dispatch.py has the figures.
 _H200_CUTOVERS = Cutovers(decode_large_max_m=16, gated_large_min_m=96, linear_act_min_work=9e9)
-# H100 SXM: the H200's cut-overs, checked on the card by the layer sweeps (benchmarks/results/nvidia-h100-x1/
-# layer-sweeps, `gpu_run.sh OUT layer-sweep-DxH-MODE` for 768×3072 … 8192×28672, 64–16384 tokens, forward and
-# forward+backward): `auto` faster than eager on all 80 rows, within 2 % of the best peer on 77 (the other three at
-# 64 tokens against eager's CUDA graph, 1.016–1.031×); the decode tiles at 1 and 8 rows (tune-decode/). The
-# decode/SPLIT boundary (16) and linear + activation's were not measured apart on this card.
-_H100_CUTOVERS = _H200_CUTOVERS
+# H100 SXM: the gated GEMM right after the decode sizes (no SPLIT path). Measured on the card at 24–80 tokens,
+# forward (and forward+backward at 2048×8192), `auto` with the committed cut-over against the same with the gated
+# GEMM from 24 tokens (benchmarks/results/nvidia-h100-x1/cut-over): at 2048×8192 the gated GEMM ran 59.5–60.7 µs
+# against SPLIT's 62.8–65.2 (eager replayed from a CUDA graph: 60.5–63.0) with 54–86 µs of wall time against
+# 85–135; at 4096×14336 150.1–153.7 against 151.1–158.1 (eager's graph 148.5–156.6); training level (169–182 against
+# 171–184 µs). The layer sweeps checked the rest (nvidia-h100-x1/layer-sweeps): `auto` faster than eager on all 80
+# rows. The decode/gated boundary (16) and linear + activation's were not measured apart on this card.
+_H100_CUTOVERS = Cutovers(decode_large_max_m=16, gated_large_min_m=17, linear_act_min_work=9e9)
 # Where no card's are known (the CPU through Triton's interpreter, a GPU without a CARDS entry, on which `auto`
 # runs only the decode kernels): the H200's.
 DEFAULT_CUTOVERS = _H200_CUTOVERS
@@ -119,7 +140,7 @@ class Card(NamedTuple):
 # PCIe, a GH200 or an H800 runs other clocks, power limits or memory, and is not measured.
 CARDS = {
     ("NVIDIA H200", 132): Card("h200", _SM90_MEASURED, "layer", _H200_CUTOVERS),
-    ("NVIDIA H100 80GB HBM3", 132): Card("h100-sxm", _SM90_MEASURED, "layer", _H100_CUTOVERS),
+    ("NVIDIA H100 80GB HBM3", 132): Card("h100-sxm", _H100_MEASURED, "layer", _H100_CUTOVERS),
 }
 
 
@@ -134,7 +155,7 @@ def _fp32(table: dict) -> dict:
 
 
 _SM90_32 = _fp32(_SM90_16)
-_FP32 = {id(_SM90_16): _SM90_32, id(_SM90_MEASURED): _fp32(_SM90_MEASURED)}
+_FP32 = {id(_SM90_16): _SM90_32, id(_SM90_MEASURED): _fp32(_SM90_MEASURED), id(_H100_MEASURED): _fp32(_H100_MEASURED)}
 
 # Other CUDA GPUs (Ampere and older): pointer loads, software pipelining only.
 _GENERIC = {
@@ -151,9 +172,10 @@ def size_class(m: int, n: int, num_sms: int, cfg: KernelConfig) -> str:
 
 
 def pick(op: str, dtype: torch.dtype, m: int, n: int, *, device: torch.device, num_sms: int, arch: int, k: int = 0,
-         name: str = "") -> KernelConfig:
+         name: str = "", activation: int = -1) -> KernelConfig:
     """The table's config for one call. op: 'gated' | 'gemm_act' | 'glu_bwd'; k: the reduction depth; name: the
-    device's name (which card's rows)."""
+    device's name (which card's rows); activation: an activations id, for a card with a row for (op, class,
+    activation)."""
     if device.type != "cuda":
         return _INTERPRET
     if arch >= 9:
@@ -162,9 +184,9 @@ def pick(op: str, dtype: torch.dtype, m: int, n: int, *, device: torch.device, n
         if dtype == torch.float32:
             table = _FP32[id(table)]
         if rule == "layer" and op == "gated":
-            cls = "large" if n * k >= _LARGE_LAYER else "small"
+            cls = "large" if n * k >= _LARGE_LAYER else ("long" if m >= _LONG_M and (op, "long") in table else "small")
         else:
             cls = size_class(m, n, num_sms, table[(op, "large")])
-        return table[(op, cls)]
+        return table.get((op, cls, activation)) or table[(op, cls)]
     cfg = _GENERIC[op]
     return cfg.with_(block_k=cfg.block_k // 2) if dtype == torch.float32 else cfg

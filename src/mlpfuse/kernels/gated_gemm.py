@@ -239,7 +239,7 @@ def _gated_gemm(x, w_gate, w_up, b_gate, b_up, activation, save_preact, allow_tf
     dev = x.device
     sms = C.num_sms(dev)
     cfg = config or pick("gated", x.dtype, M, N, device=dev, num_sms=sms, arch=C.arch_major(dev), k=K,
-                          name=C.device_name(dev))
+                          name=C.device_name(dev), activation=activation)
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     use_tma = cfg.tma and C.tma_capable(dev) and K > 0 and all(C.tma_ok(t) for t in (x, w_gate, w_up))
     tma_store = use_tma and cfg.tma_store and C.tma_ok(h)
