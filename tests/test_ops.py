@@ -5,6 +5,7 @@ GPU. Every input, weight and bias gradient is checked. Before each call the allo
 the output sizes, so an output element a kernel forgets to write tends to come back NaN.
 """
 
+import dataclasses
 import gc
 import math
 import weakref
@@ -761,6 +762,10 @@ def test_auto_reads_the_cut_overs_of_the_card(monkeypatch):
     assert [path(4), path(5), path(199), path(200)] == [dispatch.DECODE, dispatch.SPLIT, dispatch.SPLIT,
                                                         dispatch.GATED]
     assert [path(199, True), path(200, True)] == [dispatch.SPLIT, dispatch.GATED]
+    # Below split_min_layer a large layer goes from the decode kernels straight to the gated GEMM.
+    monkeypatch.setattr(dispatch, "cutovers", lambda device: dataclasses.replace(other, split_min_layer=4096 * big + 1))
+    assert [path(4), path(5), path(199, True), path(200)] == [dispatch.DECODE, dispatch.GATED, dispatch.GATED,
+                                                              dispatch.GATED]
     monkeypatch.setattr(dispatch, "eager_math", lambda backend, act: False)
     x = torch.empty(1, 1)
     assert dispatch.linear_act_path("auto", x, 1, activations.GELU_TANH) == "triton"  # 1 multiply-add is enough

@@ -94,6 +94,8 @@ class Cutovers:
     decode_large_max_m: int  # large layers: the decode kernels up to this many tokens, then the SPLIT path ...
     gated_large_min_m: int  # ... and the gated GEMM from this many (small layers: the gated GEMM past decode sizes)
     linear_act_min_work: float  # M·out·in multiply-adds from which GEMM+bias+activation replaces addmm + activation
+    split_min_layer: int = 1 << 24  # dim·hidden from which a large layer takes SPLIT between those two (below it,
+    #                                 the gated GEMM right after the decode sizes)
 
 
 # H100 SXM: two rows of its own, from `tune_gated.py` with fifteen candidates (benchmarks/results/nvidia-h100-x1/
@@ -115,7 +117,13 @@ _H100_MEASURED = {
 # H200: decode kernels against cuBLAS and the SPLIT path at 16–64 tokens (benchmarks/results/nvidia-h200/decode,
 # small-m), the gated GEMM against both at 16–4096 tokens (small-m, auto-sweeps), training (train-small), linear +
 # activation (kernels-h200.md): ops/dispatch.py has the figures.
-_H200_CUTOVERS = Cutovers(decode_large_max_m=16, gated_large_min_m=96, linear_act_min_work=9e9)
+# The SPLIT path only from 2**25 (4096×8192 and up) since the cut-over run (benchmarks/results/nvidia-h200/cut-over):
+# at 2048×8192 the gated GEMM ran 48.7–49.1 µs at 24–80 tokens against SPLIT's 51.1–52.4 (eager's CUDA graph
+# 49.2–51.5) and level in training; at 4096×14336 SPLIT still won at 24–32 tokens (110.7–111.9 against 115.3–116.2),
+# tied at 48 and lost at 64–80 (119.1 / 118.0 against 114.1 / 112.7) — the 96 there stays until a sweep checks a
+# lower one on the larger layers too.
+_H200_CUTOVERS = Cutovers(decode_large_max_m=16, gated_large_min_m=96, linear_act_min_work=9e9,
+                          split_min_layer=1 << 25)
 # H100 SXM: the gated GEMM right after the decode sizes (no SPLIT path). Measured on the card at 24–80 tokens,
 # forward (and forward+backward at 2048×8192), `auto` with the committed cut-over against the same with the gated
 # GEMM from 24 tokens (benchmarks/results/nvidia-h100-x1/cut-over): at 2048×8192 the gated GEMM ran 59.5–60.7 µs

@@ -52,8 +52,9 @@ SAVE_PREACT = True
 # sizes, the gated GEMM on small layers and from `gated_large_min_m` (96) tokens on large ones (dim·hidden >=
 # DECODE_LARGE_LAYER); in between, on large layers, that SPLIT path: cuBLAS's gate and up GEMMs, one Triton GLU pass,
 # cuBLAS's down GEMM. (Those small-m figures predate the large layers' wide 128×(2·128) tile row; on the H100, with
-# it, the gated GEMM beat SPLIT at 24–80 tokens on 2048×8192 and 4096×14336, so that card's cut-over is 17:
-# kernels/configs.py `_H100_CUTOVERS`, benchmarks/results/nvidia-h100-x1/cut-over.)
+# it, the gated GEMM beat SPLIT at 24–80 tokens on 2048×8192 and 4096×14336 on the H100, so that card's cut-over is
+# 17, and on 2048×8192 on the H200, whose SPLIT path now starts at dim·hidden 2**25: kernels/configs.py
+# `Cutovers.split_min_layer`, benchmarks/results/{nvidia-h100-x1,nvidia-h200}/cut-over.)
 # In eager mode and in graphs alike; training makes the same choice (GATED_TRAINING below).
 # The cut-overs' token counts and work sizes are data per card, with the runs that checked them on each card:
 # kernels/configs.py `Cutovers` (read through `cutovers` below).
@@ -311,7 +312,8 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
         return TORCH
     if training and not _auto_may_use(x.device, x.dtype, "glu_backward"):
         return TORCH
-    if (large and m < cut.gated_large_min_m) or not tuned_card(x.device):
+    split = large and m < cut.gated_large_min_m and x.shape[1] * hidden >= cut.split_min_layer
+    if split or not tuned_card(x.device):
         # An untuned card keeps cuBLAS's GEMMs around the GLU pass: eager's projections, one pass fewer.
         return SPLIT if _auto_may_use(x.device, x.dtype, "glu") else TORCH
     return GATED
