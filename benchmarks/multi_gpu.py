@@ -16,14 +16,14 @@ and each unsharded on one GPU (rank 0's; the baseline).
 
 Each row: the step time (CUDA events around `--reps` steps, ranks lined up by a barrier first, the slowest rank's
 time per round, variants interleaved over `--rounds` rounds, median and spread, every round's value in
-results.json); beside it, from the same rounds, the wall time per step by a second clock (perf_counter to the end
-of the synchronized work: the check on the CUDA-event figure), the host time per step (the launch loop alone) and
-the peak memory one step allocates above what it starts with (the largest rank's); throughput in tokens/s; speed-up against the same variant on one GPU and scaling efficiency (speed-up
-/ GPUs); mlpfuse against eager under the same plan; and, from a few steps profiled on every rank (one trace per rank
-under DIR/traces/<case>/, read back with mlpfuse's per-rank analysis, `mlpfuse analyze DIR/traces/<case>`), the time
-per step in NCCL kernels, its share of the step, the share of it overlapped by compute, and the rank skew. Outputs
-are checked first against an fp32 evaluation of the unsharded block. DIR gets results.json and results.md; the table
-is printed last.
+results.json); beside it, from the same rounds, the wall time per step by a second clock (perf_counter to the end of
+the synchronized work: the check on the CUDA-event figure), the host time per step (the launch loop alone) and the
+peak memory one step allocates above what it starts with (the largest rank's); throughput in tokens/s; speed-up
+against the same variant on one GPU and scaling efficiency (speed-up / GPUs); mlpfuse against eager under the same
+plan; and, from a few steps profiled on every rank (one trace per rank under DIR/traces/<case>/, read back with
+mlpfuse's per-rank analysis, `mlpfuse analyze DIR/traces/<case>`), the time per step in NCCL kernels, its share of
+the step, the share of it overlapped by compute, and the rank skew. Outputs are checked first against an fp32
+evaluation of the unsharded block. DIR gets results.json and results.md; the table is printed last.
 """
 
 from __future__ import annotations
@@ -496,7 +496,8 @@ def table(rows: list[dict]) -> str:
         cells = (r["case"], r["variant"], str(r["gpus"]), f"{r['step_ms']:.3f}", f"{r['spread_pct']:.1f}%",
                  f"{r['tokens_per_s']:.4g}", _fmt(r.get("speedup"), ".3f"), _fmt(r.get("efficiency"), ".1%"),
                  _fmt(r.get("vs_eager"), ".3f"), _fmt(r.get("wall_ms"), ".3f"), _fmt(r.get("vs_eager_wall"), ".3f"),
-                 _fmt(r.get("host_ms"), ".3f"), _fmt(r.get("peak_mb"), ".0f"), _fmt(r.get("comm_ms"), ".3f"), _fmt(r.get("comm_share"), ".1%"),
+                 _fmt(r.get("host_ms"), ".3f"), _fmt(r.get("peak_mb"), ".0f"), _fmt(r.get("comm_ms"), ".3f"),
+                 _fmt(r.get("comm_share"), ".1%"),
                  _fmt(r.get("overlap_share"), ".1%"), _fmt(r.get("skew_ms"), ".3f"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

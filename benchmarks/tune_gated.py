@@ -3,10 +3,11 @@
     PYTHONPATH=src python3 benchmarks/tune_gated.py [--shapes 16384x768x3072,...] [--activation gelu_tanh] [--out DIR]
 
 Fifteen candidate configs (kernels.configs.KernelConfig) at 1024–16384 tokens × 4096×14336, 8192×768×3072 and
-4096×2048×8192 (or --shapes, tokens×dim×hidden), SwiGLU (or --activation), bf16; each timed with Triton's do_bench (L2 flushed, median) in 3 interleaved passes after a
-clock spin-up; the median pass with min–max. Per config: its time over cuBLAS's packed [2·hidden, dim] GEMM, and the
-block (it + cuBLAS's down GEMM) over eager's block and over the GEMMs alone (packed + down). What a card's rows in
-kernels/configs.py come from; tune_gated.json under --out. Candidates that fail to compile are listed and skipped.
+4096×2048×8192 (or --shapes, tokens×dim×hidden), SwiGLU (or --activation), bf16; each timed with Triton's do_bench
+(L2 flushed, median) in 3 interleaved passes after a clock spin-up; the median pass with min–max. Per config: its
+time over cuBLAS's packed [2·hidden, dim] GEMM, and the block (it + cuBLAS's down GEMM) over eager's block and over
+the GEMMs alone (packed + down). What a card's rows in kernels/configs.py come from; tune_gated.json under --out.
+Candidates that fail to compile are listed and skipped.
 """
 
 import argparse

@@ -367,7 +367,8 @@ VARIANTS: dict[str, Variant] = {
         Variant("gemms-alone", _build_gemms_alone, floor=True,
                 about="the block's GEMMs alone (cuBLAS, no activation, no multiply): the fusion's floor",
                 skip=lambda case: "forward only" if case.mode == "fwd+bwd" else None),
-        Variant("mlpfuse", _mlpfuse_builder("auto"), about="mlpfuse's drop-in module (GatedMLP / MLP / FusedLinear), backend auto"),
+        Variant("mlpfuse", _mlpfuse_builder("auto"),
+                about="mlpfuse's drop-in module (GatedMLP / MLP / FusedLinear), backend auto"),
         Variant(
             "mlpfuse-triton",
             _mlpfuse_builder("triton"),
@@ -380,7 +381,7 @@ VARIANTS: dict[str, Variant] = {
             "mlpfuse-cudagraph",
             _captured(_mlpfuse_builder("auto")),
             needs_cuda=True,
-            about="the drop-in module (auto) captured once in a torch.cuda.CUDAGraph, replayed: the pair of eager-cudagraph",
+            about="the drop-in module (auto) captured once in a torch.cuda.CUDAGraph, replayed: eager-cudagraph's pair",
         ),
     )
 }

@@ -129,8 +129,9 @@ _H200_CUTOVERS = Cutovers(decode_large_max_m=16, gated_large_min_m=96, linear_ac
 # GEMM from 24 tokens (benchmarks/results/nvidia-h100-x1/cut-over): at 2048×8192 the gated GEMM ran 59.5–60.7 µs
 # against SPLIT's 62.8–65.2 (eager replayed from a CUDA graph: 60.5–63.0) with 54–86 µs of wall time against
 # 85–135; at 4096×14336 150.1–153.7 against 151.1–158.1 (eager's graph 148.5–156.6); training level (169–182 against
-# 171–184 µs). The layer sweeps checked the rest (nvidia-h100-x1/layer-sweeps): `auto` faster than eager on all 80
-# rows. The decode/gated boundary (16) and linear + activation's were not measured apart on this card.
+# 171–184 µs). Re-run with it, the sweeps' 64-token rows at 4096×14336 and 8192×28672 came to 0.98–0.99× eager's
+# graph (nvidia-h100-x1/layer-sweeps/after-h100-rows). The decode/gated boundary (16) and linear + activation's were
+# not measured apart on this card.
 _H100_CUTOVERS = Cutovers(decode_large_max_m=16, gated_large_min_m=17, linear_act_min_work=9e9)
 # Where no card's are known (the CPU through Triton's interpreter, a GPU without a CARDS entry, on which `auto`
 # runs only the decode kernels): the H200's.
@@ -163,7 +164,7 @@ def _fp32(table: dict) -> dict:
 
 
 _SM90_32 = _fp32(_SM90_16)
-_FP32 = {id(_SM90_16): _SM90_32, id(_SM90_MEASURED): _fp32(_SM90_MEASURED), id(_H100_MEASURED): _fp32(_H100_MEASURED)}
+_FP32 = {id(table): _fp32(table) for table in (_SM90_MEASURED, _H100_MEASURED)} | {id(_SM90_16): _SM90_32}
 
 # Other CUDA GPUs (Ampere and older): pointer loads, software pipelining only.
 _GENERIC = {

@@ -51,9 +51,9 @@ SAVE_PREACT = True
 # around mlpfuse's GLU pass 0.96–0.97× (within 1.2 % of compile at 16–80 tokens). So inference takes, past the decode
 # sizes, the gated GEMM on small layers and from `gated_large_min_m` (96) tokens on large ones (dim·hidden >=
 # DECODE_LARGE_LAYER); in between, on large layers, that SPLIT path: cuBLAS's gate and up GEMMs, one Triton GLU pass,
-# cuBLAS's down GEMM. (Those small-m figures predate the large layers' wide 128×(2·128) tile row; on the H100, with
-# it, the gated GEMM beat SPLIT at 24–80 tokens on 2048×8192 and 4096×14336 on the H100, so that card's cut-over is
-# 17, and on 2048×8192 on the H200, whose SPLIT path now starts at dim·hidden 2**25: kernels/configs.py
+# cuBLAS's down GEMM. (Those small-m figures predate the large layers' wide 128×(2·128) tile row. With it the gated
+# GEMM beat SPLIT at 24–80 tokens on 2048×8192 and 4096×14336 on the H100, whose cut-over is therefore 17, and on
+# 2048×8192 on the H200, whose SPLIT path now starts at dim·hidden 2**25: kernels/configs.py
 # `Cutovers.split_min_layer`, benchmarks/results/{nvidia-h100-x1,nvidia-h200}/cut-over.)
 # In eager mode and in graphs alike; training makes the same choice (GATED_TRAINING below).
 # The cut-overs' token counts and work sizes are data per card, with the runs that checked them on each card:
