@@ -3,7 +3,8 @@
 On a machine without CUDA these run through Triton's interpreter (tests/conftest.py turns it on), fp32 with tf32 off
 and fp16 only (the interpreter mis-computes bf16 dots). Shapes are tiny and odd so that every tile edge is masked.
 Outputs are pre-filled with NaN and handed in through `out=`, so an element the kernel forgets to write fails the test.
-Both operand paths run: TMA descriptors (the interpreter emulates them) and plain pointer loads.
+Both operand paths run: TMA descriptors (the interpreter emulates them) and plain pointer loads, and for the gated
+GEMM h written through a TMA store (the H100's rows for GeGLU on large layers and long calls on small ones).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ ACTS = [a for a in A.NAMES] + ["identity"]
 TILES = {
     "tma": KernelConfig(16, 16, 16, group_m=2, num_stages=1, num_warps=4),
     "pointer": KernelConfig(16, 16, 16, group_m=2, num_stages=1, num_warps=4, tma=False),
+    "tma_store": KernelConfig(16, 16, 16, group_m=2, num_stages=1, num_warps=4, tma_store=True),  # gated: h via TMA
     "prefetch": KernelConfig(16, 16, 16, group_m=2, num_stages=1, num_warps=4, prefetch=True),  # glu_bwd only
 }
 
@@ -68,7 +70,7 @@ def gated_ref(x, wg, wu, bg, bu, act):
     return act.forward(g) * u, g, u
 
 
-@pytest.mark.parametrize("path", ["tma", "pointer"])
+@pytest.mark.parametrize("path", ["tma", "pointer", "tma_store"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("act_name", ACTS)
 def test_gated_gemm_every_activation(act_name, dtype, path):
@@ -89,7 +91,7 @@ def test_gated_gemm_every_activation(act_name, dtype, path):
     assert_close(u, ur, dtype, "u", k=K)
 
 
-@pytest.mark.parametrize("path", ["tma", "pointer"])
+@pytest.mark.parametrize("path", ["tma", "pointer", "tma_store"])
 @pytest.mark.parametrize("bias", ["none", "gate", "up", "both"])
 @pytest.mark.parametrize("M,N,K", [(1, 7, 16), (7, 33, 24), (100, 20, 8)])
 def test_gated_gemm_shapes_and_biases(M, N, K, bias, path):
