@@ -7,7 +7,8 @@ Fifteen candidate configs (kernels.configs.KernelConfig) at 1024–16384 tokens 
 (L2 flushed, median) in 3 interleaved passes after a clock spin-up; the median pass with min–max. Per config: its
 time over cuBLAS's packed [2·hidden, dim] GEMM, and the block (it + cuBLAS's down GEMM) over eager's block and over
 the GEMMs alone (packed + down). What a card's rows in kernels/configs.py come from; tune_gated.json under --out.
-Candidates that fail to compile are listed and skipped.
+Candidates that fail to compile, or whose h is not within 1e-2 (relative) of an fp32 evaluation, are listed and
+skipped.
 """
 
 import argparse
@@ -72,12 +73,21 @@ for M, Kd, N in SHAPES:
     h = torch.empty(M, N, device="cuda", dtype=dt)
     v = {"cublas packed": lambda: torch.mm(x, wgu.T), "cublas down": lambda: torch.mm(h, wd.T),
          "eager block": lambda: F.linear(ACT_F(F.linear(x, wg)) * F.linear(x, wu), wd)}
+    # Each candidate's h against an fp32 evaluation: a fast config that computes something else is no candidate.
+    ref = ACT_F(x.float() @ wg.float().T) * (x.float() @ wu.float().T)
+    errors = {}
     for name, cfg in C.items():
         try:
+            h.fill_(float("nan"))
             gated_gemm(x, wg, wu, activation=act, config=cfg, out=h); torch.cuda.synchronize()
+            errors[name] = ((h.float() - ref).norm() / ref.norm()).item()
+            if not errors[name] <= 1e-2:  # bf16 output: ~2e-3 expected; NaN (an unwritten element) fails too
+                print(f"  {name}: WRONG (relative error {errors[name]:.2e}), not timed", flush=True)
+                continue
             v[name] = (lambda cfg=cfg: gated_gemm(x, wg, wu, activation=act, config=cfg, out=h))
         except Exception as e:
             print(f"  {name}: FAILED {type(e).__name__}", flush=True)
+    del ref
     t = {k: [] for k in v}
     for _ in range(3):
         for k, f in v.items():
@@ -85,6 +95,7 @@ for M, Kd, N in SHAPES:
     r = {k: (statistics.median(x_), min(x_), max(x_)) for k, x_ in t.items()}
     cub = r["cublas packed"][0]
     res["rows"][f"{M}x{Kd}x{N}"] = r
+    res.setdefault("rel_errors", {})[f"{M}x{Kd}x{N}"] = errors
     print(f"== {M}x{Kd}x{N} cublas packed {cub:.1f} down {r['cublas down'][0]:.1f} "
           f"eager block {r['eager block'][0]:.1f}", flush=True)
     for k, (md, lo, hi) in sorted(r.items(), key=lambda kv: kv[1][0]):
