@@ -66,8 +66,10 @@ def test_measured_cards_carry_their_cut_overs():
         # gated GEMM, in that order of tokens
         assert 0 < cut.decode_large_max_m < cut.gated_large_min_m and cut.linear_act_min_work > 0
     # the H100 goes from the decode kernels straight to the gated GEMM (cut-over/); the H200 keeps SPLIT in between
-    assert configs.card(H100, 132).cutovers.gated_large_min_m == configs.card(H100, 132).cutovers.decode_large_max_m + 1
-    assert configs.card(H200, 132).cutovers.gated_large_min_m > configs.card(H200, 132).cutovers.decode_large_max_m + 1
+    # on layers from its split_min_layer
+    h100, h200 = configs.card(H100, 132).cutovers, configs.card(H200, 132).cutovers
+    assert h100.gated_large_min_m == h100.decode_large_max_m + 1
+    assert h200.gated_large_min_m > h200.decode_large_max_m + 1 and h200.split_min_layer > 1 << 24
 
 
 def test_cpu_and_older_gpus_get_their_rows():
