@@ -153,7 +153,7 @@ def auto_as_on_a_gpu(monkeypatch):
     monkeypatch.setattr(dispatch, "_auto_may_use", lambda device, dtype, module: True)
     monkeypatch.setattr(dispatch, "tuned_card", lambda device: True)  # the CPU stands in for a measured card
     monkeypatch.setattr(dispatch, "DECODE_LARGE_LAYER", 1)
-    cut = dataclasses.replace(dispatch.cutovers(torch.device(DEVICE)), linear_act_min_work=0)
+    cut = dataclasses.replace(dispatch.cutovers(torch.device(DEVICE)), linear_act_min_work=0, split_min_layer=1)
     monkeypatch.setattr(dispatch, "cutovers", lambda device: cut)
     return dispatch
 
