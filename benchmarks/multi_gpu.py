@@ -292,7 +292,7 @@ def _timed(steps: dict, clock: _Clock, args, device, group: bool) -> dict:
             rounds[name].append(t)
     out = {}
     for name, ts in rounds.items():
-        gpu, host, wall = ([r[i] for r in ts] for i in range(3))
+        gpu, host, wall = zip(*ts)
         med = statistics.median(gpu)
         peak = _peak_mb(steps[name], device)
         if group and peak is not None:

@@ -295,7 +295,8 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
         cuda_extension(x)
         return CUDA
     use_decode = not training and 0 < m <= decode_max_m()
-    large = x.shape[1] * hidden >= DECODE_LARGE_LAYER
+    layer = x.shape[1] * hidden
+    large = layer >= DECODE_LARGE_LAYER
     cut = cutovers(x.device)
     if use_decode and name == "auto" and m > cut.decode_large_max_m and large:
         use_decode = False
@@ -312,7 +313,7 @@ def gated_mlp_path(backend: str, x: torch.Tensor, hidden: int, training: bool) -
         return TORCH
     if training and not _auto_may_use(x.device, x.dtype, "glu_backward"):
         return TORCH
-    split = large and m < cut.gated_large_min_m and x.shape[1] * hidden >= cut.split_min_layer
+    split = large and m < cut.gated_large_min_m and layer >= cut.split_min_layer
     if split or not tuned_card(x.device):
         # An untuned card keeps cuBLAS's GEMMs around the GLU pass: eager's projections, one pass fewer.
         return SPLIT if _auto_may_use(x.device, x.dtype, "glu") else TORCH
