@@ -177,11 +177,39 @@ def test_rounds_are_interleaved_and_every_case_ran_in_each(results):
     ran = [c for c in RUN_ORDER if c in summary["cases"]]
     assert sorted(tuple(x) for x in rounds["order"]) == sorted((r, c) for r in range(3) for c in ran)
     by_round = [[c for r2, c in rounds["order"] if r2 == r] for r in range(3)]
-    for r, order in enumerate(by_round):  # each workload's variants together, turned by one place per round
-        for workload in ("linear", "geglu-mlp"):
-            mine = [c for c in ran if c.startswith(workload + "-")]
-            assert [c for c in order if c in mine] == mine[r % len(mine):] + mine[:r % len(mine)]
-    assert by_round[0] == ran and by_round[1] != ran
+    for workload in ("linear", "geglu-mlp"):
+        mine = [c for c in ran if c.startswith(workload + "-")]
+        orders = []
+        for order in by_round:  # each workload's variants together
+            where = [i for i, c in enumerate(order) if c in mine]
+            assert where == list(range(where[0], where[0] + len(mine)))
+            orders.append([order[i] for i in where])
+        if len(mine) == 3:
+            assert sorted(o[0] for o in orders) == sorted(mine)  # each variant first once
+            for variant in ("eager", "mlpfuse"):  # the compared two: a different predecessor each time
+                case = f"{workload}-{variant}"
+                before = [o[o.index(case) - 1] for o in orders if o.index(case) > 0]
+                assert len(before) == 2 and len(set(before)) == 2, (case, orders)
+
+
+@pytest.mark.parametrize("names", [["eager", "compile", "mlpfuse"], ["eager", "mlpfuse"], ["compile", "eager"]])
+def test_round_order_is_carry_over_balanced(names):
+    """Over 2·n rounds every variant of a workload runs right after every other one equally often, and first
+    equally often."""
+    from collections import Counter
+
+    from mlpfuse.commands.walkthrough import round_order
+
+    cases = [f"linear-{n}" for n in names]
+    n = len(cases)
+    follows, first = Counter(), Counter()
+    for r in range(2 * n):
+        order = round_order(cases, r)
+        assert sorted(order) == sorted(cases)
+        first[order[0]] += 1
+        follows.update(zip(order, order[1:]))
+    assert set(first.values()) == {2}
+    assert len(follows) == n * (n - 1) and set(follows.values()) == {2}
 
 
 def test_medians_and_spreads_come_from_the_recorded_samples(results):

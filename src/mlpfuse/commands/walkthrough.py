@@ -15,7 +15,7 @@ import json
 import os
 import time
 
-# (case name, workload, variant), in the order the first round runs them (round_order turns it each round)
+# (case name, workload, variant), in the order the first round runs them (round_order varies it by round)
 CASES = [
     ("linear-eager", "linear", "eager"),
     ("linear-compile", "linear", "compile"),
@@ -28,6 +28,8 @@ CASES = [
 # host stalled moves it by a sixth of the stall, not a third (host stalls decided single rounds on H100 and H200).
 STEPS = 8
 _WORKLOAD_OF = {case: workload for case, workload, _ in CASES}
+_VARIANT_OF = {case: variant for case, _, variant in CASES}
+_DESIGN_RANK = {"eager": 0, "mlpfuse": 1}  # round_order's design places these first
 DIFFS = [
     ("linear-eager", "linear-compile"),
     ("geglu-mlp-eager", "geglu-mlp-compile"),
@@ -110,16 +112,22 @@ def _build_cases(device, dtype, console, failed) -> dict:
 
 
 def round_order(cases: list[str], r: int) -> list[str]:
-    """The cases in round r's order: each workload's variants together, their order turned by one place per round
-    (eager, compile, mlpfuse; then compile, mlpfuse, eager; ...), so that no variant always runs right after the
-    same other one (compile's Dynamo frames before mlpfuse every round, say) or first after the switch of workload."""
+    """The cases in round r's order: each workload's variants together, in a carry-over-balanced order (a Williams
+    design: rounds alternate between an order turned by r // 2 places and that order reversed; over 2·n rounds
+    every variant runs right after every other one equally often). The design is laid over eager, mlpfuse, then
+    the rest, so that in the first three rounds — eager, mlpfuse, compile; compile, mlpfuse, eager; mlpfuse,
+    compile, eager — each variant runs first once and the two compared, eager and mlpfuse, each follow a different
+    variant in the other two (turning the order alone kept compile right before mlpfuse in two rounds of three);
+    with three variants one of them must repeat its predecessor, and compile does."""
     groups: dict[str, list[str]] = {}
     for case in cases:
         groups.setdefault(_WORKLOAD_OF[case], []).append(case)
     order = []
     for group in groups.values():
-        k = r % len(group)
-        order += group[k:] + group[:k]
+        group = sorted(group, key=lambda case: _DESIGN_RANK.get(_VARIANT_OF[case], len(_DESIGN_RANK)))
+        k = (r // 2) % len(group)
+        turned = group[k:] + group[:k]
+        order += turned[::-1] if r % 2 else turned
     return order
 
 

@@ -3,8 +3,9 @@ verdict sentences, all made from those numbers.
 
 One profiled run per variant decides nothing on a shared host (the same command gave mlpfuse's geglu-mlp step
 0.58x eager's on one GPU and 1.39x on another), so every case is profiled once per round, the cases interleaved
-(eager, compile, mlpfuse; then compile, mlpfuse, eager; ...: each round turns the order by one place): a clock ramp
-or a busy neighbour then touches every variant alike, and no variant always runs right after the same other one. A
+in a carry-over-balanced order (commands/walkthrough.py `round_order`: each variant first once in three rounds, and
+eager and mlpfuse each after a different variant in the other two): a clock ramp or a busy neighbour then touches
+every variant alike, and neither compared variant always runs right after the same other one. A
 figure's value is its median over rounds; its min–max says how far a single run can be trusted.
 """
 
