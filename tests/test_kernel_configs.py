@@ -26,26 +26,33 @@ def test_measured_cards_get_their_gated_rows_by_layer_size():
     assert _gated(H100, 132, 8192, 14336, 4096, torch.float32).block_k == 32
 
 
-def test_the_h100_has_rows_of_its_own_by_activation_and_tokens():
-    """Measured on the H100 alone (tune-gated-tma-store): GeGLU on large layers and small layers from 16384 tokens
-    store h through TMA with three stages; SwiGLU on large layers and shorter calls keep the shared rows."""
+def test_gated_rows_by_activation_and_tokens():
+    """Measured per card (tune-gated-tma-store, then the layer sweeps): GeGLU on large layers from 4096 tokens and
+    small layers from 16384 store h through TMA with three stages (the small layers' GROUP_M: 4 on the H100, 8 on
+    the H200); SwiGLU on large layers and shorter calls keep the shared rows."""
     from mlpfuse.activations import GELU_TANH, SILU
 
-    def h100(m, n, k, act, dtype=torch.bfloat16):
-        return configs.pick("gated", dtype, m, n, device=CUDA, num_sms=132, arch=9, k=k, name=H100, activation=act)
+    def on(name, m, n, k, act, dtype=torch.bfloat16):
+        return configs.pick("gated", dtype, m, n, device=CUDA, num_sms=132, arch=9, k=k, name=name, activation=act)
 
-    def h200(m, n, k, act):
-        return configs.pick("gated", torch.bfloat16, m, n, device=CUDA, num_sms=132, arch=9, k=k, name=H200,
-                            activation=act)
-
-    geglu_large = h100(8192, 14336, 4096, GELU_TANH)
-    assert (geglu_large.block_n, geglu_large.num_stages, geglu_large.tma_store) == (128, 3, True)
-    assert h100(8192, 14336, 4096, SILU) == h200(8192, 14336, 4096, SILU) == h200(8192, 14336, 4096, GELU_TANH)
-    for act in (GELU_TANH, SILU):
-        long = h100(16384, 3072, 768, act)
-        assert (long.block_n, long.programs_per_sm, long.tma_store) == (128, 1, True)
-        assert h100(16383, 3072, 768, act) == h200(16384, 3072, 768, act)  # the paired tiles below 16384 tokens
-        assert h100(16384, 3072, 768, act, torch.float32).block_k == 32  # fp32: the same row at half the K depth
+    shared_large = configs._SM90_MEASURED[("gated", "large")]
+    shared_small = configs._SM90_MEASURED[("gated", "small")]
+    for name, group in ((H100, 4), (H200, 8)):
+        for m in (4096, 8192, 16384):
+            geglu_large = on(name, m, 14336, 4096, GELU_TANH)
+            assert (geglu_large.block_n, geglu_large.num_stages, geglu_large.tma_store) == (128, 3, True)
+            assert on(name, m, 14336, 4096, SILU) == shared_large
+        for m in (1, 64, 256, 1024, 4095):  # shorter calls: the four-stage row
+            assert on(name, m, 14336, 4096, GELU_TANH) == on(name, m, 8192, 2048, GELU_TANH) == shared_large
+        for act in (GELU_TANH, SILU):
+            long = on(name, 16384, 3072, 768, act)
+            assert (long.block_n, long.programs_per_sm, long.tma_store, long.group_m) == (128, 1, True, group)
+            # the paired tiles below 16384 tokens, either activation
+            assert on(name, 16383, 3072, 768, act) == on(name, 4096, 3072, 768, act) == shared_small
+            assert on(name, 16384, 3072, 768, act, torch.float32).block_k == 32  # fp32: half the K depth
+        assert on(name, 8192, 14336, 4096, GELU_TANH, torch.float32).block_k == 32
+    # A card without rows by activation or tokens (the first H200 table, classed by tile count) gets its size row.
+    assert on("NVIDIA GH200 480GB", 16384, 3072, 768, GELU_TANH) == configs._SM90_16[("gated", "large")]
 
 
 def test_cards_are_told_apart_by_name_and_sm_count():

@@ -83,7 +83,13 @@ _SM90_MEASURED = {
                                      flatten=True),
 }
 _LARGE_LAYER = 1 << 24  # dim·hidden from which the gated rows take the wide CTA
-_LONG_M = 16384  # tokens from which a small layer's gated GEMM takes a card's ("gated", "long") row, where it has one
+# Tokens from which a gated GEMM takes a card's long-call row, where it has one: ("gated", "long") on small layers,
+# ("gated", "large-long") on large ones. Below them the three-stage TMA-store rows lost to the shared rows in the
+# layer sweeps (GeGLU against SwiGLU in one run, one on each row: +10 % at 64×2048×8192 and +4 % at 256×4096×14336
+# on the H200, +3 % / +3.5 % on the H100; +2 % at 1024×4096×14336 on the H200, level on the H100), and won from
+# 4096 (−1.5 to −2.5 %); nvidia-h200/layer-sweeps/after-tma-rows.
+_LONG_M = 16384
+_LARGE_LONG_M = 4096
 
 
 @dataclass(frozen=True)
@@ -102,17 +108,29 @@ class Cutovers:
 # tune-gated-tma-store): h written through a TMA store (no register-layout conversion before the store) by the wide
 # CTA with three stages (four and the store's tile do not fit). GeGLU on large layers (its activation's epilogue is
 # the heavier): 0.987× the GEMMs alone at 8192×4096×14336 and 0.979× at 1024 tokens, against 1.011× / 1.004× with
-# the shipped four-stage row; with SwiGLU the four-stage row stays (0.978× against 0.985×). Small layers from 16384
+# the shipped four-stage row (from 4096 tokens only: below, the layer sweeps had it slower, see _LARGE_LONG_M); with
+# SwiGLU the four-stage row stays (0.978× against 0.985×). Small layers from 16384
 # tokens, either activation: 1.021× / 1.013× the GEMMs alone at 16384×768×3072 (GeGLU / SwiGLU) against the paired
 # tiles' 1.049× / 1.039×; at 4096 tokens the paired tiles stay (0.983× against 1.011×).
 _H100_MEASURED = {
     **_SM90_MEASURED,
-    ("gated", "large", GELU_TANH): KernelConfig(128, 128, 64, num_stages=3, num_warps=8, programs_per_sm=1,
-                                                flatten=True, tma_store=True),
+    ("gated", "large-long", GELU_TANH): KernelConfig(128, 128, 64, num_stages=3, num_warps=8, programs_per_sm=1,
+                                                     flatten=True, tma_store=True),
     ("gated", "long"): KernelConfig(128, 128, 64, group_m=4, num_stages=3, num_warps=8, programs_per_sm=1,
                                     flatten=True, tma_store=True),
 }
 
+# H200: the same two rows with GROUP_M 8 for small layers' long row (`tune_gated.py`, benchmarks/results/nvidia-h200/
+# tune-gated-tma-store): GeGLU on large layers 1.004× the GEMMs alone at 8192×4096×14336 against the four-stage
+# row's 1.012× (at 1024 tokens do_bench had it at 0.966× against 1.000×, the sweep 2 % slower: from 4096 tokens only);
+# small layers at 16384 tokens 1.016× / 1.011× (GeGLU / SwiGLU) against the paired tiles' 1.051× / 1.046× (GROUP_M 4,
+# the H100's: 1.027× / 1.031×). Checked by the layer sweeps on the card (benchmarks/results/nvidia-h200/layer-sweeps/
+# after-tma-rows: fused / GEMMs alone at 16384×768×3072 1.000 / 1.001, GeGLU 4096×14336 from 4096 tokens 1.002–1.003).
+_H200_MEASURED = {
+    **_SM90_MEASURED,
+    ("gated", "large-long", GELU_TANH): _H100_MEASURED[("gated", "large-long", GELU_TANH)],
+    ("gated", "long"): _H100_MEASURED[("gated", "long")].with_(group_m=8),
+}
 
 # H200: decode kernels against cuBLAS and the SPLIT path at 16–64 tokens (benchmarks/results/nvidia-h200/decode,
 # small-m), the gated GEMM against both at 16–4096 tokens (small-m, auto-sweeps), training (train-small), linear +
@@ -148,7 +166,7 @@ class Card(NamedTuple):
 # Cards with measured rows, by the device's name as CUDA reports it and its SM count. Exact names: an H100 NVL or
 # PCIe, a GH200 or an H800 runs other clocks, power limits or memory, and is not measured.
 CARDS = {
-    ("NVIDIA H200", 132): Card("h200", _SM90_MEASURED, "layer", _H200_CUTOVERS),
+    ("NVIDIA H200", 132): Card("h200", _H200_MEASURED, "layer", _H200_CUTOVERS),
     ("NVIDIA H100 80GB HBM3", 132): Card("h100-sxm", _H100_MEASURED, "layer", _H100_CUTOVERS),
 }
 
@@ -163,8 +181,8 @@ def _fp32(table: dict) -> dict:
     return {key: cfg.with_(block_k=32) for key, cfg in table.items()}
 
 
-_SM90_32 = _fp32(_SM90_16)
-_FP32 = {id(table): _fp32(table) for table in (_SM90_MEASURED, _H100_MEASURED)} | {id(_SM90_16): _SM90_32}
+# Every 16-bit table's fp32 rows, by the table's identity (the tables are module constants).
+_FP32 = {id(table): _fp32(table) for table in (_SM90_16, *(c.table for c in CARDS.values()))}
 
 # Other CUDA GPUs (Ampere and older): pointer loads, software pipelining only.
 _GENERIC = {
@@ -193,7 +211,13 @@ def pick(op: str, dtype: torch.dtype, m: int, n: int, *, device: torch.device, n
         if dtype == torch.float32:
             table = _FP32[id(table)]
         if rule == "layer" and op == "gated":
-            cls = "large" if n * k >= _LARGE_LAYER else ("long" if m >= _LONG_M and (op, "long") in table else "small")
+            large = n * k >= _LARGE_LAYER
+            if m >= (_LARGE_LONG_M if large else _LONG_M):
+                long_row = "large-long" if large else "long"
+                cfg = table.get((op, long_row, activation)) or table.get((op, long_row))
+                if cfg is not None:
+                    return cfg
+            cls = "large" if large else "small"
         else:
             cls = size_class(m, n, num_sms, table[(op, "large")])
         return table.get((op, cls, activation)) or table[(op, cls)]
