@@ -171,6 +171,24 @@ def test_glu_backward(act_name, dtype, path):
     assert_close(h, act.forward(gd) * ud, dtype, "h")
 
 
+@pytest.mark.parametrize("path", ["tma", "prefetch"])
+def test_glu_backward_over_g_and_u_without_h(path):
+    """want_h=False (the forward saved h): dg and du written over g and u themselves, h neither computed nor
+    returned, and nothing else in the buffers touched."""
+    gen = torch.Generator().manual_seed(5)
+    dtype, act = torch.float16, A.get("gelu_tanh")
+    M, D, N = 21, 24, 40
+    dy = randn(M, D, dtype=dtype, gen=gen)
+    wd = randn(D, N, dtype=dtype, scale=D**-0.5, gen=gen)
+    g, u = randn(M, N, dtype=dtype, gen=gen), randn(M, N, dtype=dtype, gen=gen)
+    dh, gd, ud = dy.double() @ wd.double(), g.double(), u.double()
+    dg, du, h = matmul_glu_backward(dy, wd, g, u, activation=act.id, allow_tf32=False, out=(g, u, None),
+                                    want_h=False, config=TILES[path])
+    assert h is None and dg is g and du is u
+    assert_close(dg, dh * ud * act.grad(gd), dtype, "dg", k=D)
+    assert_close(du, dh * act.forward(gd), dtype, "du", k=D)
+
+
 def test_glu_backward_non_contiguous():
     gen = torch.Generator().manual_seed(11)
     dtype, act = torch.float32, A.get("gelu")

@@ -245,8 +245,11 @@ def test_triton_backward_op_passes_opcheck():
 
 
 @needs_triton
-def test_gated_mlp_triton_recompute_matches_saved(monkeypatch, kernel_calls):
+@pytest.mark.parametrize("form", ["split", "fused"])
+def test_gated_mlp_triton_recompute_matches_saved(monkeypatch, kernel_calls, form):
+    # Without saved pre-activations (no h either) both backward forms rebuild h for dWd.
     monkeypatch.setattr(dispatch, "SAVE_PREACT", False)
+    monkeypatch.setattr(dispatch, "GLU_BACKWARD", form)
     check_gated("triton", "gelu", (9,), 17, 29, torch.float32, True)
     # Recomputing g and u runs the gated GEMM again in the backward.
     assert kernel_calls.count("gated_gemm") == 2 and "glu_backward" in kernel_calls

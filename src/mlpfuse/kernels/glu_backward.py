@@ -33,7 +33,7 @@ def mlpfuse_glu_backward_kernel(
     sym, syk, swk, swn, sgm, sgn, sum_, sun, sdgm, sdgn, sdum, sdun, shm, shn,
     ACT: tl.constexpr, TMA: tl.constexpr, DOT_PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
-    PREFETCH: tl.constexpr, I64: tl.constexpr,
+    PREFETCH: tl.constexpr, I64: tl.constexpr, WRITE_H: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -83,32 +83,33 @@ def mlpfuse_glu_backward_kernel(
         acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
         if PREFETCH:
             _glu_bwd_math(acc0, g0.to(tl.float32), u0.to(tl.float32), rm, rn0, m0, dg, du, h,
-                          sdgm, sdgn, sdum, sdun, shm, shn, ACT, out_ty)
+                          sdgm, sdgn, sdum, sdun, shm, shn, ACT, out_ty, WRITE_H)
             _glu_bwd_math(acc1, g1.to(tl.float32), u1.to(tl.float32), rm, rn1, m1, dg, du, h,
-                          sdgm, sdgn, sdum, sdun, shm, shn, ACT, out_ty)
+                          sdgm, sdgn, sdum, sdun, shm, shn, ACT, out_ty, WRITE_H)
         else:
             _glu_bwd_store(acc0, rm, off_n, g, u, dg, du, h, M, N, sgm, sgn, sum_, sun, sdgm, sdgn, sdum, sdun,
-                           shm, shn, ACT, BN // 2, out_ty)
+                           shm, shn, ACT, BN // 2, out_ty, WRITE_H)
             _glu_bwd_store(acc1, rm, off_n + BN // 2, g, u, dg, du, h, M, N, sgm, sgn, sum_, sun, sdgm, sdgn,
-                           sdum, sdun, shm, shn, ACT, BN // 2, out_ty)
+                           sdum, sdun, shm, shn, ACT, BN // 2, out_ty, WRITE_H)
 
 
 @triton.jit
 def _glu_bwd_math(dh, gv, uv, rm, rn, mask, dg, du, h, sdgm, sdgn, sdum, sdun, shm, shn,
-                  ACT: tl.constexpr, out_ty: tl.constexpr):
+                  ACT: tl.constexpr, out_ty: tl.constexpr, WRITE_H: tl.constexpr):
     ag = act_fwd(gv, ACT)
     tl.store(dg + rm[:, None] * sdgm + rn[None, :] * sdgn, (dh * uv * act_grad(gv, ACT)).to(out_ty), mask=mask)
     tl.store(du + rm[:, None] * sdum + rn[None, :] * sdun, (dh * ag).to(out_ty), mask=mask)
-    tl.store(h + rm[:, None] * shm + rn[None, :] * shn, (ag * uv).to(out_ty), mask=mask)
+    if WRITE_H:
+        tl.store(h + rm[:, None] * shm + rn[None, :] * shn, (ag * uv).to(out_ty), mask=mask)
 
 @triton.jit
 def _glu_bwd_store(dh, rm, off_n, g, u, dg, du, h, M, N, sgm, sgn, sum_, sun, sdgm, sdgn, sdum, sdun, shm, shn,
-                   ACT: tl.constexpr, W: tl.constexpr, out_ty: tl.constexpr):
+                   ACT: tl.constexpr, W: tl.constexpr, out_ty: tl.constexpr, WRITE_H: tl.constexpr):
     rn = (off_n + tl.arange(0, W)).to(rm.dtype)  # int64 when the caller's rows are
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     gv = tl.load(g + rm[:, None] * sgm + rn[None, :] * sgn, mask=mask, other=0.0).to(tl.float32)
     uv = tl.load(u + rm[:, None] * sum_ + rn[None, :] * sun, mask=mask, other=0.0).to(tl.float32)
-    _glu_bwd_math(dh, gv, uv, rm, rn, mask, dg, du, h, sdgm, sdgn, sdum, sdun, shm, shn, ACT, out_ty)
+    _glu_bwd_math(dh, gv, uv, rm, rn, mask, dg, du, h, sdgm, sdgn, sdum, sdun, shm, shn, ACT, out_ty, WRITE_H)
 
 def matmul_glu_backward(
     dy: torch.Tensor,
@@ -119,11 +120,15 @@ def matmul_glu_backward(
     activation: int,
     allow_tf32: bool = True,
     out=None,
+    want_h: bool = True,
     config: KernelConfig | None = None,
 ):
     """(dg, du, h) with dh = dy·w_down, dg = dh·u·act'(g), du = dh·act(g), h = act(g)·u.
 
-    `out` (optional) is a tuple (dg, du, h) written in place. `config` overrides the table (tuning only).
+    `out` (optional) is a tuple (dg, du, h) written in place (h may be None without `want_h`). `want_h=False`:
+    h is not computed (the forward saved it) and None is returned in its place. dg and du may be g and u
+    themselves: each element is read and then written by the same program. `config` overrides the table (tuning
+    only).
     """
     C.check_2d("dy", dy, dy)
     C.check_2d("w_down", w_down, dy)
@@ -135,9 +140,14 @@ def matmul_glu_backward(
         raise InputError(f"w_down: expected shape ({D}, N), got {tuple(w_down.shape)}")
     if tuple(g.shape) != (M, N) or tuple(u.shape) != (M, N):
         raise InputError(f"g, u: expected shape ({M}, {N}), got {tuple(g.shape)}, {tuple(u.shape)}")
-    dg, du, h = C.outputs(out, [(M, N)] * 3, dy)
+    if not want_h:
+        dg, du = C.outputs(out[:2] if out is not None else None, [(M, N)] * 2, dy)
+        h = None
+    else:
+        dg, du, h = C.outputs(out, [(M, N)] * 3, dy)
     if M == 0 or N == 0:
         return dg, du, h
+    h_arg = h if want_h else dg  # never written without WRITE_H
 
     dev = dy.device
     sms = C.num_sms(dev)
@@ -147,13 +157,14 @@ def matmul_glu_backward(
     use_tma = cfg.tma and C.tma_capable(dev) and D > 0 and C.tma_ok(dy) and C.tma_ok(w_down)
     ya, wa = (C.desc(dy, [BM, BK]), C.desc(w_down, [BK, BN])) if use_tma else (dy, w_down)
     mlpfuse_glu_backward_kernel[(C.grid_size(cfg, sms, M, N),)](
-        ya, wa, g, u, dg, du, h,
+        ya, wa, g, u, dg, du, h_arg,
         M, N, D,
         dy.stride(0), dy.stride(1), w_down.stride(0), w_down.stride(1), g.stride(0), g.stride(1),
-        u.stride(0), u.stride(1), dg.stride(0), dg.stride(1), du.stride(0), du.stride(1), h.stride(0), h.stride(1),
+        u.stride(0), u.stride(1), dg.stride(0), dg.stride(1), du.stride(0), du.stride(1), h_arg.stride(0),
+        h_arg.stride(1),
         ACT=activation, TMA=use_tma, DOT_PREC=C.dot_precision(dy.dtype, allow_tf32),
         BM=BM, BN=BN, BK=BK, GROUP_M=cfg.group_m, FLATTEN=cfg.flatten, PREFETCH=cfg.prefetch,
-        I64=C.needs_i64(dy, w_down, g, u, dg, du, h),
+        I64=C.needs_i64(dy, w_down, g, u, dg, du, h_arg), WRITE_H=want_h,
         num_stages=cfg.num_stages, num_warps=cfg.num_warps,
     )
     return dg, du, h

@@ -319,9 +319,11 @@ def _triton_backward(dy2, x2, wg, wu, wd, held: list, h, act_id: int, need_dx: b
     kernels = dispatch.kernel("glu_backward")
     dbg = dbu = None
     if dispatch.GLU_BACKWARD == "fused":
-        rebuilt = kernels.matmul_glu_backward(dy2, wd, g, u, activation=act_id, allow_tf32=tf32,
-                                              out=(dg, du, torch.empty_like(g)))[2]
-        h = rebuilt if h is None or h.numel() == 0 else h
+        rebuild_h = (h is None or h.numel() == 0) and need_dw  # a saved h is not written again
+        rebuilt = kernels.matmul_glu_backward(dy2, wd, g, u, activation=act_id, allow_tf32=tf32, want_h=rebuild_h,
+                                              out=(dg, du, torch.empty_like(g) if rebuild_h else None))[2]
+        if rebuild_h:
+            h = rebuilt
         del rebuilt
     else:
         dh = dy2.mm(wd)
