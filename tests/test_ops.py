@@ -696,8 +696,10 @@ def test_eager_training_overwrites_saved_preact_and_a_second_backward_recomputes
 @pytest.mark.parametrize("path", [dispatch.GATED, dispatch.SPLIT])
 def test_eager_training_backward_releases_h_and_du_after_their_last_reader(monkeypatch, path):
     # The backward's peak is set by what is still alive during its last GEMMs: h (rebuilt over dh) must be gone once
-    # dWd = dyᵀ·h ran, du once dWu ran. The real kernels run; spies record which buffers are alive at each GEMM.
+    # dWd = dyᵀ·h ran, du once dWu ran (calls past MERGED_DW_MAX_M tokens; shorter ones: the next test). The real
+    # kernels run; spies record which buffers are alive at each GEMM.
     backend = _fused_training_backend(monkeypatch, path)
+    monkeypatch.setattr(dispatch, "MERGED_DW_MAX_M", 0)
     ts = gated_inputs((16,), 12, 20, torch.float32, False, seed=21)
     leaves = [t.clone().requires_grad_() if t is not None else None for t in ts]
     split = dispatch.kernel("glu_backward").glu_backward_split
@@ -729,6 +731,53 @@ def test_eager_training_backward_releases_h_and_du_after_their_last_reader(monke
     F.linear(F.silu(F.linear(x64, wg64)) * F.linear(x64, wu64), wd64).backward(dy.double())
     for t, t64 in zip(leaves[:4], (x64, wg64, wu64, wd64)):
         assert rel(t.grad, t64.grad) < TOL[torch.float32]
+
+
+@needs_triton
+@pytest.mark.parametrize("bias", [False, True])
+def test_short_eager_training_computes_both_weight_gradients_in_one_gemm(monkeypatch, bias):
+    """Up to MERGED_DW_MAX_M tokens the gated path keeps g and u in one allocation and the backward computes dWg
+    and dWu with one batched GEMM over dg and du (written over them); every gradient against fp64 autograd. The
+    registered op (what torch.compile records) keeps them apart: its outputs must not alias."""
+    from mlpfuse.kernels.pairs import stacked
+
+    backend = _fused_training_backend(monkeypatch, dispatch.GATED)
+    ts = gated_inputs((3, 7), 12, 20, torch.float32, bias, seed=8)
+    leaves = [t.clone().requires_grad_() if t is not None else None for t in ts]
+    calls = []
+    bmm = torch.bmm
+
+    def bmm_spy(a, b):
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return bmm(a, b)
+
+    y = ops.gated_mlp(leaves[0], *leaves[1:4], "gelu_tanh", *leaves[4:], backend=backend)
+    assert type(y.grad_fn).__name__ == "_EagerTrainingBackward"
+    g, u = y.grad_fn.held
+    assert stacked(g, u) is not None  # one allocation
+    del g, u
+    dy = seeded_like(y, 4)
+    monkeypatch.setattr(torch, "bmm", bmm_spy)
+    y.backward(dy)
+    monkeypatch.undo()
+    assert calls == [((2, 20, 21), (2, 21, 12))]
+    x64, wg64, wu64, wd64 = [t.detach().double().requires_grad_() for t in leaves[:4]]
+    b64 = [t.detach().double().requires_grad_() if t is not None else None for t in leaves[4:]]
+    plain_gated("gelu_tanh", x64, wg64, wu64, wd64, *b64).backward(dy.double())
+    for t, t64 in zip(leaves, (x64, wg64, wu64, wd64, *b64)):
+        if t is not None:
+            assert rel(t.grad, t64.grad) < TOL[torch.float32]
+    # Past the threshold: two GEMMs.
+    monkeypatch.setattr(dispatch, "MERGED_DW_MAX_M", 20)
+    y = ops.gated_mlp(leaves[0], *leaves[1:4], "gelu_tanh", *leaves[4:], backend=backend)
+    calls.clear()
+    monkeypatch.setattr(torch, "bmm", bmm_spy)
+    y.backward(dy)
+    assert calls == []
+    # The registered training op never pairs g and u.
+    _, _, g, u = torch.ops.mlpfuse.gated_mlp_train(*(t.detach() if t is not None else None for t in leaves),
+                                                   "gelu_tanh", "triton", True)
+    assert stacked(g, u) is None
 
 
 def test_eager_training_on_the_torch_path_is_plain_autograd():

@@ -22,6 +22,7 @@ from mlpfuse.errors import InputError
 from mlpfuse.kernels import _common as C
 from mlpfuse.kernels._common import tile_coords
 from mlpfuse.kernels.configs import KernelConfig, pick
+from mlpfuse.kernels.pairs import preact_pair
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -114,11 +115,13 @@ def gated_gemm(
     save_preact: bool = False,
     allow_tf32: bool = True,
     out=None,
+    paired: bool = False,
     config: KernelConfig | None = None,
 ):
     """h = act(x·w_gateᵀ + b_gate)·(x·w_upᵀ + b_up); with save_preact also the pre-activations g and u.
 
-    `out` (optional) receives the results in place: a tensor h, or a tuple (h, g, u) when save_preact.
+    `out` (optional) receives the results in place: a tensor h, or a tuple (h, g, u) when save_preact. `paired`
+    (save_preact, no `out`): g and u as the two halves of one allocation (kernels/pairs.py).
     `config` overrides the table (tuning only).
     """
     key = None
@@ -128,7 +131,10 @@ def gated_gemm(
         key = _plan_key(x, w_gate, w_up, b_gate, b_up, activation, save_preact, allow_tf32)
         plan = _plans.get(key)
         if plan is not None:
-            return plan.run(x, w_gate, w_up, b_gate, b_up)
+            return plan.run(x, w_gate, w_up, b_gate, b_up, paired)
+    if out is None and save_preact and paired:
+        out = (torch.empty(x.shape[0], w_gate.shape[0], device=x.device, dtype=x.dtype),
+               *preact_pair(x.shape[0], w_gate.shape[0], x))
     return _gated_gemm(x, w_gate, w_up, b_gate, b_up, activation, save_preact, allow_tf32, out, config, key)
 
 
@@ -168,11 +174,14 @@ class _Plan:
     __slots__ = ("launch", "make", "rest", "consts", "grid", "x_block", "w_block", "pair", "h_block", "shape",
                  "save", "warps", "stages", "raw", "device", "x_maps", "h_maps", "w_flat", "tail")
 
-    def run(self, x, wg, wu, bg, bu):
+    def run(self, x, wg, wu, bg, bu, paired: bool = False):
         """x [M, K] as the plan was made for, or a contiguous [..., K] with the same rows (read in place by the direct
-        launch, which needs only its address); h (and g, u) [M, N]."""
+        launch, which needs only its address); h (and g, u, in one allocation when `paired`) [M, N]."""
         h = self.make(self.shape)
-        g, u = (self.make(self.shape), self.make(self.shape)) if self.save else (h, h)
+        if not self.save:
+            g = u = h
+        else:
+            g, u = preact_pair(*self.shape, h) if paired else (self.make(self.shape), self.make(self.shape))
         if self.raw is not None and not C.launch_hooks_set():
             xp, hp = x.data_ptr(), h.data_ptr()
             flat = (*(self.x_maps(xp) if self.x_maps is not None else (xp,)), *self.w_flat, hp, g.data_ptr(),

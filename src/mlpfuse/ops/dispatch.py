@@ -70,6 +70,12 @@ LINEAR_ACT_ACTIVATIONS = (activations.GELU_TANH,)  # the activation ids `auto` m
 # activation math the fused form came to 161.1 µs at 8192×768×3072, the split one to 65.2 + 68.5
 # (`tune_kernels.py --only blog`, benchmarks/results/tune-h200.md).
 GLU_BACKWARD = "split"
+# Up to this many tokens the backward computes dWg and dWu as one batched GEMM over dg and du (which share one
+# allocation on the gated path): one launch fewer on the short steps where launches are a visible share; from it
+# two GEMMs, du freed before dWg's output is allocated. The GLU backward fused into the dh GEMM lost at 64–1024
+# tokens × 768×3072 on an H200 (A/B in one run: 66.0 / 73.9 / 119.0 µs against 64.5 / 73.5 / 118.1 for the split
+# form, benchmarks/results/nvidia-h200/probe-backward).
+MERGED_DW_MAX_M = 1024
 # The decode path (M <= decode_mlp.DECODE_MAX_M, no autograd) on large layers: at 4096×14336 it beat eager at 1–32
 # tokens (32: 106.6 vs eager 108.9 µs per call) and lost at 64 (119.1 vs 116.5), benchmarks/results/nvidia-h200/decode;
 # against the SPLIT path (pure GPU time, small-m/): 103.0 vs 110.0 µs at 16 tokens, 115.0 vs 109.7 at 24, 113.7 vs

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mlpfuse import activations, csrc, reference
 from mlpfuse.ops import _checks, _plan, dispatch
+from mlpfuse.kernels.pairs import stacked
 from mlpfuse.ops.norm import rms_norm
 from mlpfuse.errors import InputError
 from mlpfuse.ops._util import (
@@ -48,7 +49,7 @@ def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int, norm=None) -> Tensor:
 
 
 def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool, save: bool, path: str = "",
-             plan=None, norm=None):
+             plan=None, norm=None, paired: bool = False):
     """(y [..., dim], h, g, u): with `save`, g and u the 2-D pre-activations and h = act(g)·u; else all None.
     `path` given: the caller already checked the arguments and chose the path. `plan`: on the SPLIT path, the GLU
     pass's held launch plan (see `hidden`). `norm`: an RMSNormPrologue the DECODE path's kernels apply (the caller
@@ -69,20 +70,23 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: boo
         ext = csrc.extension()  # the path's choice checked x2 for it
         y, h, g, u = dispatch.cuda_call(ext.gated_mlp_forward, x2, wg, wu, wd, bg, bu, bd, act.id, save, not grad)
     else:  # SPLIT or GATED: the block up to h, then cuBLAS's down projection
-        h, g, u = hidden(x2, wg, wu, bg, bu, act, path, save, plan)
+        h, g, u = hidden(x2, wg, wu, bg, bu, act, path, save, plan, paired)
         y = linear2d(h, wd, bd)
         if not save:
             h = None
     return unrows(y, x), h, g, u
 
 
-def hidden(x2, wg, wu, bg, bu, act, path: str, grad: bool, plan=None):
+def hidden(x2, wg, wu, bg, bu, act, path: str, grad: bool, plan=None, paired: bool = False):
     """(h, g, u) on 2-D x along `path` (TORCH, SPLIT or GATED; the caller checked the arguments and chose it): the
     block up to the down projection's input h = act(g)·u (`act` an activations entry), and with `grad` the
     pre-activations g and u a backward reads (else None). SPLIT: cuBLAS's gate and up GEMMs and the Triton GLU pass
     between them, through `plan` where one is held for this layout (kernels/glu.py `cached_plan`, which skips the
     pass's checks). Every path that runs its own down projection after it starts here: `_forward`, the module
-    plan's SPLIT entries, and tensor parallelism's chunked down projection (ops/reduce_overlap.py)."""
+    plan's SPLIT entries, and tensor parallelism's chunked down projection (ops/reduce_overlap.py). `paired`: the
+    gated GEMM's g and u in one allocation (kernels/pairs.py), for a backward that may compute both weight gradients
+    in one GEMM — only where nothing requires them to be distinct tensors (a registered op's outputs must not
+    alias)."""
     if path == dispatch.TORCH or x2.shape[0] == 0:
         g, u = reference.gated_preact(x2, wg, wu, bg, bu)
         h = reference.glu(g, u, act)
@@ -91,7 +95,7 @@ def hidden(x2, wg, wu, bg, bu, act, path: str, grad: bool, plan=None):
         h = plan.run(g, u) if plan else dispatch.kernel("glu").glu_forward(g, u, activation=act.id)
     else:
         out = dispatch.kernel("gated_gemm").gated_gemm(
-            x2, wg, wu, bg, bu, activation=act.id, save_preact=grad, allow_tf32=dispatch.allow_tf32()
+            x2, wg, wu, bg, bu, activation=act.id, save_preact=grad, allow_tf32=dispatch.allow_tf32(), paired=paired
         )
         h, g, u = out if grad else (out, None, None)
     return (h, g, u) if grad else (h, None, None)
@@ -362,9 +366,16 @@ def _triton_backward(dy2, x2, wg, wu, wd, held: list, h, act_id: int, need_dx: b
         for t, fp32, need in zip((dg, du, dy2), (dbg, dbu, None), bias_grads)
     )
     if need_dw:
-        dwu = du.t().mm(x2)
-        del du
-        dwg = dg.t().mm(x2)
+        # Short calls: both weight gradients from one batched GEMM over dg and du where they share an allocation
+        # (the gated GEMM's g and u do): one launch fewer where launches are a visible share of the step. Longer
+        # ones free du before dWg's output is allocated (the lower peak, as eager's node order has it).
+        both = stacked(dg, du) if dg.shape[0] <= dispatch.MERGED_DW_MAX_M else None
+        if both is not None:
+            dwg, dwu = torch.bmm(both.transpose(1, 2), x2.expand(2, *x2.shape)).unbind(0)
+        else:
+            dwu = du.t().mm(x2)
+            del du
+            dwg = dg.t().mm(x2)
     return dx, dwg, dwu, dwd, dbg, dbu, dbd
 
 
@@ -448,7 +459,7 @@ class _EagerTraining(torch.autograd.Function):
     def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, path: str, entry=None,
                 save: bool = True):
         plan = entry.held if entry is not None and path == dispatch.SPLIT else None
-        y, _, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, save, path, plan)
+        y, _, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, save, path, plan, paired=True)
         # extras: path, entry, save
         ctx.activation, ctx.backend, ctx.extra_inputs, ctx.path = activation, backend, 3, path
         ctx.entry = entry if path == dispatch.SPLIT else None
