@@ -767,9 +767,10 @@ def test_short_eager_training_computes_both_weight_gradients_in_one_gemm(monkeyp
     for t, t64 in zip(leaves, (x64, wg64, wu64, wd64, *b64)):
         if t is not None:
             assert rel(t.grad, t64.grad) < TOL[torch.float32]
-    # Past the threshold: two GEMMs.
+    # Past the threshold: g and u apart (du can go before dWg's output is allocated) and two GEMMs.
     monkeypatch.setattr(dispatch, "MERGED_DW_MAX_M", 20)
     y = ops.gated_mlp(leaves[0], *leaves[1:4], "gelu_tanh", *leaves[4:], backend=backend)
+    assert stacked(*y.grad_fn.held) is None
     calls.clear()
     monkeypatch.setattr(torch, "bmm", bmm_spy)
     y.backward(dy)

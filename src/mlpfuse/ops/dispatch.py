@@ -70,11 +70,14 @@ LINEAR_ACT_ACTIVATIONS = (activations.GELU_TANH,)  # the activation ids `auto` m
 # activation math the fused form came to 161.1 µs at 8192×768×3072, the split one to 65.2 + 68.5
 # (`tune_kernels.py --only blog`, benchmarks/results/tune-h200.md).
 GLU_BACKWARD = "split"
-# Up to this many tokens the backward computes dWg and dWu as one batched GEMM over dg and du (which share one
-# allocation on the gated path): one launch fewer on the short steps where launches are a visible share; from it
-# two GEMMs, du freed before dWg's output is allocated. The GLU backward fused into the dh GEMM lost at 64–1024
-# tokens × 768×3072 on an H200 (A/B in one run: 66.0 / 73.9 / 119.0 µs against 64.5 / 73.5 / 118.1 for the split
-# form, benchmarks/results/nvidia-h200/probe-backward).
+# Eager training on the gated path up to this many tokens: g and u in one allocation and the backward's dWg and dWu
+# as one batched GEMM over dg and du (written over them): one launch fewer where launches are a visible share of
+# the step. A/B in one run on an H200 (benchmarks/results/nvidia-h200/probe-backward), forward+backward at 64 / 256
+# / 1024 tokens × 768×3072: 62.2 / 71.1 / 114.7 µs against 64.7 / 73.5 / 118.0 with two GEMMs (GeGLU; SwiGLU the
+# same), level at 64 and 256 × 4096×14336 (356.5 / 505.9 against 356.8 / 507.1). The cost: du is freed with dg,
+# not before dWg's output is allocated — the step's peak at 1024 × 768×3072 29.0 MiB against 24.5 (compile's 30.5,
+# eager's 42.5); past the threshold g and u stay apart and du goes first. The GLU backward fused into the dh GEMM
+# lost there (66.0 / 73.9 / 119.0 µs against the split form's 64.5 / 73.5 / 118.1, same folder).
 MERGED_DW_MAX_M = 1024
 # The decode path (M <= decode_mlp.DECODE_MAX_M, no autograd) on large layers: at 4096×14336 it beat eager at 1–32
 # tokens (32: 106.6 vs eager 108.9 µs per call) and lost at 64 (119.1 vs 116.5), benchmarks/results/nvidia-h200/decode;

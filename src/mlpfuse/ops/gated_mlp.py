@@ -84,9 +84,9 @@ def hidden(x2, wg, wu, bg, bu, act, path: str, grad: bool, plan=None, paired: bo
     between them, through `plan` where one is held for this layout (kernels/glu.py `cached_plan`, which skips the
     pass's checks). Every path that runs its own down projection after it starts here: `_forward`, the module
     plan's SPLIT entries, and tensor parallelism's chunked down projection (ops/reduce_overlap.py). `paired`: the
-    gated GEMM's g and u in one allocation (kernels/pairs.py), for a backward that may compute both weight gradients
-    in one GEMM — only where nothing requires them to be distinct tensors (a registered op's outputs must not
-    alias)."""
+    gated GEMM's g and u in one allocation (kernels/pairs.py) on calls up to dispatch.MERGED_DW_MAX_M tokens, for a
+    backward that computes both weight gradients in one GEMM — only where nothing requires them to be distinct
+    tensors (a registered op's outputs must not alias)."""
     if path == dispatch.TORCH or x2.shape[0] == 0:
         g, u = reference.gated_preact(x2, wg, wu, bg, bu)
         h = reference.glu(g, u, act)
@@ -95,7 +95,8 @@ def hidden(x2, wg, wu, bg, bu, act, path: str, grad: bool, plan=None, paired: bo
         h = plan.run(g, u) if plan else dispatch.kernel("glu").glu_forward(g, u, activation=act.id)
     else:
         out = dispatch.kernel("gated_gemm").gated_gemm(
-            x2, wg, wu, bg, bu, activation=act.id, save_preact=grad, allow_tf32=dispatch.allow_tf32(), paired=paired
+            x2, wg, wu, bg, bu, activation=act.id, save_preact=grad, allow_tf32=dispatch.allow_tf32(),
+            paired=paired and x2.shape[0] <= dispatch.MERGED_DW_MAX_M,  # longer calls free du before dWg
         )
         h, g, u = out if grad else (out, None, None)
     return (h, g, u) if grad else (h, None, None)
