@@ -1,8 +1,10 @@
 """The `mlpfuse` console script run as a user runs it (a subprocess, stdout a pipe), and the tables it prints read
-back into cells, so tests can hold every printed number and name against the JSON of the same run."""
+back into cells, so tests can hold every printed number and name against the JSON of the same run; and the
+scripts under benchmarks/ imported as modules."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import resource
 import signal
@@ -12,6 +14,15 @@ from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "src")
+
+
+def benchmark_script(name: str):
+    """benchmarks/<name>.py imported as a module (the scripts are not a package)."""
+    path = os.path.join(ROOT, "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def cli_env(**extra) -> dict:

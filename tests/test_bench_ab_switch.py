@@ -1,24 +1,17 @@
 """benchmarks/ab_switch.py: a dispatch setting A/B'd in one bench run. Its refusals (one line, exit 2), that the
 setting holds during the switched variant's steps and is restored after each, and a whole run on the CPU."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
+from cli_run import benchmark_script
 from mlpfuse.ops import dispatch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "ab_switch.py")
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("ab_switch", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("ab_switch")
 
 
 @pytest.mark.parametrize("argv,words", [

@@ -6,7 +6,6 @@ workers, and that its whole pipeline (baseline, plans, checks, interleaved timin
 the profiler, table) runs.
 """
 
-import importlib.util
 import json
 import os
 import statistics
@@ -16,6 +15,7 @@ import sys
 import pytest
 
 import _dist
+from cli_run import benchmark_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "multi_gpu.py")
@@ -24,10 +24,7 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("multi_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("multi_gpu")
 
 
 def test_importing_it_turns_multicast_off(script):
