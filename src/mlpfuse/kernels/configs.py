@@ -201,8 +201,8 @@ def size_class(m: int, n: int, num_sms: int, cfg: KernelConfig) -> str:
 def pick(op: str, dtype: torch.dtype, m: int, n: int, *, device: torch.device, num_sms: int, arch: int, k: int = 0,
          name: str = "", activation: int = -1) -> KernelConfig:
     """The table's config for one call. op: 'gated' | 'gemm_act' | 'glu_bwd'; k: the reduction depth; name: the
-    device's name (which card's rows); activation: an activations id, for a card with a row for (op, class,
-    activation)."""
+    device's name (which card's rows); activation: an activations id, for a card whose long-call gated row is kept
+    per activation ((op, "large-long", activation))."""
     if device.type != "cuda":
         return _INTERPRET
     if arch >= 9:
@@ -212,7 +212,7 @@ def pick(op: str, dtype: torch.dtype, m: int, n: int, *, device: torch.device, n
             table = _FP32[id(table)]
         if rule == "layer" and op == "gated":
             large = n * k >= _LARGE_LAYER
-            if m >= (_LARGE_LONG_M if large else _LONG_M):
+            if m >= (_LARGE_LONG_M if large else _LONG_M):  # the card's long-call row, where it has one
                 long_row = "large-long" if large else "long"
                 cfg = table.get((op, long_row, activation)) or table.get((op, long_row))
                 if cfg is not None:
@@ -220,6 +220,6 @@ def pick(op: str, dtype: torch.dtype, m: int, n: int, *, device: torch.device, n
             cls = "large" if large else "small"
         else:
             cls = size_class(m, n, num_sms, table[(op, "large")])
-        return table.get((op, cls, activation)) or table[(op, cls)]
+        return table[(op, cls)]
     cfg = _GENERIC[op]
     return cfg.with_(block_k=cfg.block_k // 2) if dtype == torch.float32 else cfg

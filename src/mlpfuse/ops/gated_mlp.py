@@ -367,10 +367,11 @@ def _triton_backward(dy2, x2, wg, wu, wd, held: list, h, act_id: int, need_dx: b
         for t, fp32, need in zip((dg, du, dy2), (dbg, dbu, None), bias_grads)
     )
     if need_dw:
-        # Short calls: both weight gradients from one batched GEMM over dg and du where they share an allocation
-        # (the gated GEMM's g and u do): one launch fewer where launches are a visible share of the step. Longer
-        # ones free du before dWg's output is allocated (the lower peak, as eager's node order has it).
-        both = stacked(dg, du) if dg.shape[0] <= dispatch.MERGED_DW_MAX_M else None
+        # Both weight gradients from one batched GEMM over dg and du where they share an allocation (the forward
+        # paired g and u: eager training, up to dispatch.MERGED_DW_MAX_M tokens): one launch fewer where launches are
+        # a visible share of the step. Otherwise du is freed before dWg's output is allocated (the lower peak, as
+        # eager's node order has it).
+        both = stacked(dg, du)
         if both is not None:
             dwg, dwu = torch.bmm(both.transpose(1, 2), x2.expand(2, *x2.shape)).unbind(0)
         else:
