@@ -12,7 +12,8 @@ block's edges, all-gather + reduce-scatter):
 - mlpfuse: `GatedMLP` over the same weights, `mlpfuse.parallel.tensor_parallel` (the block's all-reduce in row
   chunks behind its own down GEMM, dx's behind its weight gradients);
 - mlpfuse-serial (on request): the same with `overlap=False`, the all-reduce after the block as eager's;
-and each unsharded on one GPU (rank 0's; the baseline).
+and each unsharded on one GPU (rank 0's, the other ranks waiting; the baseline, timed in the same rounds as the
+sharded variants: a baseline timed before them ran at other clocks and temperatures).
 
 Each row: the step time (CUDA events around `--reps` steps, ranks lined up by a barrier first, the slowest rank's
 time per round, variants interleaved over `--rounds` rounds, median and spread, every round's value in
@@ -273,23 +274,43 @@ def _peak_mb(step, device) -> Optional[float]:
     return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
-def _timed(steps: dict, clock: _Clock, args, device, group: bool) -> dict:
-    """Median (and spread) over interleaved rounds of each step's GPU, host and wall time; with `group`, every rank
-    takes part and a round's figures are the slowest rank's (and the largest peak)."""
+def _timed(steps: dict, solo: Optional[dict], clock: _Clock, args, device) -> tuple[dict, dict]:
+    """Median (and spread) over interleaved rounds of each step's GPU, host and wall time: `steps` on every rank (a
+    round's figures the slowest rank's, and the largest peak), and `solo` (None: no baseline) on rank 0 alone while
+    the other ranks wait, in the same rounds, so that the one-GPU baseline meets the same clocks and temperatures
+    as the sharded steps (the solo steps run first in even rounds, last in odd ones). Rank 0's solo dict holds its
+    steps; the other ranks pass an empty one."""
     import torch
     import torch.distributed as dist
 
     rounds = {name: [] for name in steps}
-    for _ in range(args.rounds):
+    solo_rounds = {name: [] for name in solo or {}}
+
+    def run_solo():
+        dist.barrier()
+        for name, step in (solo or {}).items():
+            solo_rounds[name].append(clock.time(step, args.reps))
+        dist.barrier()
+
+    for i in range(args.rounds):
+        if solo is not None and i % 2 == 0:
+            run_solo()
         for name, step in steps.items():
-            if group:
-                dist.barrier()
+            dist.barrier()
             t = clock.time(step, args.reps)
-            if group:
-                worst = torch.tensor(t, dtype=torch.float64, device=device)
-                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                t = tuple(worst.tolist())
-            rounds[name].append(t)
+            worst = torch.tensor(t, dtype=torch.float64, device=device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+            rounds[name].append(tuple(worst.tolist()))
+        if solo is not None and i % 2 == 1:
+            run_solo()
+    return (_summary(rounds, steps, device, True),
+            _summary(solo_rounds, solo, device, False) if solo_rounds else {})
+
+
+def _summary(rounds: dict, steps: dict, device, group: bool) -> dict:
+    import torch
+    import torch.distributed as dist
+
     out = {}
     for name, ts in rounds.items():
         gpu, host, wall = zip(*ts)
@@ -414,21 +435,16 @@ def _case(rank, world, args, mesh, device, dtype, clock, tokens, mode, out) -> l
     x = torch.randn(tokens, args.dim, generator=gen).to(device, dtype)
     dy = torch.randn(tokens, args.dim, generator=gen).to(device, dtype)
 
-    # One GPU, unsharded: rank 0 alone, the other ranks wait.
+    # One GPU, unsharded: rank 0 alone, the other ranks wait (timed in the rounds of the sharded steps).
+    solo = None
     if not args.no_baseline:
+        solo = {}
         if rank == 0:
-            blocks = _blocks(args, device, dtype, args.variants)
-            steps = {name: _step(b, x.detach().clone().requires_grad_(mode != "fwd"), dy, mode)
-                     for name, b in blocks.items()}
-            for step in steps.values():
+            solo = {name: _step(b, x.detach().clone().requires_grad_(mode != "fwd"), dy, mode)
+                    for name, b in _blocks(args, device, dtype, args.variants).items()}
+            for step in solo.values():
                 for _ in range(3):
                     step()
-            for name, t in _timed(steps, clock, args, device, group=False).items():
-                rows.append(_row(label, tokens, mode, name, 1, t))
-            del blocks, steps
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        dist.barrier()
 
     # All GPUs, one plan.
     blocks = _blocks(args, device, dtype, args.variants)
@@ -443,7 +459,10 @@ def _case(rank, world, args, mesh, device, dtype, clock, tokens, mode, out) -> l
     for step in steps.values():
         for _ in range(3):
             step()
-    timed = _timed(steps, clock, args, device, group=True)
+    timed, timed_solo = _timed(steps, solo, clock, args, device)
+    for name, t in timed_solo.items():
+        rows.append(_row(label, tokens, mode, name, 1, t))
+    del solo
     comm = {}
     if not args.no_profile:
         for name, step in steps.items():

@@ -18,6 +18,12 @@ class Tiny:
     mlp_class: str
     mlps: int
     kind: str = "causal"  # causal | masked | seq2seq
+    layer: tuple[str, ...] = ()  # the classes patch swaps in each layer, in module order, where more than the MLP
+
+    @property
+    def swaps(self) -> list[str]:
+        """The source classes of every block patch swaps (eval mode), in report order."""
+        return list(self.layer or (self.mlp_class,)) * self.mlps
 
 
 def _llama_like(config_cls, model_cls, **extra):
@@ -91,8 +97,10 @@ FAMILIES = {
                  "Phi3MLP", 2),
     "falcon_h1": Tiny("falcon_h1", _falcon_h1, "FalconH1MLP", 2),
     "gpt2": Tiny("gpt2", _gpt2, "GPT2MLP", 2),
-    "bert": Tiny("bert", lambda: _bert(False)(), "BertIntermediate", 2, "masked"),
-    "roberta": Tiny("roberta", lambda: _bert(True)(), "RobertaIntermediate", 2, "masked"),
+    "bert": Tiny("bert", lambda: _bert(False)(), "BertIntermediate", 2, "masked",
+                 ("BertSelfOutput", "BertIntermediate", "BertOutput")),
+    "roberta": Tiny("roberta", lambda: _bert(True)(), "RobertaIntermediate", 2, "masked",
+                    ("RobertaSelfOutput", "RobertaIntermediate", "RobertaOutput")),
     "t5_gated": Tiny("t5_gated", lambda: _t5(True)(), "T5DenseGatedActDense", 4, "seq2seq"),
     "t5": Tiny("t5", lambda: _t5(False)(), "T5DenseActDense", 4, "seq2seq"),
 }

@@ -73,12 +73,13 @@ def test_compile_variants_and_a_masked_model(tmp_path):
                             "eager,mlpfuse", "--backend", "torch")
     assert code == 0
     rows = rows_by(data)
-    assert rows[("prefill", "mlpfuse")]["status"] == "ok" and rows[("prefill", "mlpfuse")]["patched"] == 2
+    # Two layers: the intermediate and the two post-norm output blocks of each.
+    assert rows[("prefill", "mlpfuse")]["status"] == "ok" and rows[("prefill", "mlpfuse")]["patched"] == 6
     assert rows[("decode", "eager")]["error"] == "skipped: a masked LM does not generate"
     # On `auto` too (the erf GELU is never fused; the block runs eager's own ops with less Python per call).
     code, data, _ = run_lab(tmp_path, "--model", "bert-base", "--mode", "prefill", "--variants", "eager,mlpfuse")
     fused = rows_by(data)[("prefill", "mlpfuse")]
-    assert fused["status"] == "ok" and fused["patched"] == 2 and fused["logits_vs_eager"] == 0
+    assert fused["status"] == "ok" and fused["patched"] == 6 and fused["logits_vs_eager"] == 0
 
 
 def test_a_patch_that_swaps_nothing_is_timed_as_the_model_it_leaves(tmp_path):

@@ -74,13 +74,13 @@ def test_family_logits_and_training_gradients_equal_the_unpatched_model(name):
     model.eval()
 
     report = mlpfuse.patch(model, backend="torch")
-    assert [s.source for s in report.swapped] == [spec.mlp_class] * spec.mlps, report.summary()
+    assert [s.source for s in report.swapped] == spec.swaps, report.summary()
     assert report.left == []
     assert list(model.state_dict()) == keys
     calls = count_calls(model)
     with torch.no_grad():
         got = model(**batch).logits
-    assert len(calls) == spec.mlps
+    assert len(calls) == len(spec.swaps)
     torch.testing.assert_close(got, expected, **TOL)
     loss, grads = train_step(model, name)
     torch.testing.assert_close(loss, loss_ref, **TOL)
@@ -197,19 +197,55 @@ def test_unknown_activation_in_config_is_left():
 
 
 @pytest.mark.parametrize("name", ["bert", "roberta"])
-def test_auto_patches_an_erf_gelu_intermediate_as_eager_math_with_one_module_call(name):
-    # `auto` never fuses the erf GELU: the block runs eager's own two ops (the same values, bit for bit), with one
-    # module call in place of nn.Linear's and the activation module's, and no plan to look up.
-    model = H.FAMILIES[name].build().eval()
-    mlps = H.FAMILIES[name].mlps
+def test_auto_patches_an_encoder_layer_as_eager_math_with_fewer_module_calls(name):
+    # `auto` never fuses the erf GELU: the intermediate runs eager's own two ops, with one module call in place of
+    # nn.Linear's and the activation module's, and no plan to look up; each output block (dense, dropout,
+    # LayerNorm(x + residual)) runs its three ops in one call. The same values, bit for bit.
+    spec = H.FAMILIES[name]
+    model = spec.build().eval()
     batch = H.inputs(name)
     with torch.no_grad():
         expected = model(**batch).logits
+    before = _module_forwards(model, batch)
     report = mlpfuse.patch(model)
-    assert len(report.swapped) == mlps and report.left == []
+    assert [s.source for s in report.swapped] == spec.swaps and report.left == []
+    assert {s.layout for s in report.swapped} == {"linear-act", "post-norm"}
     with torch.no_grad():
         assert torch.equal(model(**batch).logits, expected)
-    assert all(len(b._fused_plan.entries) == 0 for b in blocks_of(model))
+    assert all(len(b._fused_plan.entries) == 0 for b in blocks_of(model) if b.fused_layout == "linear-act")
+    after = _module_forwards(model, batch)
+    n = spec.mlps  # layers
+    # Per layer, before: the intermediate with its dense and activation (3), each output block with its dense,
+    # dropout and norm (2 × 4); after: the three blocks' own calls.
+    assert before.total() - after.total() == n * (3 + 2 * 4 - 3)
+    assert before - after == {"Linear": 3 * n, "LayerNorm": 2 * n, "Dropout": 2 * n, "GELUActivation": n,
+                              **{cls: n for cls in spec.layer}}
+
+
+def _module_forwards(model, batch) -> "collections.Counter":
+    """Module forwards one no-grad call of `model` runs, by class name (counted inside forward: a hook would make
+    the fused blocks stand aside)."""
+    import collections
+
+    seen = collections.Counter()
+    classes = {type(m) for m in model.modules()}
+    originals = {cls: cls.__dict__["forward"] for cls in classes if "forward" in cls.__dict__}
+
+    def counting(cls, forward):
+        def wrapper(self, *args, **kwargs):
+            seen[cls.__name__] += 1
+            return forward(self, *args, **kwargs)
+        return wrapper
+
+    try:
+        for cls, forward in originals.items():
+            cls.forward = counting(cls, forward)
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        for cls, forward in originals.items():
+            cls.forward = forward
+    return seen
 
 
 def test_model_on_the_meta_device_is_left_unchanged():

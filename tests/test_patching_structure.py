@@ -256,3 +256,116 @@ def test_the_model_lab_runs_olmo2_patched_by_structure(tmp_path):
     assert code == 0
     rows = {r["variant"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
     assert rows["mlpfuse"]["status"] == "ok" and rows["mlpfuse"]["patched"] == 2
+
+
+class PostLN(nn.Module):
+    """A post-norm projection under other names, norm(drop(proj(x)) + residual); `kind` spoils it."""
+
+    def __init__(self, kind="post-norm"):
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, DIM)
+        self.drop = nn.Dropout(0.25)
+        self.norm = nn.LayerNorm(DIM)
+        self.kind = kind
+
+    def forward(self, x, residual):
+        y = self.drop(self.proj(x))
+        if self.kind == "norm-then-add":
+            return self.norm(y) + residual
+        if self.kind == "scaled-residual":
+            return self.norm(y + 0.5 * residual)
+        return self.norm(y + residual)
+
+
+class ProjectNorm(nn.Module):
+    """A projection and a norm with one input: no residual, so no post-norm block."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(HIDDEN, DIM)
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, x):
+        return self.norm(self.proj(x))
+
+
+class Encoder(nn.Module):
+    def __init__(self, *blocks):
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = nn.ModuleList(nn.Linear(DIM, HIDDEN) for _ in blocks)
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(DIM, 3)
+
+    def forward(self, x):
+        for up, b in zip(self.up, self.blocks):
+            x = b(torch.relu(up(x)), x)
+        return self.head(x)
+
+
+def test_a_post_norm_projection_is_read_from_its_structure_and_computes_what_it_did():
+    model = Encoder(PostLN(), PostLN()).eval()
+    x = torch.randn(2, 5, DIM)
+    y_ref, g_ref = run(model, x)
+    originals = list(model.blocks)
+    report = mlpfuse.patch(model)
+    assert [(s.path, s.layout, s.matched, s.roles, s.activation) for s in report.swapped] == [
+        (f"blocks.{i}", "post-norm", "structure", "dense=proj norm=norm", "") for i in range(2)]
+    assert report.left == []
+    assert "PostLN -> post-norm (by structure: dense=proj norm=norm)" in report.summary()
+    y, g = run(model, x)
+    assert torch.equal(y, y_ref)  # the module's own ops: the same values, bit for bit
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], msg=name)
+    block = model.blocks[0]
+    h, r = torch.randn(3, HIDDEN), torch.randn(3, DIM)
+    with torch.no_grad():  # called with the residual by keyword: the module's own forward runs
+        assert torch.equal(block(h, residual=r), originals[0](h, r))
+    assert mlpfuse.unpatch(model) == ["blocks.0", "blocks.1"] and list(model.blocks) == originals
+
+
+@pytest.mark.parametrize("kind", ["norm-then-add", "scaled-residual"])
+def test_a_projection_and_norm_computing_otherwise_are_left(kind):
+    model = Encoder(PostLN(kind)).eval()
+    x = torch.randn(2, 5, DIM)
+    before = model(x)
+    report = mlpfuse.patch(model)
+    assert report.swapped == [] and len(report.left) == 1, report.summary()
+    assert report.left[0].reason.startswith("the fused block's output differs from the module's own")
+    assert type(model.blocks[0]) is PostLN and torch.equal(model(x), before)
+
+
+def test_a_projection_and_norm_without_a_residual_input_are_no_candidate():
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pn = ProjectNorm()
+
+        def forward(self, x):
+            return self.pn(x)
+
+    report = mlpfuse.patch(Holder())
+    assert report.swapped == [] and report.left == []
+
+
+def test_a_post_norm_block_runs_the_module_s_own_forward_while_its_dropout_or_norm_does_more():
+    model = Encoder(PostLN()).eval()
+    reference = copy.deepcopy(model)
+    mlpfuse.patch(model)
+    x = torch.randn(2, 5, DIM)
+    model.train(), reference.train()  # live dropout: the same masks from the same seed
+    torch.manual_seed(3)
+    y_ref = reference(x)
+    torch.manual_seed(3)
+    y = model(x)
+    assert torch.equal(y, y_ref) and not torch.equal(y, model.eval()(x))
+    reference.eval()
+
+    def shift(module, args, out):
+        return out * 2.0 + 1.0
+
+    unhooked = model(x)
+    for m in (model, reference):
+        m.blocks[0].norm.register_forward_hook(shift)
+    hooked = model(x)
+    assert torch.equal(hooked, reference(x)) and not torch.equal(hooked, unhooked)

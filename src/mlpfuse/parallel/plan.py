@@ -58,13 +58,13 @@ class ReducedRowwiseParallel(RowwiseParallel):
 def _hidden(block: nn.Module) -> Optional[int]:
     """The hidden size of an mlpfuse MLP block (a module or a block mlpfuse.patch put in), else None."""
     from mlpfuse.modules import MLP, GatedMLP
-    from mlpfuse.patching.blocks import GatedBlock, PatchedBlock
+    from mlpfuse.patching.blocks import GatedBlock, PatchedBlock, PostNormBlock
 
     if isinstance(block, (GatedMLP, MLP)):
         return block.hidden
     if isinstance(block, GatedBlock):
         return block.fused_hidden
-    if isinstance(block, PatchedBlock):
+    if isinstance(block, PatchedBlock) and not isinstance(block, PostNormBlock):  # a projection + norm: no MLP
         return block._modules[block.fused_linears[0]].weight.shape[0]
     return None
 

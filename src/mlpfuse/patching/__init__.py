@@ -10,11 +10,11 @@ blocks in mlpfuse.patching.blocks; mlpfuse.patching.dry_run reports what would h
 alone (`mlpfuse patch --dry-run`).
 """
 
-from mlpfuse.patching.blocks import GatedBlock, LinearActBlock, PatchedBlock, TwoLayerBlock
+from mlpfuse.patching.blocks import GatedBlock, LinearActBlock, PatchedBlock, PostNormBlock, TwoLayerBlock
 from mlpfuse.patching.dry_run import DryRun, dry_run
 from mlpfuse.patching.report import PatchReport
 from mlpfuse.patching.swap import patch, unpatch
 from mlpfuse.patching.table import FAMILIES, Family
 
 __all__ = ["patch", "unpatch", "PatchReport", "FAMILIES", "Family", "PatchedBlock", "GatedBlock", "TwoLayerBlock",
-           "LinearActBlock", "dry_run", "DryRun"]
+           "LinearActBlock", "PostNormBlock", "dry_run", "DryRun"]

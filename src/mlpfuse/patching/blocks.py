@@ -20,12 +20,17 @@ Layouts (mlpfuse.patching.table names the families that use them):
                     second projection (a GEMM with its bias already is one kernel). fc may be a Conv1D ([in, out]
                     weight): the op reads it through a transposed view.
     LinearActBlock  act(dense(x)) (BERT's intermediate): one `mlpfuse::linear_act` call.
+    PostNormBlock   norm(dropout(dense(x)) + residual) (BERT's output blocks), two inputs: the module's own three
+                    ops (the projection's GEMM with its bias, the residual add, layer_norm) in one module call
+                    instead of three (the projection, the dropout that returns its input in eval mode, the norm).
+                    Encoders of BERT's size are host-bound at inference: the saving is the module calls.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules import module as _module
 
@@ -218,3 +223,32 @@ class LinearActBlock(PatchedBlock):
             return sharded.linear(dense, hidden_states, self.fused_activation, self.fused_backend,
                                   self.fused_linears[0], hooks=True)
         return linear_act_call(hidden_states, w, b, self.fused_activation, self.fused_backend, self._fused_plan)
+
+
+class PostNormBlock(PatchedBlock):
+    fused_layout = "post-norm"
+
+    def __init__(self, source: nn.Module, family: str, linears: tuple[str], backend: str, dropout: str = "",
+                 norm: str = "LayerNorm"):
+        super().__init__(source, family, "", backend, dropout)
+        self.fused_linears = linears
+        self.fused_norm_name = norm
+
+    def extra_repr(self) -> str:
+        return f"{type(self.fused_source).__name__} fused: {self.fused_norm_name}({self.fused_linears[0]}(x) + residual)"
+
+    def forward(self, *args, **kwargs) -> Tensor:
+        mods = self._modules
+        dense, norm = mods[self.fused_linears[0]], mods[self.fused_norm_name]
+        # Exactly nn.Linear's and nn.LayerNorm's own math, while they are those classes, nothing hooks them or the
+        # dropout and the dropout returns its input; any other call runs the module's own forward.
+        if (kwargs or len(args) != 2 or type(dense) is not nn.Linear or type(norm) is not nn.LayerNorm
+                or _hooked(dense) or _hooked(norm) or self._dropout_live()):
+            return self._source_forward(*args, **kwargs)
+        hidden_states, residual = args
+        y = F.linear(hidden_states, dense.weight, dense.bias)
+        return F.layer_norm(y + residual, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+    def _dropout_live(self) -> bool:
+        """The dropout child does more than return its input: active, or hooked."""
+        return bool(self.fused_dropout) and (self._dropout_active() or _hooked(self._modules[self.fused_dropout]))

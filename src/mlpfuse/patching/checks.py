@@ -54,14 +54,21 @@ def from_family(module: nn.Module, family: table.Family) -> tuple[Optional[Match
             return None, reason
         linears.append(child)
     for name, child in module.named_children():
-        if name not in family.linears and child is not None and any(True for _ in child.parameters()):
+        if name not in (*family.linears, family.norm) and child is not None and any(True for _ in child.parameters()):
             return None, f"{name} holds parameters the fused block would not use"
     reason = _weights_problem(family.linears, linears) or _shapes_problem(family, linears)
     if reason:
         return None, reason
-    act = _activation_object(module, family)
-    if activation_name(act) is None:
-        return None, f"unknown activation {type(act).__name__}"
+    if family.layout == table.POST_NORM:
+        act_name = ""
+        reason = _norm_problem(module, family.norm, linears[0])
+        if reason:
+            return None, reason
+    else:
+        act = _activation_object(module, family)
+        act_name = activation_name(act)
+        if act_name is None:
+            return None, f"unknown activation {type(act).__name__}"
     for name in (family.dropout, family.dropout_after):
         drop = module._modules.get(name) if name else None
         if name and not isinstance(drop, nn.Dropout):
@@ -74,9 +81,9 @@ def from_family(module: nn.Module, family: table.Family) -> tuple[Optional[Match
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m):
             return None, f"{attr} is not a finite number ({type(m).__name__})"
         multipliers[i] = float(m)
-    match = Match(NAME, family.name, family.layout, family.linears, activation_name(act), dropout=family.dropout,
+    match = Match(NAME, family.name, family.layout, family.linears, act_name, dropout=family.dropout,
                   dropout_after=family.dropout_after, transposed=family.transposed,
-                  gate_multiplier=multipliers[0], down_multiplier=multipliers[1])
+                  gate_multiplier=multipliers[0], down_multiplier=multipliers[1], norm=family.norm)
     return match, _dropout_active(module, match) or _multipliers_problem(module, match)
 
 
@@ -87,7 +94,8 @@ def match_problem(module: nn.Module, match: Match) -> Optional[str]:
         reason = _projection_problem(name, child, match.transposed)
         if reason:
             return reason
-    return (_weights_problem(match.linears, linears) or _dropout_active(module, match)
+    norm = _norm_problem(module, match.norm, linears[0]) if match.layout == table.POST_NORM else None
+    return (norm or _weights_problem(match.linears, linears) or _dropout_active(module, match)
             or _multipliers_problem(module, match))
 
 
@@ -97,8 +105,12 @@ def _dropout_active(module: nn.Module, match: Match) -> Optional[str]:
         return None
     # Read from structure, where the dropout sits is not known: the block runs the module's own forward whenever
     # it is live, so patching now would gain nothing.
-    where = (f"between the activation and {match.linears[-1]}" if match.how == NAME else
-             f"({match.dropout}), which the fused block leaves to the module's own forward,")
+    if match.how != NAME:
+        where = f"({match.dropout}), which the fused block leaves to the module's own forward,"
+    elif match.layout == table.POST_NORM:
+        where = f"after {match.linears[0]}"
+    else:
+        where = f"between the activation and {match.linears[-1]}"
     return f"dropout (p={drop.p:g}) {where} is active in training mode; call model.eval() (or set its p to 0) " \
            f"before patching"
 
@@ -109,6 +121,20 @@ def _multipliers_problem(module: nn.Module, match: Match) -> Optional[str]:
     linears = [module._modules[n] for n in match.linears[:-1]]
     if match.gate_multiplier != 1 and any(getattr(lin, "bias", None) is not None for lin in linears):
         return "a gate multiplier with biased gate/up projections"
+    return None
+
+
+def _norm_problem(module: nn.Module, name: str, dense: nn.Module) -> Optional[str]:
+    """Why a post-norm match's norm child is not what the block applies (an nn.LayerNorm over the projection's
+    outputs, with no hooks), or None."""
+    norm = module._modules.get(name)
+    if not isinstance(norm, nn.LayerNorm):
+        return f"{name} is {type(norm).__name__}, not an nn.LayerNorm"
+    if tuple(norm.normalized_shape) != (dense.weight.shape[0],):
+        return f"{name} normalises {list(norm.normalized_shape)}, not the projection's {dense.weight.shape[0]} outputs"
+    hooked = _hooks(norm)
+    if hooked:
+        return f"hooks on {name} ({hooked})"
     return None
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 class Swapped:
     path: str  # dotted module path in the model ("model.layers.0.mlp")
     source: str  # class name of the replaced module
-    layout: str  # "gated" | "two-layer" | "linear-act"
+    layout: str  # "gated" | "two-layer" | "linear-act" | "post-norm"
     family: str
     activation: str
     matched: str = "name"  # "name": a row of the family table; "structure": its children, proven on numbers
@@ -75,9 +75,10 @@ class PatchReport:
         group (the dry run's real shapes)."""
         groups: dict[tuple, list[str]] = {}
         for s in self.swapped:
-            how = f", by {s.matched}" + (f": {s.roles}" if s.roles else "")
+            how = f"by {s.matched}" + (f": {s.roles}" if s.roles else "")
+            what = ", ".join(part for part in (s.activation, how) if part)  # a post-norm block has no activation
             more = f", {extra[s.path]}" if extra and s.path in extra else ""
-            groups.setdefault(("swapped", f"{s.source} -> {s.layout} ({s.activation}{how}){more}"), []).append(s.path)
+            groups.setdefault(("swapped", f"{s.source} -> {s.layout} ({what}){more}"), []).append(s.path)
         for item in self.left:
             groups.setdefault(("left", f"{item.source}: {item.reason}"), []).append(item.path)
         for p in self.already_patched:

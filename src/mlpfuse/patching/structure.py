@@ -8,6 +8,8 @@ The projections' shapes say which layouts fit, with every name:
     2 projections  dim→2h, h→dim              packed gate_up: gate half first or second
                    dim→h, h→dim               two-layer: fc then proj (either order when h = dim)
     1 projection   dim→h, a known activation  linear-act
+                   dim→d, an nn.LayerNorm(d)  post-norm: norm(dense(x) + residual), a forward of two inputs
+                                              (BERT's output blocks), no activation
 Activations tried: those the module holds (children, functions, names) that mlpfuse knows, then the config's
 hidden_act, then every other one mlpfuse computes. Gate and down multipliers: (1, 1), then the module's float attributes
 named like multipliers. Names never decide; the verification does, and the first assignment whose output equals
@@ -48,12 +50,13 @@ class Match:
     gate_multiplier: float = 1.0
     down_multiplier: float = 1.0
     gate_second: bool = False  # packed halves in (up, gate) order
+    norm: str = ""  # post-norm: the nn.LayerNorm child
 
     @property
     def reading(self) -> tuple:
         """What the block computes, whatever the match is called: two matches with one reading verify alike."""
         return (self.layout, self.linears, self.activation, self.transposed, self.gate_multiplier,
-                self.down_multiplier, self.gate_second)
+                self.down_multiplier, self.gate_second, self.norm)
 
     @property
     def roles(self) -> str:
@@ -64,6 +67,8 @@ class Match:
             text = f"gate_up={names[0]} ({'up, gate' if self.gate_second else 'gate, up'}) down={names[1]}"
         elif self.layout == table.TWO_LAYER:
             text = f"fc={names[0]} proj={names[1]}"
+        elif self.layout == table.POST_NORM:
+            text = f"dense={names[0]} norm={self.norm}"
         else:
             text = f"fc={names[0]}"
         if self.transposed:
@@ -91,6 +96,7 @@ class Reading:
     why_not: str = ""
     held: tuple[str, ...] = ()
     unknown: tuple[str, ...] = ()
+    inputs: int = 1  # what the matches' forward takes: the input, or (post-norm) the input and the residual
 
 
 def projection(name: str, child) -> Optional[Projection]:
@@ -110,7 +116,7 @@ def read(module: nn.Module, config=None) -> Reading:
     grouped = grouped_parameters(module)
     if grouped:
         return Reading([], grouped)
-    projs, drops, acts, unknown = [], [], [], []
+    projs, drops, acts, unknown, norms = [], [], [], [], []
     for name, child in module.named_children():
         if child is None:
             continue
@@ -119,6 +125,8 @@ def read(module: nn.Module, config=None) -> Reading:
             projs.append(p)
         elif isinstance(child, nn.Dropout):
             drops.append(name)
+        elif isinstance(child, nn.LayerNorm):
+            norms.append((name, child))
         elif any(True for _ in child.parameters()):
             return Reading([], f"{name} ({type(child).__name__}) holds parameters besides the projections")
         elif activation_name(child) not in (None, "identity"):
@@ -129,6 +137,8 @@ def read(module: nn.Module, config=None) -> Reading:
         name = activation_name(value) if callable(value) or isinstance(value, str) else None
         if name not in (None, "identity"):
             acts.append(name)
+    if norms:
+        return _post_norm(module, projs, drops, acts, norms)
     if not projs or len(projs) > 3:
         return Reading([], f"{len(projs)} projections ({', '.join(p.name for p in projs) or 'none'}): no fused "
                            f"layout has that many")
@@ -162,6 +172,28 @@ def read(module: nn.Module, config=None) -> Reading:
     if not matches:
         return Reading([], f"a dropout ({dropout}) beside one projection: no fused layout keeps it")
     return Reading(matches, held=tuple(acts), unknown=tuple(unknown))
+
+
+def _post_norm(module: nn.Module, projs: list[Projection], drops: list[str], acts: list[str],
+               norms: list[tuple[str, nn.LayerNorm]]) -> Reading:
+    """The post-norm reading of a module holding a LayerNorm: one projection whose output, plus a residual, the
+    norm normalises (an optional dropout after the projection), or why it is none."""
+    name, norm = norms[0]
+    if len(norms) > 1 or len(projs) != 1:
+        return Reading([], f"{name} ({type(norm).__name__}) holds parameters besides the projections")
+    proj = projs[0]
+    if acts:
+        return Reading([], f"an activation ({acts[0]}) beside a projection and a norm: no fused layout has both")
+    if proj.transposed or tuple(norm.normalized_shape) != (proj.d_out,):
+        return Reading([], f"{name} normalises {list(norm.normalized_shape)}, not {proj.name}'s {proj.d_out} outputs")
+    if len(drops) > 1:
+        return Reading([], f"{len(drops)} dropouts ({', '.join(drops)}): the fused block can stand aside for one")
+    signature = forward_problem(module, 2)
+    if signature is not None:
+        return Reading([], signature)
+    match = Match(STRUCTURE, f"{table.POST_NORM} by structure", table.POST_NORM, (proj.name,), "",
+                  dropout=drops[0] if drops else "", norm=name)
+    return Reading([match], inputs=2)
 
 
 def _layouts(projs: list[Projection]) -> list[tuple[str, tuple[str, ...], bool]]:
@@ -232,17 +264,18 @@ def grouped_parameters(module: nn.Module) -> str:
             f"model's router indexes")
 
 
-def forward_problem(module: nn.Module) -> Optional[str]:
-    """Why a structural candidate's forward cannot be replaced by a block that takes one input, else None: a caller
-    that passes more (a mask, a padding flag) would reach a block that drops it."""
+def forward_problem(module: nn.Module, inputs: int = 1) -> Optional[str]:
+    """Why a structural candidate's forward cannot be replaced by a block that takes `inputs` positional inputs
+    (the input; post-norm: the input and the residual), else None: a caller that passes more (a mask, a padding
+    flag) would reach a block that drops it."""
     try:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
         return "its forward has no signature to read"
-    extra = [p.name for p in params[1:]] if params else []
-    if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD) or extra:
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if len(params) != inputs or any(p.kind not in positional for p in params):
         shown = ", ".join(p.name for p in params)
-        return f"its forward takes ({shown}), the fused block only the input"
+        return f"its forward takes ({shown}), the fused block only {'the input' if inputs == 1 else 'two inputs'}"
     return None
 
 

@@ -130,7 +130,7 @@ def decide(module: nn.Module, backend: str, verify: bool, verdicts: dict, config
     matches = [named] if named is not None and named_reason is None else []
     structural = [m for m in reading.matches if named is None or m.reading != named.reading]
     if structural and named is None:
-        reason = structure.forward_problem(module)
+        reason = structure.forward_problem(module, reading.inputs)
         if reason is not None:
             return None, reason, reading
     matches += structural
@@ -179,4 +179,7 @@ def build(module: nn.Module, match: structure.Match, backend: str, recompute: bo
         return blocks.TwoLayerBlock(module, match.family, match.linears, match.activation, backend,
                                     dropout=match.dropout, transposed=match.transposed,
                                     dropout_after=match.dropout_after)
+    if match.layout == table.POST_NORM:
+        return blocks.PostNormBlock(module, match.family, match.linears, backend, dropout=match.dropout,
+                                    norm=match.norm)
     return blocks.LinearActBlock(module, match.family, match.linears, match.activation, backend)

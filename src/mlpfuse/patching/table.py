@@ -10,14 +10,16 @@ here: rows name classes.
 Fields:
     classes      MLP class names (transformers' modeling files; `Sequential` for torch.nn's)
     layout       the block that replaces it: "gated" (GatedBlock), "two-layer" (TwoLayerBlock), "linear-act"
+                 (LinearActBlock), "post-norm" (PostNormBlock: norm(dropout(dense(x)) + residual), two inputs)
     linears      child names of the projections, in order: gate, up, down | gate_up (packed), down | fc, proj | fc
-    activation   the attribute holding the activation module (or function)
-    dropout      a dropout child between the activation and the last projection: while it is active (training with
-                 p > 0) the fusion would skip it, so the block runs the module's own forward instead; a module
-                 patched while it is active is left alone
+    activation   the attribute holding the activation module (or function); "" for a post-norm row (none)
+    dropout      a dropout child between the activation and the last projection (post-norm: after the projection,
+                 before the residual add): while it is active (training with p > 0) the block runs the module's own
+                 forward instead; a module patched while it is active is left alone
     dropout_after  a dropout child after the last projection: applied as is
     transposed   the projections are transformers' Conv1D, weight stored [in, out]
     multipliers  attributes holding (gate multiplier, down multiplier): act(gate(x)·m_g)·up(x), down(·)·m_d
+    norm         post-norm: the nn.LayerNorm child applied to the projection's output plus the residual
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch.nn as nn
 
 from mlpfuse.modules import activation_name
 
-GATED, TWO_LAYER, LINEAR_ACT = "gated", "two-layer", "linear-act"
+GATED, TWO_LAYER, LINEAR_ACT, POST_NORM = "gated", "two-layer", "linear-act", "post-norm"
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class Family:
     dropout_after: str = ""
     transposed: bool = False
     multipliers: tuple[str, str] = ()
+    norm: str = ""
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -56,6 +59,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("gpt-2", ("GPT2MLP",), TWO_LAYER, ("c_fc", "c_proj"), "act", dropout_after="dropout", transposed=True),
     Family("bert intermediate", ("BertIntermediate", "RobertaIntermediate"), LINEAR_ACT, ("dense",),
            "intermediate_act_fn"),
+    Family("bert output", ("BertOutput", "BertSelfOutput", "RobertaOutput", "RobertaSelfOutput"), POST_NORM,
+           ("dense",), "", dropout="dropout", norm="LayerNorm"),
     Family("sequential", ("Sequential",), TWO_LAYER, ("0", "2"), "1"),
 )
 

@@ -37,10 +37,13 @@ def verify_block(source: nn.Module, block: nn.Module, *, training: bool = False)
     weight = first.weight
     gen, where = _generator(weight.device)
     x = torch.randn(*ROWS, proj.d_in, generator=gen, device=where).to(weight.device, weight.dtype)
+    inputs = (x,)
+    if block.fused_layout == "post-norm":  # and the residual the projection's output is added to
+        inputs += (torch.randn(*ROWS, proj.d_out, generator=gen, device=where).to(weight.device, weight.dtype),)
     params = _random_parameters(source, gen, where)
-    reason = _compare(source, block, x, params, False, weight.dtype)
+    reason = _compare(source, block, inputs, params, False, weight.dtype)
     if reason is None and training:
-        reason = _compare(source, block, x, params, True, weight.dtype)
+        reason = _compare(source, block, inputs, params, True, weight.dtype)
         if reason is not None:
             reason += " in training mode (a dropout it applies without a dropout child?)"
     return reason
@@ -67,21 +70,22 @@ def _random_parameters(source: nn.Module, gen: torch.Generator, where: torch.dev
     return out
 
 
-def _compare(source, block, x, params, training: bool, dtype) -> Optional[str]:
+def _compare(source, block, inputs: tuple, params, training: bool, dtype) -> Optional[str]:
     modules = {id(m): m for m in (*source.modules(), *block.modules())}.values()
     states = [(m, m.training) for m in modules]
     try:
         for m, _ in states:
             m.training = training
-        with torch.no_grad(), _random_state_kept(x.device):
-            _reseed(x.device)
+        device = inputs[0].device
+        with torch.no_grad(), _random_state_kept(device):
+            _reseed(device)
             try:
-                expected = functional_call(source, params, (x,))
+                expected = functional_call(source, params, inputs)
             except Exception as exc:  # noqa: BLE001 - a module that cannot run alone is left, with why
                 return f"its forward raised on random rows: {one_line(exc)}"
-            _reseed(x.device)
+            _reseed(device)
             try:
-                got = functional_call(block, params, (x,))
+                got = functional_call(block, params, inputs)
             except Exception as exc:  # noqa: BLE001
                 return f"the fused forward failed: {one_line(exc)}"
     finally:
