@@ -42,16 +42,6 @@ def run(rank, world, tag, out):
         for w in pend: w.wait()
         return y
 
-    def rowchunks(nchunk, half_last=True):
-        y = x.new_empty(M, D); wdt = sd.t(); pend = []
-        cuts = ro.bounds(M, nchunk) if half_last else [(i * M // nchunk, (i + 1) * M // nchunk) for i in range(nchunk)]
-        for a, b in cuts:
-            h = hidden(x[a:b], sg, su, None, None, act, path, False)[0]
-            torch.mm(h, wdt, out=y[a:b])
-            pend.append(dist.all_reduce(y[a:b], group=grp, async_op=True))
-        for w in pend: w.wait()
-        return y
-
     def one():
         if rank == 0:
             h = hidden(x, wg, wu, None, None, act, path1, False)[0]
@@ -63,11 +53,14 @@ def run(rank, world, tag, out):
     V = {"one-gpu": one, "compute-only": nocomm, "serial": serial,
          "overlap2": lambda: chunks(h_of(), 2), "overlap4": lambda: chunks(h_of(), 4),
          "overlap4-equal": lambda: chunks(h_of(), 4, equal=True), "overlap8": lambda: chunks(h_of(), 8),
-         "overlap3": lambda: chunks(h_of(), 3), "rows2": lambda: rowchunks(2), "rows3": lambda: rowchunks(3),
-         "rows4": lambda: rowchunks(4), "rows4-equal": lambda: rowchunks(4, False), "rows6": lambda: rowchunks(6)}
+         "overlap3": lambda: chunks(h_of(), 3)}
+    if carve is not None:
+        V["overlap4-carve8"] = lambda: chunks(h_of(), 4, 8)
+        V["overlap4-carve16"] = lambda: chunks(h_of(), 4, 16)
+        V["compute-carve16"] = lambda: (carve(16), h_of() @ sd.t(), carve(None))
     with torch.no_grad():
         ref = one() if rank == 0 else None
-        for k in ("serial", "overlap4", "rows4"):
+        for k in ("serial", "overlap4", "overlap4-carve16"):
             if k in V:
                 y = V[k]()
                 if rank == 0: print(tag, k, "rel err vs one-gpu", float((y.float() - ref.float()).norm() / ref.float().norm()), flush=True)
@@ -103,5 +96,5 @@ def launch(tag, env, out):
 if __name__ == "__main__":
     out = os.environ.get("OUT", "/tmp")
     launch("default", {}, out)
-    if os.environ.get("SIMPLE", "0") == "1":
+    if os.environ.get("SIMPLE", "1") == "1":
         launch("simple", {"NCCL_PROTO": "Simple"}, out)

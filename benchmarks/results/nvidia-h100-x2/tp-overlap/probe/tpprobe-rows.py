@@ -1,0 +1,107 @@
+"""TP forward probe, 2 GPUs, 16384x4096x14336 SwiGLU bf16: what bounds the 2-GPU step (compute alone, serial
+all-reduce, chunked overlap with 2/4/8 chunks, SM carveout for the chunk GEMMs) against the full block on one GPU.
+Each variant: CUDA events over REPS back-to-back steps, slowest rank, median of ROUNDS interleaved rounds."""
+import os, sys, json, statistics
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+sys.path.insert(0, "src")
+M, D, H = 16384, 4096, 14336
+REPS, ROUNDS = 10, int(os.environ.get("ROUNDS", "9"))
+
+def run(rank, world, tag, out):
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    from mlpfuse import activations
+    from mlpfuse.ops import reduce_overlap as ro, dispatch
+    from mlpfuse.ops.gated_mlp import hidden
+    act = activations.get("silu")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dt = torch.bfloat16
+    x = torch.randn(M, D, device="cuda", dtype=dt, generator=g)
+    wg = torch.randn(H, D, device="cuda", dtype=dt, generator=g) * D ** -0.5
+    wu = torch.randn(H, D, device="cuda", dtype=dt, generator=g) * D ** -0.5
+    wd = torch.randn(D, H, device="cuda", dtype=dt, generator=g) * H ** -0.5
+    n = H // world
+    sg, su, sd = wg[rank * n:(rank + 1) * n].contiguous(), wu[rank * n:(rank + 1) * n].contiguous(), wd[:, rank * n:(rank + 1) * n].contiguous()
+    path = dispatch.gated_mlp_path("auto", x, n, False)
+    path1 = dispatch.gated_mlp_path("auto", x, H, False)
+    grp = dist.group.WORLD
+    carve = getattr(torch._C, "_set_sm_carveout_experimental", None)
+
+    def h_of():
+        return hidden(x, sg, su, None, None, act, path, False)[0]
+
+    def chunks(h, nchunk, carve_sms=None, equal=False):
+        y = h.new_empty(M, D); wdt = sd.t(); pend = []
+        m = h.shape[0]
+        cuts = ro.bounds(m, nchunk) if not equal else [(i * m // nchunk, (i + 1) * m // nchunk) for i in range(nchunk)]
+        for i, (a, b) in enumerate(cuts):
+            if carve_sms is not None and i >= 1: carve(carve_sms)
+            torch.mm(h[a:b], wdt, out=y[a:b])
+            if carve_sms is not None and i >= 1: carve(None)
+            pend.append(dist.all_reduce(y[a:b], group=grp, async_op=True))
+        for w in pend: w.wait()
+        return y
+
+    def rowchunks(nchunk, half_last=True):
+        y = x.new_empty(M, D); wdt = sd.t(); pend = []
+        cuts = ro.bounds(M, nchunk) if half_last else [(i * M // nchunk, (i + 1) * M // nchunk) for i in range(nchunk)]
+        for a, b in cuts:
+            h = hidden(x[a:b], sg, su, None, None, act, path, False)[0]
+            torch.mm(h, wdt, out=y[a:b])
+            pend.append(dist.all_reduce(y[a:b], group=grp, async_op=True))
+        for w in pend: w.wait()
+        return y
+
+    def one():
+        if rank == 0:
+            h = hidden(x, wg, wu, None, None, act, path1, False)[0]
+            return h @ wd.t()
+    def nocomm():
+        return h_of() @ sd.t()
+    def serial():
+        y = h_of() @ sd.t(); dist.all_reduce(y, group=grp); return y
+    V = {"one-gpu": one, "compute-only": nocomm, "serial": serial,
+         "overlap2": lambda: chunks(h_of(), 2), "overlap4": lambda: chunks(h_of(), 4),
+         "overlap4-equal": lambda: chunks(h_of(), 4, equal=True), "overlap8": lambda: chunks(h_of(), 8),
+         "overlap3": lambda: chunks(h_of(), 3), "rows2": lambda: rowchunks(2), "rows3": lambda: rowchunks(3),
+         "rows4": lambda: rowchunks(4), "rows4-equal": lambda: rowchunks(4, False), "rows6": lambda: rowchunks(6)}
+    with torch.no_grad():
+        ref = one() if rank == 0 else None
+        for k in ("serial", "overlap4", "rows4"):
+            if k in V:
+                y = V[k]()
+                if rank == 0: print(tag, k, "rel err vs one-gpu", float((y.float() - ref.float()).norm() / ref.float().norm()), flush=True)
+        for f in V.values():
+            for _ in range(3): f()
+        torch.cuda.synchronize()
+        res = {k: [] for k in V}
+        for r in range(ROUNDS):
+            for k, f in V.items():
+                dist.barrier(); torch.cuda.synchronize()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                for _ in range(REPS): f()
+                e.record(); e.synchronize()
+                t = torch.tensor([s.elapsed_time(e) / REPS], device="cuda", dtype=torch.float64)
+                if k != "one-gpu": dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                res[k].append(float(t))
+    if rank == 0:
+        one_ms = statistics.median(res["one-gpu"])
+        lines = []
+        for k, v in res.items():
+            med = statistics.median(v)
+            lines.append(f"{tag:8s} {k:18s} {med:7.3f} ms  [{min(v):.3f}-{max(v):.3f}]  speed-up vs one-gpu {one_ms / med:.3f}")
+        print("\n".join(lines), flush=True)
+        json.dump(res, open(os.path.join(out, f"tpprobe-{tag}.json"), "w"))
+    dist.destroy_process_group()
+
+def launch(tag, env, out):
+    os.environ.update(env)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ["MASTER_PORT"] = str(29500 + len(tag))
+    mp.spawn(run, args=(2, tag, out), nprocs=2, join=True)
+
+if __name__ == "__main__":
+    out = os.environ.get("OUT", "/tmp")
+    launch("default", {}, out)
+    if os.environ.get("SIMPLE", "0") == "1":
+        launch("simple", {"NCCL_PROTO": "Simple"}, out)
