@@ -34,6 +34,16 @@ def test_families_outside_the_name_table_are_read_from_their_structure(rows):
     assert rows["llama"].swapped == {"gated/name": 2} and rows["gpt2"].swapped == {"two-layer/name": 2}
 
 
+def test_post_norm_output_blocks_are_read_by_name_and_from_their_structure(rows):
+    # BERT's and RoBERTa's rows name their output blocks; their descendants' are read from the children (a Linear,
+    # a LayerNorm over its outputs, a dropout, a forward of two inputs): two per layer, MPNet's one.
+    assert rows["bert"].swapped == {"linear-act/name": 2, "post-norm/name": 4}
+    for family, blocks in [("electra", 4), ("xlm-roberta", 4), ("camembert", 4), ("layoutlm", 4), ("mpnet", 2)]:
+        if family in rows and not rows[family].status.startswith("skipped"):
+            assert rows[family].status == "patched" and rows[family].swapped["post-norm/structure"] == blocks, \
+                rows[family].line()
+
+
 def test_mixtures_of_experts_leave_the_experts_and_patch_the_dense_blocks(rows):
     mixtral = rows["mixtral"]
     assert not mixtral.swapped

@@ -96,7 +96,6 @@ class Reading:
     why_not: str = ""
     held: tuple[str, ...] = ()
     unknown: tuple[str, ...] = ()
-    inputs: int = 1  # what the matches' forward takes: the input, or (post-norm) the input and the residual
 
 
 def projection(name: str, child) -> Optional[Projection]:
@@ -193,7 +192,7 @@ def _post_norm(module: nn.Module, projs: list[Projection], drops: list[str], act
         return Reading([], signature)
     match = Match(STRUCTURE, f"{table.POST_NORM} by structure", table.POST_NORM, (proj.name,), "",
                   dropout=drops[0] if drops else "", norm=name)
-    return Reading([match], inputs=2)
+    return Reading([match])
 
 
 def _layouts(projs: list[Projection]) -> list[tuple[str, tuple[str, ...], bool]]:

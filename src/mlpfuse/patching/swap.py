@@ -129,8 +129,8 @@ def decide(module: nn.Module, backend: str, verify: bool, verdicts: dict, config
         return None, reason, reading
     matches = [named] if named is not None and named_reason is None else []
     structural = [m for m in reading.matches if named is None or m.reading != named.reading]
-    if structural and named is None:
-        reason = structure.forward_problem(module, reading.inputs)
+    if structural and named is None and structural[0].layout != table.POST_NORM:  # post-norm: `read` checked it
+        reason = structure.forward_problem(module)
         if reason is not None:
             return None, reason, reading
     matches += structural
