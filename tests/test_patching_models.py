@@ -3,6 +3,7 @@ model's logits and one training step's gradients equal the unpatched model's; ge
 static cache + torch.compile recipe transformers documents), compiled forwards (fullgraph, no_grad and grad),
 gradient checkpointing, autocast and an optimizer loop all run through the fused blocks."""
 
+import collections
 import copy
 
 import pytest
@@ -222,11 +223,9 @@ def test_auto_patches_an_encoder_layer_as_eager_math_with_fewer_module_calls(nam
                               **{cls: n for cls in spec.layer}}
 
 
-def _module_forwards(model, batch) -> "collections.Counter":
+def _module_forwards(model, batch) -> collections.Counter:
     """Module forwards one no-grad call of `model` runs, by class name (counted inside forward: a hook would make
     the fused blocks stand aside)."""
-    import collections
-
     seen = collections.Counter()
     classes = {type(m) for m in model.modules()}
     originals = {cls: cls.__dict__["forward"] for cls in classes if "forward" in cls.__dict__}

@@ -50,6 +50,11 @@ def _hooked(module: nn.Module) -> bool:
                 or m._global_backward_hooks or m._global_backward_pre_hooks)
 
 
+def _does_more(drop: nn.Module) -> bool:
+    """Whether calling a dropout child would do more than return its input: active (training, p > 0) or hooked."""
+    return (drop.training and drop.p > 0) or _hooked(drop)
+
+
 class PatchedBlock(nn.Module):
     """Base of the blocks: the source module's children, adopted, and the source kept for unpatching."""
 
@@ -186,7 +191,7 @@ class TwoLayerBlock(PatchedBlock):
         y = self._project(proj, h)
         if self.fused_dropout_after:
             drop = mods[self.fused_dropout_after]
-            if (drop.training and drop.p > 0) or _hooked(drop):  # an inactive dropout returns its input
+            if _does_more(drop):
                 y = drop(y)
         return y
 
@@ -243,12 +248,9 @@ class PostNormBlock(PatchedBlock):
         # Exactly nn.Linear's and nn.LayerNorm's own math, while they are those classes, nothing hooks them or the
         # dropout and the dropout returns its input; any other call runs the module's own forward.
         if (kwargs or len(args) != 2 or type(dense) is not nn.Linear or type(norm) is not nn.LayerNorm
-                or _hooked(dense) or _hooked(norm) or self._dropout_live()):
+                or _hooked(dense) or _hooked(norm)
+                or (self.fused_dropout and _does_more(mods[self.fused_dropout]))):
             return self._source_forward(*args, **kwargs)
         hidden_states, residual = args
         y = F.linear(hidden_states, dense.weight, dense.bias)
         return F.layer_norm(y + residual, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-
-    def _dropout_live(self) -> bool:
-        """The dropout child does more than return its input: active, or hooked."""
-        return bool(self.fused_dropout) and (self._dropout_active() or _hooked(self._modules[self.fused_dropout]))

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
+from mlpfuse.patching import table
 from mlpfuse.patching.structure import projection
 
 # Relative error allowed between a fused block and the module it replaces, on the same input, by weight dtype:
@@ -38,7 +39,7 @@ def verify_block(source: nn.Module, block: nn.Module, *, training: bool = False)
     gen, where = _generator(weight.device)
     x = torch.randn(*ROWS, proj.d_in, generator=gen, device=where).to(weight.device, weight.dtype)
     inputs = (x,)
-    if block.fused_layout == "post-norm":  # and the residual the projection's output is added to
+    if block.fused_layout == table.POST_NORM:  # and the residual the projection's output is added to
         inputs += (torch.randn(*ROWS, proj.d_out, generator=gen, device=where).to(weight.device, weight.dtype),)
     params = _random_parameters(source, gen, where)
     reason = _compare(source, block, inputs, params, False, weight.dtype)
