@@ -431,3 +431,45 @@ def test_triton_backend_through_the_interpreter(name):
         assert_grads_equal(grads, grads_ref, rtol=1e-4, atol=1e-5)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _holders(model) -> list:
+    """The transposed-weight holders of the patched blocks (ops._plan.Transposed): their own and their plans'."""
+    from mlpfuse.ops._plan import Memo, Transposed
+
+    found = []
+    for block in model.modules():
+        if isinstance(block, PatchedBlock):
+            for value in block.__dict__.values():
+                if isinstance(value, Transposed):
+                    found.append(value)
+                elif isinstance(value, Memo):
+                    found += [v for v in (getattr(value, s, None) for s in type(value).__slots__)
+                              if isinstance(v, Transposed)]
+    return found
+
+
+@pytest.mark.parametrize("name", ["bert", "t5"])
+def test_patched_blocks_hold_their_projections_transposed_weights_until_the_model_moves(name):
+    """No-grad calls of BERT's intermediate and post-norm output blocks and T5's two-layer block run their
+    projections over held transposed weights (same logits as the model's own modules); `model.double()` drops every
+    held view before the memory moves, and the converted model's logits are again the unpatched model's."""
+    model = no_dropout(H.build(name)).eval()
+    batch = H.inputs(name)
+    patched = copy.deepcopy(model)
+    mlpfuse.patch(patched, backend="torch")
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(patched(**batch).logits, model(**batch).logits, **TOL)
+    from mlpfuse.patching.blocks import TwoLayerBlock
+
+    holders = _holders(patched)  # the plan's (made with it) and a post-norm or two-layer block's second projection's
+    assert len(holders) == sum((1 + isinstance(m, TwoLayerBlock)) * isinstance(m, PatchedBlock)
+                               for m in patched.modules()) > 0
+    assert all(h.held is not None for h in holders)
+    patched.double()
+    model.double()
+    assert all(h.held is None for h in holders)
+    with torch.no_grad():
+        torch.testing.assert_close(patched(**batch).logits, model(**batch).logits, **TOL)
+    assert all(h.held is not None and h.held[2].dtype == torch.float64 for h in holders)
