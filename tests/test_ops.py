@@ -309,7 +309,6 @@ def test_auto_split_path_between_decode_and_gated_sizes(monkeypatch, kernel_call
     assert set(kernel_calls) == {"glu"}
     (entry,) = block._plan.entries.values()
     assert entry.path == dispatch.SPLIT and entry.held
-    assert all(t.held is not None for t in (block._plan.gate, block._plan.up, block._plan.down))  # cuBLAS's w.t()
     torch.testing.assert_close(y, first, rtol=0, atol=0)
     want = plain_gated("silu", x.double(), *(t.double() if t is not None else None for t in (
         block.gate_proj.weight, block.up_proj.weight, block.down_proj.weight, block.gate_proj.bias,

@@ -77,7 +77,7 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: boo
     return unrows(y, x), h, g, u
 
 
-def hidden(x2, wg, wu, bg, bu, act, path: str, grad: bool, plan=None, paired: bool = False, held=(None, None)):
+def hidden(x2, wg, wu, bg, bu, act, path: str, grad: bool, plan=None, paired: bool = False):
     """(h, g, u) on 2-D x along `path` (TORCH, SPLIT or GATED; the caller checked the arguments and chose it): the
     block up to the down projection's input h = act(g)·u (`act` an activations entry), and with `grad` the
     pre-activations g and u a backward reads (else None). SPLIT: cuBLAS's gate and up GEMMs and the Triton GLU pass
@@ -86,13 +86,12 @@ def hidden(x2, wg, wu, bg, bu, act, path: str, grad: bool, plan=None, paired: bo
     plan's SPLIT entries, and tensor parallelism's chunked down projection (ops/reduce_overlap.py). `paired`: the
     gated GEMM's g and u in one allocation (kernels/pairs.py) on calls up to dispatch.MERGED_DW_MAX_M tokens, for a
     backward that computes both weight gradients in one GEMM — only where nothing requires them to be distinct
-    tensors (a registered op's outputs must not alias). `held`: the SPLIT path's (gate, up) transposed-weight
-    holders (ops._plan.Transposed), for calls that need no gradient."""
+    tensors (a registered op's outputs must not alias)."""
     if path == dispatch.TORCH or x2.shape[0] == 0:
         g, u = reference.gated_preact(x2, wg, wu, bg, bu)
         h = reference.glu(g, u, act)
     elif path == dispatch.SPLIT:
-        g, u = linear2d(x2, wg, bg, held[0]), linear2d(x2, wu, bu, held[1])
+        g, u = linear2d(x2, wg, bg), linear2d(x2, wu, bu)
         h = plan.run(g, u) if plan else dispatch.kernel("glu").glu_forward(g, u, activation=act.id)
     else:
         out = dispatch.kernel("gated_gemm").gated_gemm(
@@ -508,20 +507,18 @@ class CallPlan(_plan.Memo):
     weights' strides); the backend as resolved for this call; whether a gradient is needed (decided by the caller);
     TF32 for fp32 (see ops._plan). A new key runs the op layer's checks and path choice (same errors, same path)
     and is remembered. Per call on a hit: the key, then straight to the kernels — for the gated GEMM its launch plan
-    is held here (on the split path the GLU passes'), so the kernel wrapper's own key is not built again; for
-    inference the cuBLAS projections' transposed weights are held too (`gate`, `up`: the split path's; `down`; see
-    ops._plan.Transposed).
+    is held here (on the split path the GLU passes'), so the kernel wrapper's own key is not built again; the down
+    projection's weight.t() is held for inference (`down`, see ops._plan.Transposed).
     """
 
-    __slots__ = ("gate", "up", "down")
+    __slots__ = ("down",)
 
     def __init__(self):
         super().__init__()
-        self.gate, self.up, self.down = _plan.Transposed(), _plan.Transposed(), _plan.Transposed()
+        self.down = _plan.Transposed()
 
     def release(self) -> None:
-        for held in (self.gate, self.up, self.down):
-            held.release()
+        self.down.release()
 
     def run(self, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool, norm=None,
             recompute: bool = False) -> Tensor:
@@ -538,7 +535,7 @@ class CallPlan(_plan.Memo):
             entry = self.remember(key, entry)
         if entry is False:
             return self.run(norm(x), wg, wu, wd, bg, bu, bd, activation, backend, grad, None, recompute)
-        return entry(x, wg, wu, wd, bg, bu, bd, norm, self)
+        return entry(x, wg, wu, wd, bg, bu, bd, norm, self.down)
 
 
 class _Entry:
@@ -569,7 +566,7 @@ class _Entry:
         return cls(dispatch.gated_mlp_path(backend, rows(x), wg.shape[0], grad), activation, backend, grad, hold,
                    save)
 
-    def __call__(self, x, wg, wu, wd, bg, bu, bd, norm=None, memo: Optional[CallPlan] = None) -> Tensor:
+    def __call__(self, x, wg, wu, wd, bg, bu, bd, norm=None, down=None) -> Tensor:
         if self.path == dispatch.DECODE:  # inference only (with `norm`: the kernels apply it)
             return self._decode(x, wg, wu, wd, bg, bu, bd, norm)
         if self.path == dispatch.TORCH:  # eager's kernels, under autograd when a gradient is needed
@@ -581,12 +578,12 @@ class _Entry:
         if self.grad:
             y = _EagerTraining.apply(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, self.path, self,
                                      self.save)
-        elif plan:  # inference on a module's plan (`memo`), which holds the transposed weights
+        elif plan:  # (inference: `down`, the module plan's held wd.t(), serves)
             if self.path == dispatch.SPLIT:
-                h = hidden(rows(x), wg, wu, bg, bu, self.act, dispatch.SPLIT, False, plan, held=(memo.gate, memo.up))[0]
+                h = hidden(rows(x), wg, wu, bg, bu, self.act, dispatch.SPLIT, False, plan)[0]
             else:  # the gated GEMM's plan reads a contiguous x of any rank as its rows (no view op)
                 h = plan.run(x if x.is_contiguous() else rows(x), wg, wu, bg, bu)
-            return unrows(linear2d(h, wd, bd, memo.down), x)
+            return unrows(linear2d(h, wd, bd, down), x)
         else:
             y = _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, False, False, self.path)[0]
         if plan is None:
