@@ -381,27 +381,20 @@ def test_module_calls_check_x_first_in_the_module_terms(make):
 
 def test_fused_linear_with_an_activation_auto_never_fuses_is_eager_math_under_its_own_span():
     """The erf GELU on `auto`: eager's F.linear + GELU bit for bit, no plan entry, and under the profiler the kernels
-    sit inside a `mlpfuse::linear_act` CPU op, as every eager mlpfuse call's do. Without a gradient F.linear's own
-    addmm runs over the weight's transposed view, made on the first call and held: later calls dispatch no
-    aten::linear and no aten::t."""
+    sit inside a `mlpfuse::linear_act` CPU op, as every eager mlpfuse call's do."""
     torch.manual_seed(0)
     ref = nn.Linear(8, 12)
     m = FusedLinear.from_module(ref, activation="gelu", backend="auto")
     x = torch.randn(2, 3, 8)
     with torch.no_grad():
-        m(x)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             got = m(x)
         assert torch.equal(got, torch.nn.functional.gelu(ref(x)))
     spans = [e for e in prof.events() if e.name == "mlpfuse::linear_act"]
     assert len(spans) == 1
     inside = {e.name for e in prof.events() if e.cpu_parent is not None and e.cpu_parent.name == "mlpfuse::linear_act"}
-    assert {"aten::addmm", "aten::gelu"} <= inside, inside
-    assert not {"aten::linear", "aten::t", "aten::transpose"} & inside, inside
+    assert {"aten::linear", "aten::gelu"} <= inside, inside
     assert len(m._plan.entries) == 0
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        m(x.requires_grad_())  # a gradient needed: F.linear itself, on the weight
-    assert "aten::linear" in {e.name for e in prof.events()}
     with pytest.raises(InputError, match="^x: "):
         m(torch.randn(3, 9))  # refused by F.linear, then named by the op layer's checks
 

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from mlpfuse import activations
 from mlpfuse.errors import InputError
-from mlpfuse.ops import _checks, _plan, dispatch
-from mlpfuse.ops._util import needs_grad, plain_eager, plain_linear
+from mlpfuse.ops import _checks, dispatch
+from mlpfuse.ops._util import plain_linear
 from mlpfuse.ops.gated_mlp import CallPlan, gated_mlp_call, registered_call
 from mlpfuse.ops.linear_act import LinearActPlan, linear_act_call
 from mlpfuse.ops.linear_act import registered_call as linear_registered_call
@@ -252,10 +252,6 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias, device=device, dtype=dtype)
         self._plan = CallPlan()
 
-    def _apply(self, fn, recurse=True):
-        _plan.release(self)  # the plan's held weight views: the memory they point at is about to move
-        return super()._apply(fn, recurse)
-
     def forward(self, x: Tensor) -> Tensor:
         if not torch.jit.is_scripting():
             # Plain dict reads instead of six nn.Module.__getattr__ calls: at decode sizes the host time per call
@@ -470,10 +466,6 @@ class FusedLinear(nn.Linear):
             self.register_parameter("bias", None)
         self.reset_parameters()
 
-    def _apply(self, fn, recurse=True):
-        _plan.release(self)  # the plan's held weight view: the memory it points at is about to move
-        return super()._apply(fn, recurse)
-
     def reset_parameters(self) -> None:
         # nn.Linear's own initialisation, so a FusedLinear starts exactly where an nn.Linear would.
         nn.Linear.reset_parameters(self)  # type: ignore[arg-type]
@@ -489,10 +481,7 @@ class FusedLinear(nn.Linear):
                 # each through Module.__getattr__). Through the op layer the walkthrough's linear step took 246.9 µs
                 # against eager's 217.7 under the profiler on an H100; with two helper frames in between, still ~7 µs
                 # more than nn.Linear's before F.linear. Input F.linear refuses goes on to the op layer's checks.
-                # Eager calls that need no gradient run F.linear's own mm / addmm over the held weight.t().
-                b = params["bias"]
-                held = _plan_of(self, LinearActPlan).weight_t if plain_eager(x) and not needs_grad([x, w, b]) else None
-                y = plain_linear(x, w, b, None, held)
+                y = plain_linear(x, w, params["bias"])
                 if y is not None:
                     return y
             return self._call(x)

@@ -34,28 +34,18 @@ def unrows(y: Tensor, x: Tensor) -> Tensor:
     return y.view(*x.shape[:-1], y.shape[1]) if y.is_contiguous() else y.reshape(*x.shape[:-1], y.shape[1])
 
 
-def linear2d(t: Tensor, weight: Tensor, bias: Optional[Tensor], held=None) -> Tensor:
+def linear2d(t: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """F.linear on 2-D t computed as F.linear computes it there — one mm, or addmm with the bias, on weight.t() —
     without its two outer dispatcher ops (aten::linear, aten::matmul): host time on every call, most of all while
-    torch.profiler records each op's shapes. `held` (an ops._plan.Transposed, for calls that need no gradient):
-    weight.t() kept from the previous call."""
-    wt = weight.t() if held is None else held.of(weight)
-    return torch.mm(t, wt) if bias is None else torch.addmm(bias, t, wt)
+    torch.profiler records each op's shapes."""
+    return torch.mm(t, weight.t()) if bias is None else torch.addmm(bias, t, weight.t())
 
 
-def plain_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], act=None, held=None) -> Optional[Tensor]:
+def plain_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], act=None) -> Optional[Tensor]:
     """act(F.linear(x, weight, bias)) (act None: none) — a module call that is eager's own math — or None where
-    F.linear refuses the input, which then goes on to the op layer's checks (they name the argument).
-
-    `held` (an ops._plan.Transposed; the caller knows no gradient is needed): where F.linear itself runs one
-    mm / addmm over x's rows (x 2-D, or contiguous, with a 1-D bias or none), the same op over the held
-    weight.t()."""
+    F.linear refuses the input, which then goes on to the op layer's checks (they name the argument)."""
     try:
-        if (held is not None and (x.dim() == 2 or (x.dim() > 2 and x.is_contiguous()))
-                and (bias is None or bias.dim() == 1)):
-            y = unrows(linear2d(rows(x), weight, bias, held), x)
-        else:
-            y = F.linear(x, weight, bias)
+        y = F.linear(x, weight, bias)
     except torch.OutOfMemoryError:
         raise
     except (RuntimeError, TypeError, IndexError, ValueError):

@@ -507,18 +507,10 @@ class CallPlan(_plan.Memo):
     weights' strides); the backend as resolved for this call; whether a gradient is needed (decided by the caller);
     TF32 for fp32 (see ops._plan). A new key runs the op layer's checks and path choice (same errors, same path)
     and is remembered. Per call on a hit: the key, then straight to the kernels — for the gated GEMM its launch plan
-    is held here (on the split path the GLU passes'), so the kernel wrapper's own key is not built again; the down
-    projection's weight.t() is held for inference (`down`, see ops._plan.Transposed).
+    is held here (on the split path the GLU passes'), so the kernel wrapper's own key is not built again.
     """
 
-    __slots__ = ("down",)
-
-    def __init__(self):
-        super().__init__()
-        self.down = _plan.Transposed()
-
-    def release(self) -> None:
-        self.down.release()
+    __slots__ = ()
 
     def run(self, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool, norm=None,
             recompute: bool = False) -> Tensor:
@@ -535,7 +527,7 @@ class CallPlan(_plan.Memo):
             entry = self.remember(key, entry)
         if entry is False:
             return self.run(norm(x), wg, wu, wd, bg, bu, bd, activation, backend, grad, None, recompute)
-        return entry(x, wg, wu, wd, bg, bu, bd, norm, self.down)
+        return entry(x, wg, wu, wd, bg, bu, bd, norm)
 
 
 class _Entry:
@@ -566,7 +558,7 @@ class _Entry:
         return cls(dispatch.gated_mlp_path(backend, rows(x), wg.shape[0], grad), activation, backend, grad, hold,
                    save)
 
-    def __call__(self, x, wg, wu, wd, bg, bu, bd, norm=None, down=None) -> Tensor:
+    def __call__(self, x, wg, wu, wd, bg, bu, bd, norm=None) -> Tensor:
         if self.path == dispatch.DECODE:  # inference only (with `norm`: the kernels apply it)
             return self._decode(x, wg, wu, wd, bg, bu, bd, norm)
         if self.path == dispatch.TORCH:  # eager's kernels, under autograd when a gradient is needed
@@ -578,12 +570,12 @@ class _Entry:
         if self.grad:
             y = _EagerTraining.apply(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, self.path, self,
                                      self.save)
-        elif plan:  # (inference: `down`, the module plan's held wd.t(), serves)
+        elif plan:
             if self.path == dispatch.SPLIT:
-                h = hidden(rows(x), wg, wu, bg, bu, self.act, dispatch.SPLIT, False, plan)[0]
+                y = linear2d(hidden(rows(x), wg, wu, bg, bu, self.act, dispatch.SPLIT, False, plan)[0], wd, bd)
             else:  # the gated GEMM's plan reads a contiguous x of any rank as its rows (no view op)
-                h = plan.run(x if x.is_contiguous() else rows(x), wg, wu, bg, bu)
-            return unrows(linear2d(h, wd, bd, down), x)
+                y = linear2d(plan.run(x if x.is_contiguous() else rows(x), wg, wu, bg, bu), wd, bd)
+            return unrows(y, x)
         else:
             y = _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, False, False, self.path)[0]
         if plan is None:

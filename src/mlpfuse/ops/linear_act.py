@@ -158,17 +158,9 @@ class LinearActPlan(_plan.Memo):
     """A module's memo of its plain eager linear+activation calls, as ops.gated_mlp.CallPlan is for the gated MLP:
     the arguments checked and the path chosen once per layout (the key: x's layout, the weight's and bias's address,
     shape, dtype and the weight's strides, the resolved backend, the activation, whether a gradient is needed, TF32
-    for fp32). For calls on eager's own ops that need no gradient it holds the weight's transposed view
-    (`weight_t`, see ops._plan.Transposed)."""
+    for fp32)."""
 
-    __slots__ = ("weight_t",)
-
-    def __init__(self):
-        super().__init__()
-        self.weight_t = _plan.Transposed()
-
-    def release(self) -> None:
-        self.weight_t.release()
+    __slots__ = ()
 
     def run(self, x, weight, bias, activation: str, backend: str, grad: bool) -> Tensor:
         key = (dispatch.resolve_backend(backend), _plan.x_key(x), _plan.weight_key(weight), _plan.bias_key(bias),
@@ -177,7 +169,7 @@ class LinearActPlan(_plan.Memo):
         if entry is None:
             _checks.module_input(x, weight, "weight")
             entry = self.remember(key, _LinearActEntry.choose(x, weight, bias, activation, backend, grad))
-        return entry(x, weight, bias, self.weight_t)
+        return entry(x, weight, bias)
 
 
 class _LinearActEntry:
@@ -199,13 +191,9 @@ class _LinearActEntry:
         _checks.linear_act_args(x, weight, bias)
         return cls(dispatch.linear_act_path(backend, rows(x), weight.shape[0], act.id), act, backend, grad)
 
-    def __call__(self, x, weight, bias, held=None) -> Tensor:
-        if self.path == "torch":  # reference.linear_act_forward, its lookups done
-            if held is not None and not self.grad:
-                y = plain_linear(x, weight, bias, self.act.forward, held)
-                if y is not None:
-                    return y
-            return self.act.forward(F.linear(x, weight, bias))
+    def __call__(self, x, weight, bias) -> Tensor:
+        if self.path == "torch":
+            return self.act.forward(F.linear(x, weight, bias))  # reference.linear_act_forward, its lookups done
         if self.grad:
             return _EagerTraining.apply(x, weight, bias, self.act.name, self.backend, self.path)
         return _forward(x, weight, bias, self.act.name, self.backend, False, path=self.path)[0]
@@ -228,12 +216,11 @@ def linear_act_call(x: Tensor, weight: Tensor, bias: Optional[Tensor], activatio
     if plan is not None:
         act = activations.get(activation)
         if dispatch.eager_math(backend, act.id):
-            held = None if needs_grad([x, weight, bias]) else plan.weight_t
             if profiling():
                 with op_span("mlpfuse::linear_act"):
-                    y = plain_linear(x, weight, bias, act.forward, held)
+                    y = plain_linear(x, weight, bias, act.forward)
             else:
-                y = plain_linear(x, weight, bias, act.forward, held)
+                y = plain_linear(x, weight, bias, act.forward)
             if y is not None:
                 return y
     if profiling():

@@ -35,8 +35,8 @@ from torch import Tensor
 from torch.nn.modules import module as _module
 
 from mlpfuse.modules import _sharded, _weight_bias
-from mlpfuse.ops import _checks, _plan, dispatch
-from mlpfuse.ops._util import linear2d, needs_grad, plain_eager, plain_linear, rows, unrows
+from mlpfuse.ops import _checks, dispatch
+from mlpfuse.ops._util import linear2d, rows, unrows
 from mlpfuse.ops.gated_mlp import CallPlan, gated_mlp_call
 from mlpfuse.ops.linear_act import LinearActPlan, linear_act_call
 
@@ -48,17 +48,6 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or m._global_forward_hooks or m._global_forward_pre_hooks
                 or m._global_backward_hooks or m._global_backward_pre_hooks)
-
-
-def _held(block: nn.Module, name: str, x: Tensor, w: Tensor, b) -> "_plan.Transposed | None":
-    """The block's holder of w.t() called `name` (made on first use) where the call may use it — plain eager, no
-    gradient needed — else None."""
-    if not plain_eager(x) or needs_grad([x, w, b]):
-        return None
-    held = block.__dict__.get(name)
-    if held is None:
-        held = block.__dict__[name] = _plan.Transposed()
-    return held
 
 
 def _does_more(drop: nn.Module) -> bool:
@@ -82,10 +71,6 @@ class PatchedBlock(nn.Module):
         self.fused_activation = activation
         self.fused_backend = backend
         self.fused_dropout = dropout  # a dropout child that sits inside the fused computation ('' when none)
-
-    def _apply(self, fn, recurse=True):
-        _plan.release(self)  # held weight views (plans, holders): the memory they point at is about to move
-        return super()._apply(fn, recurse)
 
     def _dropout_active(self) -> bool:
         if not self.fused_dropout:
@@ -222,7 +207,7 @@ class TwoLayerBlock(PatchedBlock):
         if self.fused_transposed:  # Conv1D: y = b + h·W with W [in, out]
             y2 = torch.mm(h2, w) if b is None else torch.addmm(b, h2, w)
         else:
-            y2 = linear2d(h2, w, b, _held(self, "_fused_proj_t", h2, w, b))
+            y2 = linear2d(h2, w, b)
         return unrows(y2, h)
 
 
@@ -267,9 +252,5 @@ class PostNormBlock(PatchedBlock):
                 or (self.fused_dropout and _does_more(mods[self.fused_dropout]))):
             return self._source_forward(*args, **kwargs)
         hidden_states, residual = args
-        w, b = dense.weight, dense.bias
-        held = _held(self, "_fused_dense_t", hidden_states, w, b)
-        y = None if held is None else plain_linear(hidden_states, w, b, None, held)
-        if y is None:  # (input F.linear refuses raises its own error here)
-            y = F.linear(hidden_states, w, b)
+        y = F.linear(hidden_states, dense.weight, dense.bias)
         return F.layer_norm(y + residual, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
