@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mlpfuse import activations
-from mlpfuse.ops import _checks, dispatch
+from mlpfuse.ops import _checks, dispatch, pair_reduce
 from mlpfuse.ops._util import autocast_dtype, plain_eager, rows, unrows
 from mlpfuse.ops.gated_mlp import hidden, hidden_gradients
 
@@ -64,7 +64,11 @@ def gated(x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, bg: Optional[Tensor], b
 
 def _down_all_reduce(h: Tensor, wd: Tensor, group, n: int) -> Tensor:
     """h·Wdᵀ summed over the group's ranks, computed in n row chunks (`bounds`), each chunk's all-reduce started as
-    soon as the chunk is written and waited for (by the current stream, not the host, on NCCL) at the end."""
+    soon as the chunk is written and waited for (by the current stream, not the host, on NCCL) at the end. With
+    MLPFUSE_TP_REDUCE=copy-engine, two CUDA ranks sum through the copy engines instead (ops/pair_reduce.py)."""
+    pair = pair_reduce.for_group(group, h)
+    if pair is not None:
+        return pair(h, wd, n)
     y = h.new_empty(h.shape[0], wd.shape[0])
     wdt = wd.t()
     pending = []
