@@ -62,8 +62,8 @@ def _stream_wait_value32():
 
 
 def _can(device: torch.device) -> bool:
-    """Whether this process could take part: a CUDA device, PyTorch's symmetric memory with stream writes, and the
-    driver's stream wait."""
+    """Whether this process offers to take part: asked for (MLPFUSE_TP_REDUCE=copy-engine), a CUDA device, PyTorch's
+    symmetric memory with stream writes, and the driver's stream wait."""
     if device.type != "cuda" or os.environ.get(ENV_VAR, "").strip().lower() != CHOICE:
         return False
     try:
