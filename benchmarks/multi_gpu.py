@@ -12,6 +12,9 @@ block's edges, all-gather + reduce-scatter):
 - mlpfuse: `GatedMLP` over the same weights, `mlpfuse.parallel.tensor_parallel` (the block's all-reduce in row
   chunks behind its own down GEMM, dx's behind its weight gradients);
 - mlpfuse-serial (on request): the same with `overlap=False`, the all-reduce after the block as eager's;
+- mlpfuse-ce (on request): mlpfuse on a process group of its own that sums its chunks through the copy engines
+  (ops/pair_reduce.py: MLPFUSE_TP_REDUCE=copy-engine for that group alone; two CUDA ranks, else the same as mlpfuse),
+  so the two sums are timed in the same rounds;
 and each unsharded on one GPU (rank 0's, the other ranks waiting; the baseline, timed in the same rounds as the
 sharded variants: a baseline timed before them ran at other clocks and temperatures).
 
@@ -48,7 +51,7 @@ import time  # noqa: E402
 from typing import Optional  # noqa: E402
 
 MODES = ("fwd", "fwd+bwd")
-VARIANTS = ("eager", "mlpfuse", "mlpfuse-serial")
+VARIANTS = ("eager", "mlpfuse", "mlpfuse-serial", "mlpfuse-ce")
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu")
 # bf16 bound of the benchmark lab (mlpfuse bench): relative error of the output and gradients against fp32.
@@ -92,7 +95,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, help="hidden width (default 14336)")
     p.add_argument("--activation", default="silu", help=f"{' | '.join(ACTIVATIONS)} (default silu: SwiGLU)")
     p.add_argument("--mode", default="fwd,fwd+bwd", help="fwd, fwd+bwd (comma-separated)")
-    p.add_argument("--variants", default="eager,mlpfuse", help="eager, mlpfuse, mlpfuse-serial (comma-separated)")
+    p.add_argument("--variants", default="eager,mlpfuse",
+                   help="eager, mlpfuse, mlpfuse-serial, mlpfuse-ce (comma-separated)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default bf16 (--cpu-gloo: fp32)")
     p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch", "cuda"), help="mlpfuse's backend")
     p.add_argument("--sequence-parallel", action="store_true", help="tokens sharded at the blocks' edges")
@@ -184,26 +188,51 @@ def _blocks(args, device, dtype, variants=VARIANTS):
     built = {}
     if "eager" in variants:
         built["eager"] = EagerGatedMLP(*linears())
-    for name in ("mlpfuse", "mlpfuse-serial"):
+    for name in ("mlpfuse", "mlpfuse-serial", "mlpfuse-ce"):
         if name in variants:
             built[name] = GatedMLP.from_linears(*linears(), args.activation, backend=args.backend)
     return built
 
 
-def _plans(blocks, mesh, sequence_parallel: bool):
+def _copy_engine_mesh(world: int, device, dtype):
+    """A mesh over a process group of its own, whose blocks sum through the copy engines where two CUDA ranks can
+    (the group's choice is made here, once, with MLPFUSE_TP_REDUCE=copy-engine set for that moment only)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from mlpfuse.ops import pair_reduce
+
+    group = dist.new_group(list(range(world)))
+    if device.type == "cuda":
+        before = os.environ.get(pair_reduce.ENV_VAR)
+        os.environ[pair_reduce.ENV_VAR] = pair_reduce.CHOICE
+        try:
+            pair_reduce.for_group(group, torch.empty(8, 8, device=device, dtype=dtype))
+        finally:
+            if before is None:
+                del os.environ[pair_reduce.ENV_VAR]
+            else:
+                os.environ[pair_reduce.ENV_VAR] = before
+    return DeviceMesh.from_group(group, device.type)
+
+
+def _plans(blocks, meshes: dict, sequence_parallel: bool):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from mlpfuse.parallel import tensor_parallel
 
     acts = Shard(0) if sequence_parallel else Replicate()
+    mesh = meshes["default"]
     if "eager" in blocks:
         parallelize_module(blocks["eager"], mesh, {"gate_proj": ColwiseParallel(input_layouts=acts),
                                                    "up_proj": ColwiseParallel(input_layouts=acts),
                                                    "down_proj": RowwiseParallel(output_layouts=acts)})
-    for name, overlap in (("mlpfuse", True), ("mlpfuse-serial", False)):
+    for name, overlap in (("mlpfuse", True), ("mlpfuse-serial", False), ("mlpfuse-ce", True)):
         if name in blocks:
-            tensor_parallel(blocks[name], mesh, sequence_dim=0 if sequence_parallel else None, overlap=overlap)
+            tensor_parallel(blocks[name], meshes.get(name, mesh), sequence_dim=0 if sequence_parallel else None,
+                            overlap=overlap)
 
 
 def _step(module, x, dy, mode: str):
@@ -411,21 +440,23 @@ def worker(rank: int, world: int, args: argparse.Namespace, store: str, out: str
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=10), **kwargs)
     try:
-        mesh = init_device_mesh(device.type, (world,))
         dtype = getattr(torch, DTYPES[args.dtype])
+        meshes = {"default": init_device_mesh(device.type, (world,))}
+        if "mlpfuse-ce" in args.variants:
+            meshes["mlpfuse-ce"] = _copy_engine_mesh(world, device, dtype)
         clock = _Clock(device)
         spin_up(device, 1.0)
         rows = []
         for tokens in args.tokens:
             for mode in args.mode:
-                rows += _case(rank, world, args, mesh, device, dtype, clock, tokens, mode, out)
+                rows += _case(rank, world, args, meshes, device, dtype, clock, tokens, mode, out)
         if rank == 0:
             _write(out, args, world, rows, device)
     finally:
         dist.destroy_process_group()
 
 
-def _case(rank, world, args, mesh, device, dtype, clock, tokens, mode, out) -> list[dict]:
+def _case(rank, world, args, meshes, device, dtype, clock, tokens, mode, out) -> list[dict]:
     import torch
     import torch.distributed as dist
 
@@ -449,7 +480,7 @@ def _case(rank, world, args, mesh, device, dtype, clock, tokens, mode, out) -> l
     # All GPUs, one plan.
     blocks = _blocks(args, device, dtype, args.variants)
     reference = _blocks(args, device, torch.float32, ("eager",))["eager"]
-    _plans(blocks, mesh, args.sequence_parallel)
+    _plans(blocks, meshes, args.sequence_parallel)
     errors = _check(blocks, reference, x, dy, mode, world, rank, args.sequence_parallel, TOLERANCE[args.dtype])
     del reference
     if args.sequence_parallel:

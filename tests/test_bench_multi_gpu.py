@@ -66,14 +66,15 @@ def test_cpu_gloo_smoke_run(tmp_path):
         env.pop(k, None)  # the script must set them itself
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, SCRIPT, "--cpu-gloo", "--rounds", "2", "--reps", "1", "--sequence-parallel",
-                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+                           "--variants", "eager,mlpfuse,mlpfuse-ce", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     data = json.loads((out / "results.json").read_text())
     assert data["info"]["environment"] == NO_MULTICAST  # as a worker saw its environment
     rows = data["rows"]
     assert {(r["mode"], r["variant"], r["gpus"]) for r in rows} == {
-        (m, v, g) for m in ("fwd", "fwd+bwd") for v in ("eager", "mlpfuse") for g in (1, 2)}
+        (m, v, g) for m in ("fwd", "fwd+bwd") for v in ("eager", "mlpfuse", "mlpfuse-ce") for g in (1, 2)}
     for r in rows:
         assert r["tokens_per_s"] == pytest.approx(r["tokens"] / (r["step_ms"] / 1e3))
         assert len(r["rounds_ms"]) == 2 and r["step_ms"] == pytest.approx(statistics.median(r["rounds_ms"]))
