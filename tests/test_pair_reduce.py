@@ -57,12 +57,12 @@ def _rank(rank: int, port: int, results) -> None:
             err = float((y.double() - want).norm() / want.norm())
             ys = [torch.empty_like(y) for _ in range(2)]
             dist.all_gather(ys, y)
-            pair_reduce._groups.pop(id(group))  # the NCCL chunks (the default), for the same call
+            pair_reduce._groups.pop(group.group_name)  # the NCCL chunks (the default), for the same call
             del os.environ[pair_reduce.ENV_VAR]
             nccl = reduce_overlap._down_all_reduce(h, wd, group, n)
             assert pair_reduce.for_group(group, h) is None
             os.environ[pair_reduce.ENV_VAR] = pair_reduce.CHOICE
-            pair_reduce._groups[id(group)] = (group, pair)
+            pair_reduce._groups[group.group_name] = pair
             out.append({"step": step, "pair": pair is not None, "err": err, "ranks_equal": bool(torch.equal(*ys)),
                         "vs_nccl": float((y.double() - nccl.double()).norm() / nccl.double().norm())})
         results.put((rank, out))

@@ -38,7 +38,9 @@ FINAL = 32  # flag index of chunk c's finished sum: FINAL + c (partials at c)
 MAX_CHUNKS = FINAL
 _EPOCH_LIMIT = 1 << 31
 
-_groups: dict = {}  # id(group) -> (group, its PairReduce or None where the group cannot use one)
+# group name -> the group's PairReduce, or None where it cannot use one (keyed by name as PyTorch keys its own
+# symmetric-memory workspaces: a mesh hands the same group back through its name)
+_groups: dict = {}
 _wait_value = None
 
 
@@ -80,16 +82,16 @@ def for_group(group, h: Tensor) -> "Optional[PairReduce]":
     if not h.is_cuda or torch.cuda.is_current_stream_capturing() or h.dtype not in (
             torch.bfloat16, torch.float16, torch.float32):
         return None
-    held = _groups.get(id(group))  # (the entry keeps the group alive, so its id is not reused)
-    if held is None:
+    name = group.group_name
+    if name not in _groups:
         pair = None
         if dist.get_world_size(group) == 2:
             ok = torch.tensor([1 if _can(h.device) else 0], device=h.device, dtype=torch.int32)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
             if int(ok) == 1:
                 pair = PairReduce(group, h.device)
-        held = _groups[id(group)] = (group, pair)
-    return held[1]
+        _groups[name] = pair
+    return _groups[name]
 
 
 def cuts(m: int, n: int) -> list[tuple[int, int]]:
