@@ -13,7 +13,7 @@ block's edges, all-gather + reduce-scatter):
   chunks behind its own down GEMM, dx's behind its weight gradients);
 - mlpfuse-serial (on request): the same with `overlap=False`, the all-reduce after the block as eager's;
 - mlpfuse-ce (on request): mlpfuse on a process group of its own that sums its chunks through the copy engines
-  (ops/pair_reduce.py: MLPFUSE_TP_REDUCE=copy-engine for that group alone; two CUDA ranks, else the same as mlpfuse),
+  (ops/pair_reduce.py, chosen for that group alone; two CUDA ranks, else the same as mlpfuse),
   so the two sums are timed in the same rounds;
 and each unsharded on one GPU (rank 0's, the other ranks waiting; the baseline, timed in the same rounds as the
 sharded variants: a baseline timed before them ran at other clocks and temperatures).
@@ -196,7 +196,7 @@ def _blocks(args, device, dtype, variants=VARIANTS):
 
 def _copy_engine_mesh(world: int, device, dtype):
     """A mesh over a process group of its own, whose blocks sum through the copy engines where two CUDA ranks can
-    (the group's choice is made here, once, with MLPFUSE_TP_REDUCE=copy-engine set for that moment only)."""
+    (the group's choice, made here, once)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -205,15 +205,7 @@ def _copy_engine_mesh(world: int, device, dtype):
 
     group = dist.new_group(list(range(world)))
     if device.type == "cuda":
-        before = os.environ.get(pair_reduce.ENV_VAR)
-        os.environ[pair_reduce.ENV_VAR] = pair_reduce.CHOICE
-        try:
-            pair_reduce.for_group(group, torch.empty(8, 8, device=device, dtype=dtype))
-        finally:
-            if before is None:
-                del os.environ[pair_reduce.ENV_VAR]
-            else:
-                os.environ[pair_reduce.ENV_VAR] = before
+        pair_reduce.for_group(group, torch.empty(8, 8, device=device, dtype=dtype), want=True)
     return DeviceMesh.from_group(group, device.type)
 
 

@@ -57,11 +57,9 @@ def _rank(rank: int, port: int, results) -> None:
             err = float((y.double() - want).norm() / want.norm())
             ys = [torch.empty_like(y) for _ in range(2)]
             dist.all_gather(ys, y)
-            pair_reduce._groups.pop(group.group_name)  # the NCCL chunks (the default), for the same call
-            del os.environ[pair_reduce.ENV_VAR]
+            pair_reduce._groups.pop(group.group_name)  # the NCCL chunks, for the same call
+            assert pair_reduce.for_group(group, h, want=False) is None
             nccl = reduce_overlap._down_all_reduce(h, wd, group, n)
-            assert pair_reduce.for_group(group, h) is None
-            os.environ[pair_reduce.ENV_VAR] = pair_reduce.CHOICE
             pair_reduce._groups[group.group_name] = pair
             out.append({"step": step, "pair": pair is not None, "err": err, "ranks_equal": bool(torch.equal(*ys)),
                         "vs_nccl": float((y.double() - nccl.double()).norm() / nccl.double().norm())})
@@ -104,3 +102,4 @@ def test_the_copy_engines_are_opt_in(monkeypatch):
     assert not pair_reduce._can(torch.device("cuda", 0))
     monkeypatch.setenv(pair_reduce.ENV_VAR, pair_reduce.CHOICE)
     assert not pair_reduce._can(torch.device("cpu"))
+    assert not pair_reduce._can(torch.device("cuda", 0), want=False)  # the caller's choice over the variable

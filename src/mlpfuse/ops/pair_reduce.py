@@ -63,10 +63,12 @@ def _stream_wait_value32():
     return _wait_value or None
 
 
-def _can(device: torch.device) -> bool:
-    """Whether this process offers to take part: asked for (MLPFUSE_TP_REDUCE=copy-engine), a CUDA device, PyTorch's
-    symmetric memory with stream writes, and the driver's stream wait."""
-    if device.type != "cuda" or os.environ.get(ENV_VAR, "").strip().lower() != CHOICE:
+def _can(device: torch.device, want: Optional[bool] = None) -> bool:
+    """Whether this process offers to take part: asked for (`want`, else MLPFUSE_TP_REDUCE=copy-engine), a CUDA
+    device, PyTorch's symmetric memory with stream writes, and the driver's stream wait."""
+    if want is None:
+        want = os.environ.get(ENV_VAR, "").strip().lower() == CHOICE
+    if not want or device.type != "cuda":
         return False
     try:
         from torch.distributed._symmetric_memory import _SymmetricMemory
@@ -75,10 +77,11 @@ def _can(device: torch.device) -> bool:
     return hasattr(_SymmetricMemory, "stream_write_value32") and _stream_wait_value32() is not None
 
 
-def for_group(group, h: Tensor) -> "Optional[PairReduce]":
+def for_group(group, h: Tensor, want: Optional[bool] = None) -> "Optional[PairReduce]":
     """The group's PairReduce for a call on h (this rank's [rows, hidden] slice), or None: the NCCL chunks. Decided
-    once per group by every rank together (an all-reduce of what each can do), so no rank waits on a flag the other
-    never writes."""
+    once per group, at its first call, by every rank together (an all-reduce of what each can do), so no rank waits
+    on a flag the other never writes. `want` (True / False) asks for the group's choice instead of
+    MLPFUSE_TP_REDUCE; it counts only while the group has not chosen yet."""
     if not h.is_cuda or torch.cuda.is_current_stream_capturing() or h.dtype not in (
             torch.bfloat16, torch.float16, torch.float32):
         return None
@@ -86,7 +89,7 @@ def for_group(group, h: Tensor) -> "Optional[PairReduce]":
     if name not in _groups:
         pair = None
         if dist.get_world_size(group) == 2:
-            ok = torch.tensor([1 if _can(h.device) else 0], device=h.device, dtype=torch.int32)
+            ok = torch.tensor([1 if _can(h.device, want) else 0], device=h.device, dtype=torch.int32)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
             if int(ok) == 1:
                 pair = PairReduce(group, h.device)
