@@ -400,19 +400,26 @@ def test_fused_linear_with_an_activation_auto_never_fuses_is_eager_math_under_it
 
 
 def test_fused_linear_without_activation_under_auto_is_nn_linear_itself():
-    """Nothing to fuse: the call records exactly nn.Linear's ops (no mlpfuse span) and returns its bits."""
+    """Nothing to fuse: the call returns nn.Linear's bits with no mlpfuse span; for 3-D x it records exactly
+    nn.Linear's ops, for 2-D x only the one op F.linear runs there (addmm), over the held weight.t()."""
     torch.manual_seed(0)
     ref = nn.Linear(8, 12)
     m = FusedLinear.from_module(ref, backend="auto")
-    x = torch.randn(3, 8)
 
-    def ops(fn):
+    def ops(fn, x):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             out = fn(x)
-        return out, sorted({e.name for e in prof.events()})
+        return out, sorted(e.name for e in prof.events())
 
-    (want, want_ops), (got, got_ops) = ops(ref), ops(m)
+    x3, x2 = torch.randn(2, 3, 8), torch.randn(3, 8)
+    (want, want_ops), (got, got_ops) = ops(ref, x3), ops(m, x3)
     assert torch.equal(got, want)
     assert got_ops == want_ops and not any(name.startswith("mlpfuse::") for name in got_ops), got_ops
+    m(x2)  # the first 2-D call makes the held view
+    (want, want_ops), (got, got_ops) = ops(ref, x2), ops(m, x2)
+    assert torch.equal(got, want)
+    assert "aten::linear" in want_ops and "aten::t" in want_ops
+    assert [n for n in got_ops if n in ("aten::linear", "aten::t", "aten::transpose", "aten::addmm")] == ["aten::addmm"]
+    assert set(got_ops) < set(want_ops), got_ops
     with pytest.raises(InputError, match="^x: "):
         m(torch.randn(3, 9))  # bad input still gets the module's one-line error

@@ -466,6 +466,19 @@ class FusedLinear(nn.Linear):
             self.register_parameter("bias", None)
         self.reset_parameters()
 
+    def register_parameter(self, name: str, param) -> None:
+        # (module.weight = ... comes here too.) The held weight.t() would keep the replaced weight's storage alive.
+        plan = self.__dict__.get("_plan")
+        if plan is not None:
+            plan.weight_t.drop()
+        super().register_parameter(name, param)
+
+    def _apply(self, fn, recurse=True):
+        plan = self.__dict__.get("_plan")
+        if plan is not None:
+            plan.weight_t.drop()  # .to() / .cuda() / .half() move the weight: the held view would pin the old copy
+        return super()._apply(fn, recurse)
+
     def reset_parameters(self) -> None:
         # nn.Linear's own initialisation, so a FusedLinear starts exactly where an nn.Linear would.
         nn.Linear.reset_parameters(self)  # type: ignore[arg-type]
@@ -480,8 +493,10 @@ class FusedLinear(nn.Linear):
                 # so does this, with nothing checked first and the parameters read from their dict (nn.Linear reads
                 # each through Module.__getattr__). Through the op layer the walkthrough's linear step took 246.9 µs
                 # against eager's 217.7 under the profiler on an H100; with two helper frames in between, still ~7 µs
-                # more than nn.Linear's before F.linear. Input F.linear refuses goes on to the op layer's checks.
-                y = plain_linear(x, w, params["bias"])
+                # more than nn.Linear's before F.linear. For 2-D x, F.linear's own addmm / mm over the held
+                # weight.t() (one dispatcher op instead of five). Input F.linear refuses goes on to the op layer's
+                # checks.
+                y = plain_linear(x, w, params["bias"], None, _plan_of(self, LinearActPlan).weight_t)
                 if y is not None:
                     return y
             return self._call(x)

@@ -44,3 +44,42 @@ class Memo:
             self.entries.clear()
         self.entries[key] = entry
         return entry
+
+
+class HeldTranspose:
+    """A module's weight.t(), kept between eager calls: F.linear makes it on every call with three dispatcher ops
+    (t, transpose, as_strided) — host time on every call, and three more ops for torch.profiler to record.
+
+    The view is made with autograd on (outside inference mode), so a call that needs a gradient flows it to the
+    weight through the view's own TBackward node (it saves nothing, so any number of graphs may share it). It is
+    handed out only while it is still weight.t() as the weight is now: the same Parameter object at the same
+    address, with the same shape and dtype, contiguous, and requiring grad as it did when the view was made (`.data`
+    assignments, `requires_grad_` and re-allocation all change one of these; a view's own requires_grad follows
+    its base's without a grad_fn, so the weight's flag is kept; in-place updates such as an optimizer step keep
+    the view valid, since it shares the storage), and never while torch.compile / torch.export / jit.trace record
+    a graph or autocast is on (autocast caches its cast of the weight itself, a leaf, never of a view). The view
+    keeps the weight's storage alive: modules drop it in `_apply` (`.to()`, `.cuda()`, `.half()`) and when a
+    parameter is registered again (`module.weight = ...`)."""
+
+    __slots__ = ("held",)
+
+    def __init__(self):
+        self.held = None
+
+    def drop(self) -> None:
+        self.held = None
+
+    def transposed(self, w: Tensor) -> Optional[Tensor]:
+        if torch.compiler.is_compiling() or torch._C._is_tracing() or torch._C._is_any_autocast_enabled():
+            return None
+        h = self.held
+        if (h is not None and h[0] is w and h[1] == w.data_ptr() and h[2] == w.shape and h[3] is w.dtype
+                and h[4] is w.requires_grad and w.is_contiguous()):
+            return h[5]
+        if type(w) is not torch.nn.Parameter or w.dim() != 2 or not w.is_contiguous() or w.is_inference():
+            self.held = None
+            return None
+        with torch.inference_mode(False), torch.enable_grad():
+            wt = w.t()
+        self.held = (w, w.data_ptr(), w.shape, w.dtype, w.requires_grad, wt)
+        return wt

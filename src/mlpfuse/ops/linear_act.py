@@ -158,9 +158,13 @@ class LinearActPlan(_plan.Memo):
     """A module's memo of its plain eager linear+activation calls, as ops.gated_mlp.CallPlan is for the gated MLP:
     the arguments checked and the path chosen once per layout (the key: x's layout, the weight's and bias's address,
     shape, dtype and the weight's strides, the resolved backend, the activation, whether a gradient is needed, TF32
-    for fp32)."""
+    for fp32). `weight_t`: the module's weight.t(), held for its calls that are F.linear alone (`_util.plain_linear`)."""
 
-    __slots__ = ()
+    __slots__ = ("weight_t",)
+
+    def __init__(self):
+        super().__init__()
+        self.weight_t = _plan.HeldTranspose()
 
     def run(self, x, weight, bias, activation: str, backend: str, grad: bool) -> Tensor:
         key = (dispatch.resolve_backend(backend), _plan.x_key(x), _plan.weight_key(weight), _plan.bias_key(bias),
