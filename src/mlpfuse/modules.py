@@ -493,12 +493,23 @@ class FusedLinear(nn.Linear):
                 # so does this, with nothing checked first and the parameters read from their dict (nn.Linear reads
                 # each through Module.__getattr__). Through the op layer the walkthrough's linear step took 246.9 µs
                 # against eager's 217.7 under the profiler on an H100; with two helper frames in between, still ~7 µs
-                # more than nn.Linear's before F.linear. For 2-D x, F.linear's own addmm / mm over the held
-                # weight.t() (one dispatcher op instead of five). Input F.linear refuses goes on to the op layer's
-                # checks.
-                y = plain_linear(x, w, params["bias"], None, _plan_of(self, LinearActPlan).weight_t)
-                if y is not None:
-                    return y
+                # more than nn.Linear's before F.linear. For 2-D x, F.linear's own addmm / mm over the weight.t()
+                # held from the last call (ops._plan.HeldTranspose: one dispatcher op instead of five). Input
+                # F.linear refuses goes on to the op layer's checks.
+                b = params["bias"]
+                if x.dim() != 2:
+                    y = plain_linear(x, w, b)
+                    if y is not None:
+                        return y
+                    return self._call(x)
+                held = _plan_of(self, LinearActPlan).weight_t
+                y = held.linear(x, w, b)
+                if y is None:
+                    y = plain_linear(x, w, b)
+                    if y is None:
+                        return self._call(x)
+                    held.make(w)
+                return y
             return self._call(x)
         return linear_registered_call(x, self.weight, self.bias, self.activation, self.backend)
 

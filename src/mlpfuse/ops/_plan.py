@@ -46,40 +46,60 @@ class Memo:
         return entry
 
 
+# Bound once: each link of an attribute chain (torch.compiler.is_compiling, ...) costs ~30 ns on every call.
+_compiling, _tracing, _autocast = torch.compiler.is_compiling, torch._C._is_tracing, torch._C._is_any_autocast_enabled
+
+
 class HeldTranspose:
     """A module's weight.t(), kept between eager calls: F.linear makes it on every call with three dispatcher ops
-    (t, transpose, as_strided) — host time on every call, and three more ops for torch.profiler to record.
+    (t, transpose, as_strided), under one more (linear) — host time on every call, and four more ops for
+    torch.profiler to record.
 
     The view is made with autograd on (outside inference mode), so a call that needs a gradient flows it to the
-    weight through the view's own TBackward node (it saves nothing, so any number of graphs may share it). It is
-    handed out only while it is still weight.t() as the weight is now: the same Parameter object at the same
-    address, with the same shape and dtype, contiguous, and requiring grad as it did when the view was made (`.data`
-    assignments, `requires_grad_` and re-allocation all change one of these; a view's own requires_grad follows
+    weight through the view's own TBackward node (it saves nothing, so any number of graphs may share it). `linear`
+    uses it only while it is still weight.t() as the weight is now: the same Parameter object at the same address,
+    with the same shape and dtype, contiguous, and requiring grad as it did when the view was made (`.data`
+    assignments, `requires_grad_` and re-allocation each change one of these; a view's own requires_grad follows
     its base's without a grad_fn, so the weight's flag is kept; in-place updates such as an optimizer step keep
-    the view valid, since it shares the storage), and never while torch.compile / torch.export / jit.trace record
-    a graph or autocast is on (autocast caches its cast of the weight itself, a leaf, never of a view). The view
-    keeps the weight's storage alive: modules drop it in `_apply` (`.to()`, `.cuda()`, `.half()`) and when a
-    parameter is registered again (`module.weight = ...`)."""
+    the view valid, as it shares the storage), and never while torch.compile / torch.export / jit.trace record a
+    graph or autocast is on (autocast caches its cast of the weight itself, a leaf, never of a view). The checks
+    cost about what the four ops do: with the profiler off a call costs what F.linear's does, with it on four
+    fewer ops are recorded. The view keeps the weight's storage alive: modules drop it in `_apply` (`.to()`,
+    `.cuda()`, `.half()`) and when a parameter is registered again (`module.weight = ...`)."""
 
     __slots__ = ("held",)
 
     def __init__(self):
-        self.held = None
+        self.held = None  # (weight, its address, shape, dtype, requires_grad, weight.t())
 
     def drop(self) -> None:
         self.held = None
 
-    def transposed(self, w: Tensor) -> Optional[Tensor]:
-        if torch.compiler.is_compiling() or torch._C._is_tracing() or torch._C._is_any_autocast_enabled():
-            return None
+    def linear(self, x: Tensor, w: Tensor, b: Optional[Tensor]) -> Optional[Tensor]:
+        """F.linear(x, w, b) for 2-D x: the one op F.linear runs there (addmm with the bias, mm without) over
+        the held view; None where the view may not serve this call (then `make` it for the next) or the op refuses
+        the input (F.linear then refuses it too, and the op layer's checks name the argument)."""
         h = self.held
-        if (h is not None and h[0] is w and h[1] == w.data_ptr() and h[2] == w.shape and h[3] is w.dtype
-                and h[4] is w.requires_grad and w.is_contiguous()):
-            return h[5]
-        if type(w) is not torch.nn.Parameter or w.dim() != 2 or not w.is_contiguous() or w.is_inference():
-            self.held = None
+        if h is None:
             return None
+        w0, address, shape, dtype, grad, wt = h
+        # is_compiling first: Dynamo cannot trace data_ptr() or _is_tracing().
+        if (w0 is w and not _compiling() and address == w.data_ptr() and shape == w.shape
+                and dtype is w.dtype and grad is w.requires_grad and w.is_contiguous() and not _tracing()
+                and not _autocast()):
+            try:
+                return torch.mm(x, wt) if b is None else torch.addmm(b, x, wt)
+            except (RuntimeError, TypeError, ValueError):  # refused input: F.linear refuses it too, then the checks
+                return None
+        return None
+
+    def make(self, w: Tensor) -> None:
+        """Hold w.t() for the next calls where it may serve them (a plain 2-D contiguous Parameter, outside the
+        graph recorders); else hold nothing."""
+        if (type(w) is not torch.nn.Parameter or w.dim() != 2 or not w.is_contiguous() or w.is_inference()
+                or _compiling() or _tracing()):
+            self.held = None
+            return
         with torch.inference_mode(False), torch.enable_grad():
             wt = w.t()
         self.held = (w, w.data_ptr(), w.shape, w.dtype, w.requires_grad, wt)
-        return wt

@@ -41,19 +41,11 @@ def linear2d(t: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     return torch.mm(t, weight.t()) if bias is None else torch.addmm(bias, t, weight.t())
 
 
-def plain_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], act=None, held=None) -> Optional[Tensor]:
+def plain_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], act=None) -> Optional[Tensor]:
     """act(F.linear(x, weight, bias)) (act None: none) — a module call that is eager's own math — or None where
-    F.linear refuses the input, which then goes on to the op layer's checks (they name the argument).
-
-    `held` (an ops._plan.HeldTranspose, a module's): for 2-D x, the one op F.linear runs there — addmm with the
-    bias, mm without — over weight.t() kept from an earlier call (`HeldTranspose.transposed` says when it may be),
-    without F.linear's other four dispatcher ops (linear, t, transpose, as_strided)."""
+    F.linear refuses the input, which then goes on to the op layer's checks (they name the argument)."""
     try:
-        wt = held.transposed(weight) if held is not None and x.dim() == 2 else None
-        if wt is None:
-            y = F.linear(x, weight, bias)
-        else:
-            y = torch.mm(x, wt) if bias is None else torch.addmm(bias, x, wt)
+        y = F.linear(x, weight, bias)
     except torch.OutOfMemoryError:
         raise
     except (RuntimeError, TypeError, IndexError, ValueError):
