@@ -184,8 +184,10 @@ def test_autocast_tracing_and_other_layouts_take_f_linear():
                 module(x)
         return y, sorted(e.name for e in prof.events() if e.name in ("aten::to", "aten::_to_copy", "aten::copy_"))
 
+    view = _held(m)
     (y_ref, casts_ref), (y_m, casts_m) = casts(ref), casts(m)
     assert torch.equal(y_m, y_ref) and casts_m == casts_ref, (casts_m, casts_ref)
+    assert _held(m) is view  # autocast calls neither use the view nor make it again
     traced = torch.jit.trace(m, x)
     with torch.no_grad():
         m.weight.data = torch.randn(12, 8)

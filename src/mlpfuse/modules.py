@@ -497,18 +497,14 @@ class FusedLinear(nn.Linear):
                 # held from the last call (ops._plan.HeldTranspose: one dispatcher op instead of five). Input
                 # F.linear refuses goes on to the op layer's checks.
                 b = params["bias"]
-                if x.dim() != 2:
-                    y = plain_linear(x, w, b)
-                    if y is not None:
-                        return y
-                    return self._call(x)
-                held = _plan_of(self, LinearActPlan).weight_t
-                y = held.linear(x, w, b)
+                held = _plan_of(self, LinearActPlan).weight_t if x.dim() == 2 else None
+                y = None if held is None else held.linear(x, w, b)
                 if y is None:
                     y = plain_linear(x, w, b)
                     if y is None:
                         return self._call(x)
-                    held.make(w)
+                    if held is not None:
+                        held.make(w)
                 return y
             return self._call(x)
         return linear_registered_call(x, self.weight, self.bias, self.activation, self.backend)

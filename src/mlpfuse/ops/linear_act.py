@@ -158,7 +158,7 @@ class LinearActPlan(_plan.Memo):
     """A module's memo of its plain eager linear+activation calls, as ops.gated_mlp.CallPlan is for the gated MLP:
     the arguments checked and the path chosen once per layout (the key: x's layout, the weight's and bias's address,
     shape, dtype and the weight's strides, the resolved backend, the activation, whether a gradient is needed, TF32
-    for fp32). `weight_t`: the module's weight.t(), held for its calls that are F.linear alone (`_util.plain_linear`)."""
+    for fp32). `weight_t`: the module's weight.t(), held for FusedLinear's calls that are F.linear alone."""
 
     __slots__ = ("weight_t",)
 
