@@ -73,17 +73,30 @@ def test_the_overlapped_block_backward_twice(group, backend, dtype):
     group.run(CASES, "tp_backward_twice", backend=backend, dtype=dtype, tokens=(2, reduce_overlap.CHUNK_ROWS + 76))
 
 
+@pytest.mark.parametrize("q", [0.5, 0.571, 0.75])
 @pytest.mark.parametrize("m", [2048, 2200, 4100, 8192, 16384, 16385])
-def test_chunks_cover_the_rows_the_last_one_smallest(m):
+def test_chunks_cover_the_rows_each_shorter_than_the_last(m, q):
     from mlpfuse.ops import reduce_overlap
 
     n = min(reduce_overlap.MAX_CHUNKS, m // reduce_overlap.CHUNK_ROWS)
-    bounds = reduce_overlap.bounds(m, n)
+    bounds = reduce_overlap.bounds(m, n, q)
     assert len(bounds) == n and bounds[0][0] == 0 and bounds[-1][1] == m
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     sizes = [b - a for a, b in bounds]
     assert all(a % 8 == 0 for a, _ in bounds), bounds  # chunk starts keep the tensor's alignment
-    assert sizes[-1] < min(sizes[:-1]), sizes  # the all-reduce nothing runs behind is the smallest
+    assert all(later < earlier for earlier, later in zip(sizes, sizes[1:])), sizes  # the tail is the smallest
+    for earlier, later in zip(sizes, sizes[1:]):  # q times the one before, up to the 8-row rounding
+        assert abs(later - q * earlier) <= 16, (sizes, q)
+
+
+def test_shrink_follows_the_hidden_width_per_rank_within_its_range():
+    from mlpfuse.ops import reduce_overlap as ro
+
+    lo, hi = ro.SHRINK_RANGE
+    assert ro.shrink(7168, 2) == pytest.approx(ro.SHRINK_WIDTH / 7168)  # two ranks of a 14336-wide block
+    assert ro.shrink(10240, 4) == pytest.approx(1.5 * ro.SHRINK_WIDTH / 10240)  # more data per row for 4 ranks
+    assert ro.shrink(10240, 2) == lo  # 0.4: the last chunks would be too short for an efficient GEMM
+    assert ro.shrink(10**6, 2) == lo and ro.shrink(64, 2) == hi and ro.shrink(0, 2) == hi
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
