@@ -29,11 +29,12 @@ from mlpfuse.ops.gated_mlp import hidden, hidden_gradients
 # A projection carrying this attribute (True) is row-parallel with a replicated output: its output hook only
 # passes on a sum that is already replicated. Set by mlpfuse.parallel's plan, read by ops.sharded.
 REDUCES = "_mlpfuse_reduces_output"
-# Measured on two H200s at 16384 tokens × 4096×14336, bf16 (benchmarks/multi_gpu.py, benchmarks/results/
-# nvidia-h200-x2/tp-overlap): four chunks, the last about half the others', 4.520 ms forward against 4.571 with four
-# equal chunks and 4.761 with the all-reduce after the block (eager TP 5.098), forward+backward 14.075 against
-# 14.401 (eager 15.270); eight chunks of 2048 rows lost to four equal ones (4.556 vs 4.475 ms): more NCCL kernels
-# beside the down GEMM.
+# Measured at 16384 tokens × 4096×14336, bf16 (benchmarks/multi_gpu.py): on two H200s four chunks with the last
+# about half the others' took 4.520 ms forward against 4.571 with four equal chunks and 4.761 with the all-reduce
+# after the block (eager TP 5.098), and eight chunks of 2048 rows lost to four equal ones (4.556 vs 4.475 ms: more
+# NCCL kernels beside the down GEMM; benchmarks/results/nvidia-h200-x2/tp-overlap); on two H100s chunks shrinking
+# as below took 4.374 ms on average against 4.505 for the last-half chunking, three processes each
+# (benchmarks/results/nvidia-h100-x2/tp-chunks-shrink).
 CHUNK_ROWS = 1024  # one chunk of the down projection per this many rows, ...
 MAX_CHUNKS = 4  # ... at most this many chunks (each adds one GEMM launch and one collective)
 # Each chunk's all-reduce runs behind the next chunk's GEMM, so the next chunk need only last as long as that
