@@ -16,10 +16,10 @@ waited on with "greater or equal"; before the epoch could wrap, both ranks zero 
 
 Opt-in (MLPFUSE_TP_REDUCE=copy-engine in every rank's environment): reduce_overlap then uses it for groups of two
 CUDA ranks when every rank can (`for_group` agrees once per group, over the group itself); otherwise, and under CUDA
-graph capture, the NCCL chunks run. Not the default yet: on two H200s at 16384 tokens × 4096×14336
+graph capture, the NCCL chunks run. Not the default: on two H200s at 16384 tokens × 4096×14336
 (benchmarks/results/nvidia-h200-x2/tp-copy-engine/) one machine gave the forward 4.522 ms against 4.644 for the NCCL
-chunks, another 4.498 against 4.476 (4.376 / 4.314 with no sum at all), and it has not run on H100s; a rank that
-stops between flags leaves its peer's copy stream waiting with no timeout, where NCCL's watchdog would abort.
+chunks, another 4.498 against 4.476 (4.376 / 4.314 with no sum at all); on two H100s 4.646 against 4.571, forward+
+backward 14.294 against 13.831 (benchmarks/results/nvidia-h100-x2/tp-copy-engine/); a rank that stops between flags leaves its peer's copy stream waiting with no timeout, where NCCL's watchdog would abort.
 """
 
 from __future__ import annotations
