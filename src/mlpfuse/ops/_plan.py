@@ -64,8 +64,9 @@ class HeldTranspose:
     the view valid, as it shares the storage), and never while torch.compile / torch.export / jit.trace record a
     graph or autocast is on (autocast caches its cast of the weight itself, a leaf, never of a view). The checks
     cost about what the four ops do: on the H100 hosts measured a call took ~3 % more host time than nn.Linear's
-    with the profiler off and ~12 % less with it on (four fewer ops recorded). The view keeps the weight's storage alive: modules drop it in `_apply` (`.to()`,
-    `.cuda()`, `.half()`) and when a parameter is registered again (`module.weight = ...`)."""
+    with the profiler off and ~12 % less with it on (four fewer ops recorded). The view keeps the weight's storage
+    alive: modules drop it in `_apply` (`.to()`, `.cuda()`, `.half()`) and when a parameter is registered again
+    (`module.weight = ...`)."""
 
     __slots__ = ("held",)
 

@@ -19,7 +19,8 @@ CUDA ranks when every rank can (`for_group` agrees once per group, over the grou
 graph capture, the NCCL chunks run. Not the default: on two H200s at 16384 tokens × 4096×14336
 (benchmarks/results/nvidia-h200-x2/tp-copy-engine/) one machine gave the forward 4.522 ms against 4.644 for the NCCL
 chunks, another 4.498 against 4.476 (4.376 / 4.314 with no sum at all); on two H100s 4.646 against 4.571, forward+
-backward 14.294 against 13.831 (benchmarks/results/nvidia-h100-x2/tp-copy-engine/); a rank that stops between flags leaves its peer's copy stream waiting with no timeout, where NCCL's watchdog would abort.
+backward 14.294 against 13.831 (benchmarks/results/nvidia-h100-x2/tp-copy-engine/). A rank that stops between
+flags leaves its peer's copy stream waiting with no timeout, where NCCL's watchdog would abort.
 """
 
 from __future__ import annotations

@@ -73,8 +73,9 @@ def gated(x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, bg: Optional[Tensor], b
 
 
 def _down_all_reduce(h: Tensor, wd: Tensor, group, n: int) -> Tensor:
-    """h·Wdᵀ summed over the group's ranks, computed in n shrinking row chunks (`bounds`), each chunk's all-reduce started as
-    soon as the chunk is written and waited for (by the current stream, not the host, on NCCL) at the end. With
+    """h·Wdᵀ summed over the group's ranks, computed in n shrinking row chunks (`bounds`), each chunk's all-reduce
+    started as soon as the chunk is written and waited for (by the current stream, not the host, on NCCL) at the
+    end. With
     MLPFUSE_TP_REDUCE=copy-engine, two CUDA ranks sum through the copy engines instead (ops/pair_reduce.py)."""
     pair = pair_reduce.for_group(group, h)
     if pair is not None:
@@ -92,7 +93,7 @@ def _down_all_reduce(h: Tensor, wd: Tensor, group, n: int) -> Tensor:
 
 
 def shrink(hidden_per_rank: int, world: int) -> float:
-    """How much shorter each chunk is than the one before it (SHRINK_WIDTH)."""
+    """Each chunk's rows over the rows of the chunk before it (see SHRINK_WIDTH)."""
     ratio = SHRINK_WIDTH * (2 * (world - 1) / world) / max(hidden_per_rank, 1)
     return min(SHRINK_RANGE[1], max(SHRINK_RANGE[0], ratio))
 
