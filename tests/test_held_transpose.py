@@ -172,11 +172,12 @@ def test_copies_and_pickles_start_without_the_view():
 
 
 def test_autocast_tracing_and_other_layouts_take_f_linear():
-    """Autocast (it caches its cast of the weight itself), jit.trace (a held view would be baked in as a constant),
-    3-D input and a non-contiguous weight: F.linear itself, so the results are nn.Linear's."""
+    """Autocast (it caches its cast of the weight itself), jit.trace (a held view would be baked in as a constant)
+    and 3-D input: F.linear itself, so the results are nn.Linear's."""
     ref, m = _pair()
     x = torch.randn(3, 8)
     m(x)
+
     def casts(module):  # the copies a second call under autocast makes: the weight's cast is cached after the first
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = module(x)
