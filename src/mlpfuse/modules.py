@@ -468,16 +468,18 @@ class FusedLinear(nn.Linear):
 
     def register_parameter(self, name: str, param) -> None:
         # (module.weight = ... comes here too.) The held weight.t() would keep the replaced weight's storage alive.
-        plan = self.__dict__.get("_plan")
-        if plan is not None:
-            plan.weight_t.drop()
+        self._drop_held_view()
         super().register_parameter(name, param)
 
     def _apply(self, fn, recurse=True):
-        plan = self.__dict__.get("_plan")
-        if plan is not None:
-            plan.weight_t.drop()  # .to() / .cuda() / .half() move the weight: the held view would pin the old copy
+        self._drop_held_view()  # .to() / .cuda() / .half() move the weight: the held view would pin the old copy
         return super()._apply(fn, recurse)
+
+    @torch.jit.unused
+    def _drop_held_view(self) -> None:
+        plan = self.__dict__.get("_plan")  # (absent while nn.Module.__init__ registers, and in old pickles)
+        if plan is not None:
+            plan.weight_t.drop()
 
     def reset_parameters(self) -> None:
         # nn.Linear's own initialisation, so a FusedLinear starts exactly where an nn.Linear would.

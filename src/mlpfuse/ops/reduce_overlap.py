@@ -75,8 +75,8 @@ def gated(x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, bg: Optional[Tensor], b
 def _down_all_reduce(h: Tensor, wd: Tensor, group, n: int) -> Tensor:
     """h·Wdᵀ summed over the group's ranks, computed in n shrinking row chunks (`bounds`), each chunk's all-reduce
     started as soon as the chunk is written and waited for (by the current stream, not the host, on NCCL) at the
-    end. With
-    MLPFUSE_TP_REDUCE=copy-engine, two CUDA ranks sum through the copy engines instead (ops/pair_reduce.py)."""
+    end. With MLPFUSE_TP_REDUCE=copy-engine, two CUDA ranks sum through the copy engines instead
+    (ops/pair_reduce.py)."""
     pair = pair_reduce.for_group(group, h)
     if pair is not None:
         return pair(h, wd, n)
