@@ -2,6 +2,12 @@
 2 layers, random init, fp32, CPU), patched on the torch backend: what was swapped per layout, what was left and
 why, and whether the patched model's outputs equal the unpatched model's and unpatching restores them exactly.
 
+Each family that patches in fp32 is built again in fp16 and in bf16 and patched there: the same modules must be
+swapped with the same activations (a decision that does not depend on the dtype), a float64 copy of the patched
+model must compute what a float64 copy of the unpatched one computes (MATH_TOLERANCE: the math, not the rounding),
+and the patched model's own output may be no further from that float64 result than the rounding bound allows
+(twice the unpatched model's own error plus the dtype's epsilon).
+
 `TABLE` collects one line per family; conftest prints it at the end of the run, whatever pytest's capture.
 """
 
@@ -9,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import copy
 import inspect
 import math
 import multiprocessing
@@ -31,6 +38,11 @@ MAX_PARAMETERS = 3_000_000  # a config the key names did not shrink (its own siz
 # op by op); each layer adds rounding of a few ulps, amplified at most by the layers after it.
 EPS_BUDGET = 256
 TOLERANCE = EPS_BUDGET * torch.finfo(torch.float32).eps
+# Patched against unpatched, both in float64: a different function (QuickGELU read as the tanh GELU moved CLIP's
+# output by 6e-2) is far above; float64 rounding, amplified through layers that round some steps in float32 inside
+# (softmax, rotary tables), far below.
+MATH_TOLERANCE = 1e-6
+LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -109,7 +121,9 @@ def _tensors(out) -> list[torch.Tensor]:
     return [t for v in values for t in _tensors(v)]
 
 
-def _run(model, inputs) -> list[torch.Tensor]:
+def _run(model, inputs, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    if dtype is not None:  # images in the model's dtype; token ids as they are
+        inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
     with torch.no_grad():
         return _tensors(model(**inputs))
 
@@ -182,7 +196,43 @@ def _sweep(row: Row, model_type: str, class_name: str) -> None:
         problems.append("unpatch did not restore the module types")
     if len(back) != len(expected) or not all(torch.equal(a, b) for a, b in zip(back, expected)):
         problems.append("unpatched outputs are not the original's exactly")
+    decided = _decisions(report)
+    for dtype in LOW_DTYPES if not problems else ():
+        problems += _in_dtype(model_type, class_name, inputs, dtype, decided)
     row.status = "MISMATCH: " + "; ".join(problems) if problems else "patched"
+
+
+def _decisions(report) -> list[tuple[str, str, str]]:
+    return sorted((s.path, s.layout, s.activation) for s in report.swapped)
+
+
+def _in_dtype(model_type: str, class_name: str, inputs: dict, dtype: torch.dtype, decided: list) -> list[str]:
+    """The fp32 decisions and outputs held against the same family built in `dtype` (see the module's doc)."""
+    name = str(dtype).removeprefix("torch.")
+    model = build(model_type, class_name).to(dtype)
+    exact = copy.deepcopy(model).double()
+    try:
+        reference = _run(exact, inputs, torch.float64)
+    except Exception as exc:  # noqa: BLE001 - a model that cannot run in float64 is checked in its dtype only
+        return [] if _decisions(mlpfuse.patch(model, backend="torch")) == decided else [
+            f"{name}: swaps differ from fp32's (and float64 fails: {type(exc).__name__})"]
+    try:
+        own = _relative_error(_run(model, inputs, dtype), reference)
+    except Exception as exc:  # noqa: BLE001 - a family that does not run in this dtype on a CPU
+        return [] if _decisions(mlpfuse.patch(model, backend="torch")) == decided else [
+            f"{name}: swaps differ from fp32's (and {name} does not run: {type(exc).__name__})"]
+    report = mlpfuse.patch(model, backend="torch")
+    if _decisions(report) != decided:
+        return [f"{name}: swaps differ from fp32's: {_decisions(report)}"]
+    problems = []
+    math_error = _relative_error(_run(copy.deepcopy(model).double(), inputs, torch.float64), reference)
+    if not math_error <= MATH_TOLERANCE:
+        problems.append(f"{name}: the patched model in float64 differs (relative error {math_error:.2g})")
+    error = _relative_error(_run(model, inputs, dtype), reference)
+    bound = 2 * own + torch.finfo(dtype).eps
+    if not error <= bound:
+        problems.append(f"{name}: error against float64 {error:.2g} over {bound:.2g} (unpatched {own:.2g})")
+    return problems
 
 
 def _worker_setup() -> None:

@@ -80,7 +80,7 @@ def test_every_m_fp32(d, h, mode):
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("act", [A.IDENTITY, A.GELU_TANH, A.GELU, A.SILU, A.RELU, A.RELU2] if HAS_TRITON else [])
+@pytest.mark.parametrize("act", [A.IDENTITY, A.GELU_TANH, A.GELU, A.SILU, A.RELU, A.RELU2, A.QUICK_GELU] if HAS_TRITON else [])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_activations_dtypes_biases(dtype, act, bias, deterministic):
     gen = torch.Generator().manual_seed(act * 8 + bias * 2 + deterministic)

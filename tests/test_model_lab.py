@@ -84,7 +84,7 @@ def test_compile_variants_and_a_masked_model(tmp_path):
 
 def test_a_patch_that_swaps_nothing_is_timed_as_the_model_it_leaves(tmp_path):
     cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
-                                  activation_function="quick_gelu")  # an activation mlpfuse does not fuse
+                                  activation_function="mish")  # an activation mlpfuse does not fuse
     transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "m")
     out = tmp_path / "lab"
     code = main(["bench", "--model", str(tmp_path / "m"), "--device", "cpu", "--rounds", "1", "--target-ms", "1",
@@ -93,7 +93,7 @@ def test_a_patch_that_swaps_nothing_is_timed_as_the_model_it_leaves(tmp_path):
     fused = rows_by(json.loads((out / "results.json").read_text()))[("prefill", "mlpfuse")]
     assert fused["status"] == "ok" and fused["patched"] == 0 and fused["time_ms"] > 0
     assert fused["error"].startswith("mlpfuse.patch swapped nothing, so this is the unpatched model: ")
-    assert "unknown activation QuickGELUActivation" in fused["error"] and fused["logits_vs_eager"] == 0
+    assert "unknown activation MishActivation" in fused["error"] and fused["logits_vs_eager"] == 0
     assert "ok (mlpfuse.patch swapped nothing" in (out / "results.md").read_text()
 
 

@@ -36,6 +36,11 @@ class QuickGELU(nn.Module):
         return x * torch.sigmoid(1.702 * x)
 
 
+class Mish(nn.Module):  # an activation mlpfuse does not compute
+    def forward(self, x):
+        return x * torch.tanh(F.softplus(x))
+
+
 class Config:
     hidden_act = "gelu_pytorch_tanh"
 
@@ -137,10 +142,19 @@ def test_from_module_reads_config_when_there_is_no_act_fn():
 
 
 def test_from_module_refuses_to_guess():
-    with pytest.raises(InputError, match="^activation: .*QuickGELU"):
-        GatedMLP.from_module(LlamaMLP(6, 10, QuickGELU()))
+    with pytest.raises(InputError, match="^activation: .*Mish"):
+        GatedMLP.from_module(LlamaMLP(6, 10, Mish()))
     # An explicit activation is the way out.
-    assert GatedMLP.from_module(LlamaMLP(6, 10, QuickGELU()), activation="gelu").activation == "gelu"
+    assert GatedMLP.from_module(LlamaMLP(6, 10, Mish()), activation="gelu").activation == "gelu"
+
+
+def test_from_module_tells_the_activation_by_its_numbers_not_its_name():
+    # A class named like none of torch's or transformers' activations: its float64 values on probe points decide.
+    src = LlamaMLP(6, 10, QuickGELU())
+    ours = GatedMLP.from_module(src, backend="torch")
+    assert ours.activation == "quick_gelu"
+    x = torch.randn(3, 6, dtype=torch.float64)
+    torch.testing.assert_close(ours.double()(x), src.double()(x), rtol=1e-12, atol=1e-12)
     with pytest.raises(InputError, match="^module: "):
         GatedMLP.from_module(GPTMLP(6, 10))
 

@@ -191,10 +191,10 @@ def test_falcon_h1_multipliers_with_biases_are_left():
 
 def test_unknown_activation_in_config_is_left():
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                                   vocab_size=H.VOCAB, hidden_act="quick_gelu")
+                                   vocab_size=H.VOCAB, hidden_act="mish")
     report = mlpfuse.patch(transformers.LlamaForCausalLM(cfg))
     left = [(i.path, i.reason) for i in report.left]
-    assert left == [("model.layers.0.mlp", "unknown activation QuickGELUActivation")]
+    assert left == [("model.layers.0.mlp", "unknown activation MishActivation")]
 
 
 @pytest.mark.parametrize("name", ["bert", "roberta"])
@@ -365,26 +365,35 @@ def test_autocast(name):
 
 
 def test_t5_block_under_autocast_casts_as_t5_does():
-    # T5 casts the GLU output to wo's dtype before wo; under autocast wo then runs in bf16 again: the fused op's
-    # inputs are cast to bf16 once, which rounds the same way. (The whole T5 model is compared above in fp32: under
-    # CPU autocast two identical eager steps of it already differ.)
+    # T5 casts the GLU output to wo's dtype before wo; under autocast wo then runs in bf16 again. The fused op's
+    # inputs are cast to bf16 once: it rounds other intermediates than T5 does, and ends no further from the float64
+    # result than T5's own forward. (The whole T5 model is compared above in fp32: under CPU autocast two identical
+    # eager steps of it already differ.)
     model = H.build("t5_gated").eval()
     source = model.encoder.block[0].layer[1].DenseReluDense
     x = torch.randn(2, 5, 32, requires_grad=True)
+    with torch.no_grad():
+        exact = copy.deepcopy(source).double()(x.detach().double())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = source(x)
         expected.float().square().sum().backward()
         grads_ref = [x.grad.clone()] + [p.grad.clone() for p in source.parameters()]
-        mlpfuse.patch(model, backend="torch")
+        # Decided as outside autocast (the math in float64); the norm stays the layer's, so the block reads x as is.
+        assert len(mlpfuse.patch(model, backend="torch", fuse_norms=False).swapped) == 4
         block = model.encoder.block[0].layer[1].DenseReluDense
+        assert block is not source
         x.grad = None
         source.zero_grad(set_to_none=True)
         got = block(x)
         got.float().square().sum().backward()
     assert got.dtype == expected.dtype == torch.bfloat16
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+    def error(t):
+        return (torch.linalg.vector_norm(t.double() - exact) / torch.linalg.vector_norm(exact)).item()
+
+    assert error(got) <= 2 * error(expected) + torch.finfo(torch.bfloat16).eps
     for a, b in zip([x.grad] + [p.grad for p in source.parameters()], grads_ref):
-        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
 
 
 def test_optimizer_loop_tracks_the_unpatched_model():

@@ -13,6 +13,7 @@ Math (x is the pre-activation, in fp32 inside kernels):
     silu(x)      = x·σ(x),                  d/dx = σ(x)·(1 + x·(1 − σ(x)))
     relu(x)      = max(x, 0),               d/dx = [x > 0]
     relu2(x)     = max(x, 0)²,              d/dx = 2·max(x, 0)
+    quick_gelu(x) = x·σ(1.702·x),           d/dx = σ(1.702x)·(1 + 1.702·x·(1 − σ(1.702x)))   (CLIP's QuickGELU)
 NaN propagates through every forward (relu is written so that NaN stays NaN).
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,8 @@ _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 # Ids shared by the Python table and the Triton kernels. 0 means "no activation" (identity).
-IDENTITY, GELU_TANH, GELU, SILU, RELU, RELU2 = 0, 1, 2, 3, 4, 5
+IDENTITY, GELU_TANH, GELU, SILU, RELU, RELU2, QUICK_GELU = 0, 1, 2, 3, 4, 5, 6
+QUICK_GELU_SCALE = 1.702  # QuickGELU's slope inside the sigmoid (CLIP, OWL-ViT, X-CLIP, ...)
 
 
 def _gelu_tanh_grad(x: torch.Tensor) -> torch.Tensor:
@@ -49,6 +51,15 @@ def _gelu_grad(x: torch.Tensor) -> torch.Tensor:
 def _silu_grad(x: torch.Tensor) -> torch.Tensor:
     s = torch.sigmoid(x)
     return s * (1 + x * (1 - s))
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(QUICK_GELU_SCALE * x)
+
+
+def _quick_gelu_grad(x: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(QUICK_GELU_SCALE * x)
+    return s * (1 + QUICK_GELU_SCALE * x * (1 - s))
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,8 @@ _TABLE = (
         "relu2", RELU2, (), lambda x: torch.relu(x).square(), lambda x: 2 * torch.relu(x),
         lambda dy, x: dy * (2 * torch.relu(x)),
     ),
+    Activation("quick_gelu", QUICK_GELU, ("quickgelu",), _quick_gelu, _quick_gelu_grad,
+               lambda dy, x: dy * _quick_gelu_grad(x)),
 )
 _BY_NAME = {name: a for a in _TABLE for name in (a.name, *a.aliases)}
 
@@ -101,6 +114,36 @@ def get(name: str | None, *, argument: str = "activation") -> Activation:
         raise InputError(f"{argument}: unknown activation {name!r}; expected one of {valid} or None") from None
 
 
+# Probe points that tell the activations apart: both signs, from 1e-6 (where gelu, silu and quick_gelu share their
+# slope and part at second order) to 60 (a clipped GELU, a saturating tail), and 0.
+_MAGNITUDES = torch.cat([torch.logspace(-6, 0, 49, dtype=torch.float64), torch.linspace(1.25, 60, 236,
+                                                                                         dtype=torch.float64)])
+PROBES = torch.cat([-_MAGNITUDES.flip(0), torch.zeros(1, dtype=torch.float64), _MAGNITUDES])
+# float64 carries ~16 digits; one activation written two ways (gelu_tanh as x·σ(2a), transformers' FastGELU with
+# √(2/π) cut to ten digits) agrees to ~1e-12. The closest two different ones (gelu, gelu_tanh) part by ~1e-4.
+IDENTITY_TOLERANCE = 1e-9
+
+
+def identify(fn: Callable[[torch.Tensor], torch.Tensor]) -> Optional[str]:
+    """The name of the activation `fn` computes, decided on numbers: `fn` and each activation here evaluated in
+    float64 on PROBES, equal to IDENTITY_TOLERANCE at every point (relative beyond 1), else None. A function that
+    raises, returns another shape or leaves float64 equals none. Whoever calls this passes a copy of anything that
+    keeps state."""
+    x = PROBES.clone()
+    try:
+        with torch.no_grad():
+            y = fn(x)
+    except Exception:  # noqa: BLE001 - a callable that cannot take a float64 vector computes none of these
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != PROBES.shape or y.dtype != torch.float64:
+        return None
+    for act in _TABLE:
+        ref = act.forward(PROBES)
+        if bool(((y - ref).abs() <= IDENTITY_TOLERANCE * (1 + ref.abs())).all()):
+            return act.name
+    return None
+
+
 try:  # Triton forms: only where Triton is installed (never needed by the profiler or the torch backend).
     import triton
     import triton.language as tl
@@ -110,7 +153,7 @@ except ImportError:  # pragma: no cover - exercised on machines without Triton
 if triton is not None:
     # Compiled kernels may only read globals that are constexpr; the interpreter does not enforce it.
     _K_GELU_TANH, _K_GELU, _K_SILU = tl.constexpr(GELU_TANH), tl.constexpr(GELU), tl.constexpr(SILU)
-    _K_RELU, _K_RELU2 = tl.constexpr(RELU), tl.constexpr(RELU2)
+    _K_RELU, _K_RELU2, _K_QUICK_GELU = tl.constexpr(RELU), tl.constexpr(RELU2), tl.constexpr(QUICK_GELU)
 
     # The interpreter cannot run inline PTX; read once, as triton.jit fixes the mode when a kernel is defined.
     _K_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
@@ -155,6 +198,8 @@ if triton is not None:
         elif ACT == _K_RELU2:
             r = tl.where(x < 0.0, 0.0, x)
             return r * r
+        elif ACT == _K_QUICK_GELU:
+            return x * _sigmoid(x * 1.702)
         else:
             return x
 
@@ -174,5 +219,8 @@ if triton is not None:
             return tl.where(x > 0.0, 1.0, 0.0)
         elif ACT == _K_RELU2:
             return 2.0 * tl.where(x > 0.0, x, 0.0)
+        elif ACT == _K_QUICK_GELU:
+            s = _sigmoid(x * 1.702)
+            return s * (1.0 + 1.702 * x * (1.0 - s))
         else:
             return x * 0.0 + 1.0

@@ -11,7 +11,10 @@ by `parallelize_module` or `mlpfuse.parallel.tensor_parallel`) they run the same
 (`mlpfuse.ops.sharded`).
 """
 
+import copy
+import functools
 import operator
+import types
 from typing import Optional
 
 import torch
@@ -26,23 +29,6 @@ from mlpfuse.ops.gated_mlp import CallPlan, gated_mlp_call, registered_call
 from mlpfuse.ops.linear_act import LinearActPlan, linear_act_call
 from mlpfuse.ops.linear_act import registered_call as linear_registered_call
 
-# Activation module classes (torch.nn and transformers' ACT2FN) mapped to our names. GELU (torch.nn) reads its
-# `approximate` attribute instead. Anything else (QuickGELU, ...) is not ours to guess: from_module asks for it.
-_ACTIVATION_CLASSES = {
-    "SiLU": "silu",
-    "SiLUActivation": "silu",
-    "Swish": "silu",
-    "PytorchGELUTanh": "gelu_tanh",
-    "GELUTanh": "gelu_tanh",
-    "NewGELUActivation": "gelu_tanh",
-    "FastGELUActivation": "gelu_tanh",
-    "AccurateGELUActivation": "gelu_tanh",
-    "GELUActivation": "gelu",
-    "ReLU": "relu",
-    "ReLUSquaredActivation": "relu2",
-    "Identity": "identity",
-    "LinearActivation": "identity",
-}
 _ACTIVATION_ATTRS = ("act_fn", "activation_fn", "act", "activation")
 # Parameter types of the plain (single-process) path; anything else (a DTensor) is looked at more closely.
 _PLAIN = (nn.Parameter, torch.Tensor)
@@ -91,19 +77,40 @@ def _check_init(sizes: tuple, bias, device, dtype) -> tuple[int, ...]:
 
 
 def activation_name(fn) -> Optional[str]:
-    """Our name for the activation an object computes (a torch.nn or transformers activation module, F.silu-style
-    function, or a name), or None when it is not one of ours."""
+    """Our name for the activation an object computes, or None when it is not one of ours: a name looked up as
+    such; an activation module without tensors of its own (torch.nn's, transformers' ACT2FN) or a plain function
+    (F.silu, torch.relu) decided on numbers in float64 (activations.identify), never by its class name — a module
+    is evaluated on a copy. Verdicts are cached by class and plain attributes (a function: by itself)."""
     if isinstance(fn, str):
         try:
             return activations.get(fn).name
         except InputError:
             return None
-    if isinstance(fn, nn.GELU):
-        return "gelu_tanh" if fn.approximate == "tanh" else "gelu"
-    name = _ACTIVATION_CLASSES.get(type(fn).__name__)
-    if name is None and callable(fn) and getattr(fn, "__name__", None) in ("silu", "gelu", "relu"):
-        name = fn.__name__  # a plain function such as F.silu
+    if isinstance(fn, nn.Module):
+        if isinstance(fn, nn.modules.dropout._DropoutNd):
+            return None  # the identity in eval mode, random in training: no activation
+        if any(True for _ in fn.parameters()) or any(True for _ in fn.buffers()):
+            return None  # a learned activation (PReLU) is none of ours
+        attrs = tuple(sorted((k, v) for k, v in vars(fn).items()
+                             if not k.startswith("_") and isinstance(v, (int, float, str, bool, type(None)))))
+        key = (type(fn), attrs)
+    elif isinstance(fn, (types.FunctionType, types.BuiltinFunctionType, functools.partial)):
+        key = fn
+    else:
+        return None  # a class, a bound method, an object: calling it could do anything
+    try:
+        return _IDENTIFIED[key]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable: decide without caching
+        key = None
+    name = activations.identify(copy.deepcopy(fn) if isinstance(fn, nn.Module) else fn)
+    if key is not None:
+        _IDENTIFIED[key] = name
     return name
+
+
+_IDENTIFIED: dict = {}
 
 
 def _activation_of(module: nn.Module, argument: str = "activation") -> str:

@@ -120,6 +120,8 @@ __device__ __forceinline__ float act_fwd(float x) {
   } else if constexpr (ACT == RELU2) {
     const float r = x < 0.0f ? 0.0f : x;
     return r * r;
+  } else if constexpr (ACT == QUICK_GELU) {
+    return x * sigmoid(1.702f * x);
   } else {
     return x;
   }
@@ -146,6 +148,10 @@ __device__ __forceinline__ void act_fwd_grad(float x, float& a, float& da) {
   } else if constexpr (ACT == RELU2) {
     a = act_fwd<ACT>(x);
     da = x > 0.0f ? 2.0f * x : 0.0f;
+  } else if constexpr (ACT == QUICK_GELU) {
+    const float s = sigmoid(1.702f * x);
+    a = x * s;
+    da = s * (1.0f + 1.702f * x * (1.0f - s));
   } else {
     a = x;
     da = 1.0f;
@@ -161,6 +167,7 @@ inline void with_act(int act, F&& f) {
     case SILU: f(std::integral_constant<int, SILU>{}); break;
     case RELU: f(std::integral_constant<int, RELU>{}); break;
     case RELU2: f(std::integral_constant<int, RELU2>{}); break;
+    case QUICK_GELU: f(std::integral_constant<int, QUICK_GELU>{}); break;
     default: f(std::integral_constant<int, IDENTITY>{}); break;
   }
 }

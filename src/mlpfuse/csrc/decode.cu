@@ -119,6 +119,7 @@ __device__ __forceinline__ float act_rt(int act, float x) {  // once per output:
     case SILU: return act_fwd<SILU>(x);
     case RELU: return act_fwd<RELU>(x);
     case RELU2: return act_fwd<RELU2>(x);
+    case QUICK_GELU: return act_fwd<QUICK_GELU>(x);
     default: return x;
   }
 }

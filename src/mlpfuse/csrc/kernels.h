@@ -11,8 +11,8 @@ namespace mlpfuse {
 // Element types, as the .cpp names them after checking the tensors.
 enum class DType : int { f32 = 0, f16 = 1, bf16 = 2 };
 
-// Activation ids: the same integers as mlpfuse.activations (IDENTITY .. RELU2).
-enum Act : int { IDENTITY = 0, GELU_TANH = 1, GELU = 2, SILU = 3, RELU = 4, RELU2 = 5 };
+// Activation ids: the same integers as mlpfuse.activations (IDENTITY .. QUICK_GELU).
+enum Act : int { IDENTITY = 0, GELU_TANH = 1, GELU = 2, SILU = 3, RELU = 4, RELU2 = 5, QUICK_GELU = 6 };
 
 // A row-major matrix view: element (r, c) is at ptr[r * ld + c]. Column stride 1 is required (the .cpp ensures it).
 struct Mat {

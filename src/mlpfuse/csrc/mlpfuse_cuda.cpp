@@ -86,7 +86,7 @@ Tensor gemm_bias(const Tensor& x, const Tensor& w, const OptTensor& b) {
 }
 
 void check_act(int64_t act) {
-  TORCH_CHECK_VALUE(act >= IDENTITY && act <= RELU2, "activation: unknown activation id ", act);
+  TORCH_CHECK_VALUE(act >= IDENTITY && act <= QUICK_GELU, "activation: unknown activation id ", act);
 }
 
 void check_gated(const Tensor& x, const Tensor& wg, const Tensor& wu, const Tensor& wd, const OptTensor& bg,

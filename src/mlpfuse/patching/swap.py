@@ -146,10 +146,11 @@ def decide(module: nn.Module, backend: str, verify: bool, verdicts: dict, config
             if key not in verdicts:
                 try:
                     block = build(module, match, backend)
+                    exact = block if backend == "torch" else build(module, match, "torch")
                 except Exception as exc:  # noqa: BLE001 - a module the block cannot adopt is left, with why
                     verdicts[key] = f"the fused forward failed: the block cannot be built ({one_line(exc)})"
                 else:
-                    verdicts[key] = verify_block(module, block, training=match.how == structure.STRUCTURE)
+                    verdicts[key] = verify_block(module, block, exact, training=match.how == structure.STRUCTURE)
             reason = verdicts[key]
             if reason is None:
                 return match, None, reading
