@@ -16,7 +16,8 @@ FAST = ["--tiny", "--device", "cpu", "--rounds", "1", "--target-ms", "1"]
 
 def run_lab(tmp_path, *flags):
     out = tmp_path / "lab"
-    code = main(["bench", *FAST, *flags, "--out", str(out)])
+    # --force: some tests run the lab twice and read the second run from the same folder
+    code = main(["bench", *FAST, *flags, "--out", str(out), "--force"])
     data = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else None
     return code, data, out
 

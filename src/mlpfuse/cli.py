@@ -1,8 +1,8 @@
 """`mlpfuse` console script.
 
 Each command module (mlpfuse.commands, listed in `_COMMAND_MODULES`) exposes `register(subparsers)`, which adds
-its parsers and sets `func` on them. Exit codes: 0 ok, 1 an expectation was broken, 2 bad input, 141 the reader
-of stdout went away (a closed pipe).
+its parsers and sets `func` on them. Exit codes: 0 ok, 1 an expectation was broken, 2 bad input, 130 interrupted
+(Ctrl-C), 141 the reader of stdout went away (a closed pipe), 143 stopped by SIGTERM.
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
-from mlpfuse.errors import InputError, printable
+from mlpfuse.errors import InputError, Terminated, printable
 
 _COMMAND_MODULES = (
     "mlpfuse.commands.walkthrough",
@@ -55,16 +56,41 @@ def main(argv: list[str] | None = None) -> int:
     # torch's profiler (Kineto) logs two `USDT: ... profiler_start/stop` lines per capture straight to stderr; its
     # level 6 keeps them out of mlpfuse's output. KINETO_LOG_LEVEL=2 shows its warnings again.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    from mlpfuse._outputs import noted
+
+    previous = _on_sigterm(_terminate)
     try:
-        code = int(args.func(args) or 0)
+        with noted(f"mlpfuse {args.command}"):
+            code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not as a message at interpreter exit
         return code
     except InputError as exc:
         return _fail(f"mlpfuse: error: {printable(exc)}", 2)
     except BrokenPipeError:
         return _closed_pipe()
+    except Terminated:
+        return _fail("mlpfuse: terminated", 143)
     except KeyboardInterrupt:
         return _fail("mlpfuse: interrupted", 130)
+    finally:
+        _on_sigterm(previous)
+
+
+def _terminate(signum, frame):
+    # Python's default for SIGTERM ends the process at once: no finally block runs, so temporary trace folders stay
+    # and a partial --out says nothing. Raised as an exception, SIGTERM unwinds like Ctrl-C.
+    raise Terminated()
+
+
+def _on_sigterm(handler):
+    """Install `handler` for SIGTERM; the one it replaces. Only the main thread may (main() called from another
+    thread keeps the process's handler)."""
+    if handler is None:
+        return None
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:
+        return None
 
 
 def _fail(line: str, code: int) -> int:

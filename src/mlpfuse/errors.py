@@ -1,4 +1,5 @@
-"""The one exception type for bad input, and how untrusted text is made fit for a terminal.
+"""The one exception type for bad input (and the one for SIGTERM), and how untrusted text is made fit for a
+terminal.
 
 Everything a user can get wrong (a path, a trace, a shape, a name) raises `InputError` with one line that names
 the argument and what was expected. It is a `ValueError`, so library callers can catch the usual type; the CLI
@@ -8,6 +9,11 @@ turns it into that one line on stderr and exit code 2.
 
 class InputError(ValueError):
     """Bad input: the message is one line, fit to show a user as is."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread by the CLI's handler. A KeyboardInterrupt, so that every cleanup written
+    for Ctrl-C (temporary trace folders, half-written files, the partial-results note) runs for it too."""
 
 
 def _escape(ch: str) -> str:

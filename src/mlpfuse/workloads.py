@@ -215,13 +215,9 @@ def _check_memory(spec: WorkloadSpec, sizes: dict[str, int], device: str, dtype:
 
 def results_folder(path: str, option: str = "--out") -> str:
     """Create the results folder `path` (it may exist); one error line when it cannot be one."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise InputError(f"{option} {path}: exists and is not a folder")
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise InputError(f"{option} {path}: cannot create the folder ({exc.strerror or exc})") from None
-    return path
+    from mlpfuse._outputs import make_folder
+
+    return make_folder(path, option)
 
 
 @dataclasses.dataclass

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import shlex
 from pathlib import Path
 
+from mlpfuse import _outputs
 from mlpfuse.errors import InputError
 
 EPILOG = """examples:
@@ -52,7 +52,10 @@ def register(subparsers) -> None:
     p.add_argument("--no-profile", action="store_true", help="skip counting kernels and launches per call")
     p.add_argument("--no-plots", action="store_true", help="write no PNGs")
     p.add_argument("--remeasure-peaks", action="store_true", help="measure this device's GEMM peak and bandwidth again")
-    p.add_argument("--out", help="output folder (default ./mlpfuse-results/bench-<device>/<timestamp>)")
+    p.add_argument("--out", help="output folder (default: a new ./mlpfuse-results/bench-<device>/<date-time>); one "
+                   "holding an earlier run's results needs --force")
+    p.add_argument("--force", action="store_true", help="write into an --out folder that holds an earlier run's "
+                   "results (files of the same name are replaced)")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     p.add_argument("--list", action="store_true", help="list presets, workloads and variants, then exit")
     lab = p.add_argument_group("model lab (with --model; --tokens, --mode, --variants, --dtype, --rounds, "
@@ -155,8 +158,7 @@ def run_command(args) -> int:
     out = Console() if not args.json else None
     for note in notes:
         err.print(f"[yellow]note:[/] {note}")
-    folder = Path(args.out) if args.out else _default_out(device)
-    _make_folder(folder)  # before the peaks: a bad --out fails before seconds of measuring
+    folder = _out_folder(args, device)  # before the peaks: a bad --out fails before seconds of measuring
     peaks = roofline.load_peaks(
         device, sorted({c.dtype for c in cases}), remeasure=args.remeasure_peaks,
         log=lambda m: err.print(m, markup=False, highlight=False, soft_wrap=True),  # paths: never markup
@@ -184,7 +186,7 @@ def run_command(args) -> int:
         print(outputs.to_json(result))
     else:
         outputs.print_table(result, out)
-    err.print("wrote " + ", ".join(str(p) for p in written))
+    err.print(_outputs.literal("wrote ", ", ".join(map(str, written))))
     wrong = [f"{r['variant']} on {r['case']}" for r in result.rows if r["status"] == "wrong"]
     if wrong:
         err.print("[red]disagreed with the fp64 reference:[/] " + "; ".join(wrong))
@@ -221,20 +223,11 @@ def _command_line(args, options=_OPTIONS) -> str:
     return " ".join(words)
 
 
-def _make_folder(folder: Path) -> None:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise InputError(f"--out: {folder} exists and is not a folder") from None
-    except OSError as exc:
-        raise InputError(f"--out: cannot create {folder} ({exc.strerror or type(exc).__name__})") from None
-
-
-def _default_out(device, kind: str = "bench") -> Path:
+def _out_folder(args, device, kind: str = "bench") -> Path:
     from mlpfuse.bench.roofline import device_slug
 
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("mlpfuse-results") / f"{kind}-{device_slug(device)}" / stamp
+    default = str(Path("mlpfuse-results") / f"{kind}-{device_slug(device)}")
+    return Path(_outputs.prepare(args.out, default=default, force=args.force))
 
 
 def _run_with_progress(sweep, cases, chosen, device, peaks, settings, console, command, on_case):
@@ -326,8 +319,7 @@ def run_model_lab(args) -> int:
     out = Console() if not args.json else None
     for note in notes:
         err.print(f"note: {note}", markup=False, highlight=False)
-    folder = Path(args.out) if args.out else _default_out(device, "model-lab")
-    _make_folder(folder)
+    folder = _out_folder(args, device, "model-lab")
 
     def write(result) -> list[Path]:
         result.meta["notes"] = notes
@@ -348,7 +340,7 @@ def run_model_lab(args) -> int:
         print(lab_outputs.to_json(result))
     else:
         lab_outputs.print_tables(result, out)
-    err.print("wrote " + ", ".join(str(p) for p in written), markup=False, highlight=False)
+    err.print(_outputs.literal("wrote ", ", ".join(map(str, written))))
     wrong = [f"{r['variant']} on {r['case']}" for r in result.rows if r["status"] == "wrong"]
     if wrong:
         err.print("non-finite logits: " + "; ".join(wrong), markup=False)

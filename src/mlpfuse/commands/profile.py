@@ -11,7 +11,8 @@ import os
 import sys
 import tempfile
 
-from mlpfuse.errors import InputError
+from mlpfuse import _outputs
+from mlpfuse.errors import InputError, printable
 from mlpfuse.profiling.steps import AUTO, SOURCES
 
 _SIZE_OPTIONS = {
@@ -20,6 +21,7 @@ _SIZE_OPTIONS = {
 }
 
 
+DEFAULT_OUT = os.path.join("mlpfuse-results", "profile")
 _MAX_BYTES_HELP = ("most bytes read from a trace file or inflated from its gzip, e.g. 500M or 8G "
                    "(default $MLPFUSE_MAX_TRACE_BYTES, else 2G)")
 _HTML_HELP = "also write a self-contained HTML report (timeline, flamegraph, tables) to FILE"
@@ -82,7 +84,10 @@ def register(subparsers) -> None:
     p.add_argument("--wait", type=int, default=1, help="steps run before the profiler starts (default 1)")
     p.add_argument("--warmup", type=int, default=1, help="profiled steps thrown away as warm-up (default 1)")
     p.add_argument("--active", type=int, default=3, help="steps recorded and analysed (default 3)")
-    p.add_argument("--out", default=os.path.join("mlpfuse-results", "profile"), help="folder for trace + JSON")
+    p.add_argument("--out", help="folder for trace, JSON and report.html (default: a new "
+                   "mlpfuse-results/profile/<date-time>); one holding an earlier run's results needs --force")
+    p.add_argument("--force", action="store_true", help="write into an --out folder that holds an earlier run's "
+                   "results (files of the same name are replaced)")
     p.add_argument("--expect", action="append", default=[], metavar="EXPR",
                    help="kernels=N, launches=N, FAMILY=N, op=NAME, no-op=NAME, kernel~=TEXT (repeatable)")
     p.add_argument("--json", action="store_true", help="print the analysis and expectation results as JSON")
@@ -125,7 +130,7 @@ def run_analyze(args) -> int:
 
         result = analyze_to_html(args.trace, args.html, label=args.label, max_bytes=args.max_bytes,
                                  steps_from=args.steps_from)
-        print(f"report: {args.html}", file=sys.stderr)
+        print(f"report: {printable(args.html)}", file=sys.stderr)
     else:
         result = analyze(args.trace, label=args.label, max_bytes=args.max_bytes, steps_from=args.steps_from)
     if args.json:
@@ -151,7 +156,7 @@ def run_diff(args) -> int:
         from mlpfuse.report import diff_to_html
 
         result = diff_to_html(args.a, args.b, args.html, max_bytes=args.max_bytes)
-        print(f"report: {args.html}", file=sys.stderr)
+        print(f"report: {printable(args.html)}", file=sys.stderr)
     else:
         result = diff(args.a, args.b, max_bytes=args.max_bytes)
     if args.json:
@@ -196,7 +201,7 @@ def run_profile(args) -> int:
 
     sizes = {k: getattr(args, k) for k in _SIZE_OPTIONS[workload]}
     built = workloads.build(workload, variant=variant, device=args.device, dtype=args.dtype, bias=args.bias, **sizes)
-    workloads.results_folder(args.out, "--out")
+    args.out = _outputs.prepare(args.out, default=DEFAULT_OUT, force=args.force)
     trace_path = os.path.join(args.out, f"{built.label}.pt.trace.json.gz")
     if not args.json:
         print(f"profiling {built.describe()}", file=sys.stderr)
@@ -214,8 +219,8 @@ def run_profile(args) -> int:
     else:
         render.print_analysis(data)
         render.print_expectations(result.expectations)
-        print(f"trace: {trace_path}  (open in https://ui.perfetto.dev)")
-        print(f"report: {report}")
+        print(f"trace: {printable(trace_path)}  (open in https://ui.perfetto.dev)")
+        print(f"report: {printable(report)}")
     return 1 if any(not r.ok for r in result.expectations) else 0
 
 
@@ -241,6 +246,7 @@ def run_model_profile(args) -> int:
     models.transformers_or_error()
     if args.tokens is not None and len(model_lab.parse_shapes(args.tokens, ())) != 1:
         raise InputError(f"--tokens: expected one BATCHxSEQ shape for a profile, got {args.tokens!r}")
+    args.out = _outputs.prepare(args.out, default=DEFAULT_OUT, force=args.force)
     if not args.json:
         print(f"profiling {args.model} ({args.layers} layer{'s' if args.layers > 1 else ''}) eager and patched",
               file=sys.stderr)
@@ -259,5 +265,5 @@ def run_model_profile(args) -> int:
         render.print_analysis(data[side])
     print(f"\ndiff {result.label}: eager -> mlpfuse")
     render.print_diff(data["diff"])
-    print(f"traces: {args.out}/model-eager.pt.trace.json.gz, model-mlpfuse.pt.trace.json.gz")
+    print(f"traces: {printable(args.out)}/model-eager.pt.trace.json.gz, model-mlpfuse.pt.trace.json.gz")
     return 0

@@ -44,7 +44,10 @@ def register(subparsers) -> None:
                               description=__doc__.splitlines()[0])
     p.add_argument("--device", help="cpu | cuda (default cuda when present)")
     p.add_argument("--dtype", help="bf16 | fp16 | fp32 (default bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--out", help="results folder (default ./mlpfuse-results/walkthrough-<device>)")
+    p.add_argument("--out", help="results folder (default: a new ./mlpfuse-results/walkthrough-<device>/<date-time>); "
+                   "one holding an earlier run's results needs --force")
+    p.add_argument("--force", action="store_true", help="write into an --out folder that holds an earlier run's "
+                   "results (files of the same name are replaced)")
     p.add_argument("--steps", type=int, default=STEPS,
                    help=f"profiled steps per case and round: 1 wait, 1 warm-up, rest active (default {STEPS})")
     p.add_argument("--rounds", type=int, default=3,
@@ -79,8 +82,10 @@ def run(args) -> int:
         raise InputError(f"--steps: expected >= 3 (1 wait + 1 warm-up + >= 1 active), got {args.steps}")
     _positive(args.threads, "--threads", 1)
     _positive(getattr(args, "rounds", 3), "--rounds", 1)
-    out = args.out or os.path.join("mlpfuse-results", f"walkthrough-{device.split(':')[0]}")
-    workloads.results_folder(out, "--out")
+    from mlpfuse import _outputs
+
+    out = _outputs.prepare(args.out, default=os.path.join("mlpfuse-results", f"walkthrough-{device.split(':')[0]}"),
+                           force=args.force)
     previous = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -177,6 +182,7 @@ def _run(args, device: str, out: str) -> int:
     from mlpfuse._console import Console
 
     from mlpfuse._io import atomic_write_text
+    from mlpfuse._outputs import literal
     from mlpfuse.profiling import diff, render
     from mlpfuse.commands.walkthrough_rounds import readme_table, verdicts
 
@@ -236,9 +242,9 @@ def _run(args, device: str, out: str) -> int:
     report = _report(out, device, analyses, described, failed, diffs, rounds, sentences)
     for case, reason in failed.items():
         console.print(f"not run: {case} — {reason}", markup=False, highlight=False, style="yellow")
-    console.print(f"results: {out}/ (report.html, summary.md, readme-table.md, traces *.pt.trace.json.gz open in "
-                  "https://ui.perfetto.dev)")
-    console.print(f"report: {report}", markup=False, highlight=False)
+    console.print(literal("results: ", out, "/ (report.html, summary.md, readme-table.md, traces *.pt.trace.json.gz "
+                          "open in https://ui.perfetto.dev)"))
+    console.print(literal("report: ", report))
     return 0
 
 
