@@ -128,6 +128,7 @@ def _problem(norm: Optional[nn.Module], block: "blocks.GatedBlock"):
     x64 = torch.randn(4, width, generator=gen, dtype=torch.float64)
     x64[2:] *= math.sqrt(eps) if eps > 0 else 1e-3
     w64 = 1 + torch.randn(width, generator=gen, dtype=torch.float64) / 4
+    x64, w64 = x64.to(weight.device), w64.to(weight.device)
     normed = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
     exact = {WEIGHT_AFTER: w64 * normed, ONE_PLUS: normed * (1 + w64)}
     x = (torch.randn(3, width, generator=gen) * 3).to(weight.device, weight.dtype)
@@ -135,7 +136,7 @@ def _problem(norm: Optional[nn.Module], block: "blocks.GatedBlock"):
     tol = NORM_TOLERANCE.get(weight.dtype, 1e-4)
     try:
         with torch.no_grad():
-            out64 = functional_call(norm, {"weight": w64.to(weight.device)}, (x64.to(weight.device),))
+            out64 = functional_call(norm, {"weight": w64}, (x64,))
             out = functional_call(norm, {"weight": w}, (x,))
             for kind in KINDS:
                 if not row_error(out64, exact[kind]) <= NORM_MATH_TOLERANCE:
