@@ -7,7 +7,7 @@ import datetime as _dt
 import shlex
 from pathlib import Path
 
-from mlpfuse.errors import InputError
+from mlpfuse.errors import InputError, printable
 
 EPILOG = """examples:
   mlpfuse bench --preset blog                          GeGLU 8192x768x3072 bf16 forward, every variant
@@ -348,7 +348,7 @@ def run_model_lab(args) -> int:
         print(lab_outputs.to_json(result))
     else:
         lab_outputs.print_tables(result, out)
-    err.print("wrote " + ", ".join(str(p) for p in written), markup=False, highlight=False)
+    err.print("wrote " + ", ".join(printable(str(p)) for p in written), markup=False, highlight=False)
     wrong = [f"{r['variant']} on {r['case']}" for r in result.rows if r["status"] == "wrong"]
     if wrong:
         err.print("non-finite logits: " + "; ".join(wrong), markup=False)

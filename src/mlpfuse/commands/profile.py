@@ -11,7 +11,7 @@ import os
 import sys
 import tempfile
 
-from mlpfuse.errors import InputError
+from mlpfuse.errors import InputError, printable
 from mlpfuse.profiling.steps import AUTO, SOURCES
 
 _SIZE_OPTIONS = {
@@ -242,8 +242,8 @@ def run_model_profile(args) -> int:
     if args.tokens is not None and len(model_lab.parse_shapes(args.tokens, ())) != 1:
         raise InputError(f"--tokens: expected one BATCHxSEQ shape for a profile, got {args.tokens!r}")
     if not args.json:
-        print(f"profiling {args.model} ({args.layers} layer{'s' if args.layers > 1 else ''}) eager and patched",
-              file=sys.stderr)
+        print(f"profiling {printable(args.model)} ({args.layers} layer{'s' if args.layers > 1 else ''}) eager and "
+              "patched", file=sys.stderr)
     result = model_diff.profile_model(args.model, layers=args.layers, tiny=args.tiny, tokens=args.tokens,
                                       device=args.device, dtype=args.dtype, out=args.out, steps=args.steps,
                                       wait=args.wait, warmup=args.warmup, active=args.active)
@@ -255,9 +255,9 @@ def run_model_profile(args) -> int:
         return 0
     print(result.report.summary())
     for side in ("eager", "mlpfuse"):
-        print(f"\n{result.label} [{side}]")
+        print(f"\n{printable(result.label)} [{side}]")
         render.print_analysis(data[side])
-    print(f"\ndiff {result.label}: eager -> mlpfuse")
+    print(f"\ndiff {printable(result.label)}: eager -> mlpfuse")
     render.print_diff(data["diff"])
     print(f"traces: {args.out}/model-eager.pt.trace.json.gz, model-mlpfuse.pt.trace.json.gz")
     return 0
