@@ -81,12 +81,13 @@ def test_dry_run_reads_structure_and_leaves_experts_with_their_real_shapes(tmp_p
 
 
 @pytest.mark.parametrize("config, expected", [
-    (None, "has no config.json"),
+    (None, "is a folder without a config.json"),
     ("{not json", "config.json: not a JSON file"),
     ("[1, 2]", "config.json: expected a JSON object, got list"),
     ({"model_type": "no-such-model"}, "config.json: unknown model type 'no-such-model'"),
     ({"hidden_size": 64}, "config.json: unknown model type None"),
-    ({"model_type": "llama", "hidden_size": "wide"}, "config.json: transformers cannot build a llama config"),
+    ({"model_type": "llama", "hidden_size": "wide"}, "config.json: hidden_size: expected an integer from 0 to"),
+    ({"model_type": "llama", "rms_norm_eps": "small"}, "config.json: transformers cannot build a llama config"),
     ({"model_type": "llama", "hidden_act": "no-such-act"},
      "config.json: transformers cannot build LlamaModel from it: KeyError: 'no-such-act'"),
 ])

@@ -141,15 +141,17 @@ def print_tables(result: BenchResult, console) -> None:
     from rich.text import Text
 
     from mlpfuse._console import unlimited
+    from mlpfuse.errors import printable
 
     status_width = None if unlimited(console.width) else 60  # off a terminal every cell prints whole
     for _, group in groupby(result.rows, key=lambda r: r["case"]):
         rows = list(group)
         cols = table_columns(rows)
-        table = Table(title=Text(case_caption(rows)), title_justify="left")
+        # The model's label is a folder's name: any text, shown literally with its control characters escaped.
+        table = Table(title=Text(printable(case_caption(rows))), title_justify="left")
         for head, _ in cols:
             table.add_column(head, overflow="fold", max_width=status_width if head == "status" else None)
         for r in rows:
             style = {"wrong": "red", "error": "red", "skipped": "dim"}.get(r["status"])
-            table.add_row(*(Text(fn(r)) for _, fn in cols), style=style)
+            table.add_row(*(Text(printable(fn(r))) for _, fn in cols), style=style)
         console.print(table)

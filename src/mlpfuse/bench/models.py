@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mlpfuse.errors import InputError
+from mlpfuse.patching import folder as model_folder
+from mlpfuse.patching.verify import one_line
 
 CAUSAL, MASKED = "causal", "masked"
 
@@ -137,8 +139,7 @@ def resolve(name: str) -> ModelSpec | str:
     if name in MODELS:
         return MODELS[name]
     if os.path.isdir(name):
-        if not os.path.isfile(os.path.join(name, "config.json")):
-            raise InputError(f"--model: {name} is a folder without a config.json")
+        model_folder.config_path(name, "--model")
         return name
     raise InputError(f"--model: expected one of {', '.join(MODELS)} or a local model folder, got {name!r}")
 
@@ -147,12 +148,6 @@ def _no_dropout(config) -> None:
     for key, value in list(vars(config).items()):
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
             setattr(config, key, 0.0)
-
-
-def _has_weights(folder: str) -> bool:
-    names = os.listdir(folder)
-    return any(n.endswith(".safetensors") or n == "pytorch_model.bin" or n.endswith(".bin.index.json")
-               for n in names)
 
 
 def _kind_of(config) -> tuple[str, str]:
@@ -184,8 +179,7 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Modu
 def _recipe(spec: ModelSpec | str, layers: int | None, tiny: bool):
     """(config, model class, kind) the lab builds `spec` from: the config as given, dropout off."""
     transformers = transformers_or_error()
-    if layers is not None and layers < 1:
-        raise InputError(f"--layers: expected an integer >= 1, got {layers}")
+    model_folder.check_layers(layers)  # before a config with that many layers is built, built-in ones too
     if isinstance(spec, ModelSpec):
         values = dict(spec.full) | (spec.tiny if tiny else {}) | spec.extra
         if layers is not None:
@@ -195,7 +189,7 @@ def _recipe(spec: ModelSpec | str, layers: int | None, tiny: bool):
         return config, getattr(transformers, spec.model), spec.kind
     if tiny:
         raise InputError("--tiny: applies to the built-in models, not to a local folder")
-    config = transformers.AutoConfig.from_pretrained(spec, local_files_only=True)
+    config = model_folder.load_config(spec, "--model", transformers)
     if layers is not None:
         key = next((k for k in ("num_hidden_layers", "n_layer", "num_layers") if hasattr(config, k)), None)
         if key is None:
@@ -209,9 +203,10 @@ def _recipe(spec: ModelSpec | str, layers: int | None, tiny: bool):
 def shape_only(name: str, *, layers: int | None, tiny: bool) -> torch.nn.Module:
     """The model as `build` would make it, on the meta device: its exact parameters and config at no memory cost,
     for deciding before building whether it fits."""
-    config, cls, _ = _recipe(resolve(name), layers, tiny)
+    spec = resolve(name)
+    config, cls, _ = _recipe(spec, layers, tiny)
     with torch.device("meta"):
-        return cls(config)
+        return _construct(spec, cls, config)
 
 
 def build(name: str, *, layers: int | None, tiny: bool, device: torch.device, seed: int = 0,
@@ -227,17 +222,28 @@ def build(name: str, *, layers: int | None, tiny: bool, device: torch.device, se
         label = spec.name + (" (tiny)" if tiny else "")
         weights = "random init"
     else:
-        if _has_weights(spec):
-            model = cls.from_pretrained(spec, config=config, dtype=dtype, local_files_only=True).to(device)
+        if model_folder.weights(spec, "--model"):
+            model = model_folder.load_model(cls, spec, config, "--model", dtype=dtype).to(device)
             weights = spec
         else:
             with torch.device(device):
-                model = cast_parameters(cls(config), dtype)
+                model = cast_parameters(_construct(spec, cls, config), dtype)
             weights = "random init"
         label = os.path.basename(os.path.normpath(spec))
     if layers is not None:
         label += f", {layers} layer{'s' if layers > 1 else ''}"
     return Built(model.eval(), kind, label, getattr(model.config, "model_type", ""), weights)
+
+
+def _construct(spec: ModelSpec | str, cls, config) -> torch.nn.Module:
+    """`cls(config)`; what transformers refuses in a folder's config is bad input, one line."""
+    if isinstance(spec, ModelSpec):
+        return cls(config)
+    try:
+        return cls(config)
+    except Exception as exc:  # noqa: BLE001 - the folder's config, checked for bounds, may still not build
+        raise InputError(f"--model: transformers cannot build {cls.__name__} from {spec}/config.json: "
+                         f"{one_line(exc)}") from None
 
 
 def describe() -> list[tuple[str, str]]:

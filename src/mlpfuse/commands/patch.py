@@ -12,7 +12,10 @@ EPILOG = """examples:
   mlpfuse patch --dry-run ./Meta-Llama-3-8B            a folder with a config.json (weights not needed)
   mlpfuse patch --dry-run ./olmo2 --backend triton --json
 Patching itself happens in Python, on a loaded model: report = mlpfuse.patch(model).
-exit status: 0 ok, 2 bad input (no config.json, an unknown model type, a config transformers cannot build).
+The folder is untrusted input: config.json at most 4 MiB, sizes and layer counts bounded, no auto_map; none of its
+code is run (docs/patching.md says what it may hold).
+exit status: 0 ok, 2 bad input (no config.json, an unknown model type, a config past those bounds or one
+transformers cannot build).
 """
 
 

@@ -248,8 +248,8 @@ def run_model_profile(args) -> int:
         raise InputError(f"--tokens: expected one BATCHxSEQ shape for a profile, got {args.tokens!r}")
     args.out = _outputs.prepare(args.out, default=DEFAULT_OUT, force=args.force)
     if not args.json:
-        print(f"profiling {args.model} ({args.layers} layer{'s' if args.layers > 1 else ''}) eager and patched",
-              file=sys.stderr)
+        print(f"profiling {printable(args.model)} ({args.layers} layer{'s' if args.layers > 1 else ''}) eager and "
+              "patched", file=sys.stderr)
     result = model_diff.profile_model(args.model, layers=args.layers, tiny=args.tiny, tokens=args.tokens,
                                       device=args.device, dtype=args.dtype, out=args.out, steps=args.steps,
                                       wait=args.wait, warmup=args.warmup, active=args.active)
@@ -261,9 +261,9 @@ def run_model_profile(args) -> int:
         return 0
     print(result.report.summary())
     for side in ("eager", "mlpfuse"):
-        print(f"\n{result.label} [{side}]")
+        print(f"\n{printable(result.label)} [{side}]")
         render.print_analysis(data[side])
-    print(f"\ndiff {result.label}: eager -> mlpfuse")
+    print(f"\ndiff {printable(result.label)}: eager -> mlpfuse")
     render.print_diff(data["diff"])
     print(f"traces: {printable(args.out)}/model-eager.pt.trace.json.gz, model-mlpfuse.pt.trace.json.gz")
     return 0

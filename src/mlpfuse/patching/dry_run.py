@@ -8,14 +8,13 @@ report of the real model, and the meta model gives each swapped block's real siz
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from mlpfuse.errors import InputError
+from mlpfuse.patching import folder as model_folder
 from mlpfuse.patching import structure, tiny
 from mlpfuse.patching.report import Left, PatchReport
 from mlpfuse.patching.swap import patch
@@ -49,7 +48,7 @@ class DryRun:
 def dry_run(folder: str, backend: str = "auto") -> DryRun:
     """The report `mlpfuse.patch(model, backend)` would give for the model in `folder`, without its weights."""
     transformers = _transformers()
-    config = _config(folder, transformers)
+    config = model_folder.load_config(folder, "MODEL_DIR", transformers)
     model_class = _model_class(config, transformers)
     try:
         with torch.device("meta"):
@@ -80,32 +79,6 @@ def _transformers():
         raise InputError("patch --dry-run reads transformers configs: pip install 'mlpfuse[models]'") from None
     transformers.logging.set_verbosity_error()
     return transformers
-
-
-def _config(folder: str, transformers):
-    if not os.path.isdir(folder):
-        raise InputError(f"MODEL_DIR: {folder} is not a folder")
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise InputError(f"MODEL_DIR: {folder} has no config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"config.json: not a JSON file ({one_line(exc)})") from None
-    if not isinstance(raw, dict):
-        raise InputError(f"config.json: expected a JSON object, got {type(raw).__name__}")
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-
-    model_type = raw.get("model_type")
-    if model_type not in CONFIG_MAPPING_NAMES:
-        raise InputError(f"config.json: unknown model type {model_type!r} (transformers {transformers.__version__} "
-                         f"knows {len(CONFIG_MAPPING_NAMES)}, e.g. llama, gpt2, qwen3)")
-    try:
-        return transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001
-        raise InputError(f"config.json: transformers cannot build a {model_type} config from it: "
-                         f"{one_line(exc)}") from None
 
 
 def _model_class(config, transformers) -> type:
