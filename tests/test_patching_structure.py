@@ -369,3 +369,69 @@ def test_a_post_norm_block_runs_the_module_s_own_forward_while_its_dropout_or_no
         m.blocks[0].norm.register_forward_hook(shift)
     hooked = model(x)
     assert torch.equal(hooked, reference(x)) and not torch.equal(hooked, unhooked)
+
+
+# A hand-written block whose activation is a function its forward calls: read from its structure whatever the class
+# is called (no MLP-like name, no activation child), and the modules looked at and left are named with why.
+class GeGLU(nn.Module):
+    def __init__(self, dim=DIM, hidden=2 * DIM):
+        super().__init__()
+        self.gate, self.up = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.gate(x), approximate="tanh") * self.up(x))
+
+
+class SquaredReLU(nn.Module):
+    def __init__(self, dim=DIM, hidden=2 * DIM):
+        super().__init__()
+        self.w_in, self.w_out = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.w_out(torch.relu(self.w_in(x)).square())
+
+
+class Bottleneck(nn.Module):  # two projections, nothing between them
+    def __init__(self, dim=DIM, hidden=2 * DIM):
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+class MishBlock(Bottleneck):
+    def forward(self, x):
+        return self.b(F.mish(self.a(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ff, self.sq, self.bn, self.mi = GeGLU(), SquaredReLU(), Bottleneck(), MishBlock()
+
+    def forward(self, x):
+        return self.mi(self.bn(self.sq(self.ff(x))))
+
+
+def test_functional_activations_in_a_forward_are_read_whatever_the_class_is_called():
+    model = Stack().double()
+    x = torch.randn(2, 5, DIM, dtype=torch.float64)
+    expected = model(x)
+    report = mlpfuse.patch(model, backend="torch")
+    assert [(s.path, s.layout, s.activation, s.matched) for s in report.swapped] == [
+        ("ff", "gated", "gelu_tanh", "structure"), ("sq", "two-layer", "relu2", "structure")], report.summary()
+    assert [(item.path, item.reason) for item in report.left] == [
+        ("bn", "no layout mlpfuse fuses: no activation in its children or its forward"),
+        ("mi", "unknown activation mish (called in its forward)")]
+    torch.testing.assert_close(model(x), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_the_calls_read_from_a_forward():
+    from mlpfuse.patching.structure import forward_activations
+
+    assert forward_activations(GeGLU) == (("gelu", "gelu_tanh"),)
+    assert forward_activations(SquaredReLU) == (("relu", "relu"),)
+    assert forward_activations(MishBlock) == (("mish", ""),)
+    assert forward_activations(Bottleneck) == ()

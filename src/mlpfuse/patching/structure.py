@@ -10,17 +10,22 @@ The projections' shapes say which layouts fit, with every name:
     1 projection   dim→h, a known activation  linear-act
                    dim→d, an nn.LayerNorm(d)  post-norm: norm(dense(x) + residual), a forward of two inputs
                                               (BERT's output blocks), no activation
-Activations tried: those the module holds (children, functions, names) that mlpfuse knows, then the config's
-hidden_act, then every other one mlpfuse computes. Gate and down multipliers: (1, 1), then the module's float attributes
-named like multipliers. Names never decide; the verification does, and the first assignment whose output equals
-the module's is kept.
+A module that holds no activation is a candidate when its forward calls one as a function (F.gelu, torch.sigmoid,
+x.relu(): read from its source), or when its class is named like an MLP. Activations tried: those the module holds
+(children, functions, names) that mlpfuse knows, then those its forward calls, then the config's hidden_act, then
+every other one mlpfuse computes. Gate and down multipliers: (1, 1), then the module's float attributes named like
+multipliers. Names never decide; the verification does, and the first assignment whose output equals the module's
+is kept. A module whose projections fit a layout but which is no candidate is reported as left, with why.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
 import itertools
 import math
+import textwrap
 from dataclasses import dataclass
 from typing import Optional
 
@@ -96,6 +101,7 @@ class Reading:
     why_not: str = ""
     held: tuple[str, ...] = ()
     unknown: tuple[str, ...] = ()
+    shaped: bool = False  # its projections fit a fused layout: a module worth naming in the report when left
 
 
 def projection(name: str, child) -> Optional[Projection]:
@@ -143,18 +149,27 @@ def read(module: nn.Module, config=None) -> Reading:
                            f"layout has that many")
     if len({p.transposed for p in projs}) > 1:
         return Reading([], "nn.Linear and Conv1D projections mixed")
-    if len(projs) == 1 and not acts:
-        return Reading([], "one projection and no activation mlpfuse knows on the module")
-    if not acts and not unknown and not table.looks_like_mlp(module):
-        return Reading([], "no activation on the module")
+    calls = forward_activations(type(module))
+    called = [mlp_name for _, mlp_name in calls if mlp_name]
+    unknown += [f"{call} (called in its forward)" for call, mlp_name in calls if not mlp_name]
     layouts = _layouts(projs)
+    if len(projs) == 1 and not acts and not calls:
+        return Reading([], "one projection and no activation mlpfuse knows on the module")
+    if not acts and not called and not unknown and not table.looks_like_mlp(module):
+        # Two or three projections that chain like an MLP's, in a module whose forward takes the input alone (not a
+        # container, not an attention taking masks and positions) and applies nothing between them that mlpfuse
+        # can see: worth a line in the report, unlike a lone projection.
+        container = isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential))
+        shaped = len(projs) > 1 and bool(layouts) and not container and forward_problem(module) is None
+        return Reading([], "no activation in its children or its forward", shaped=shaped)
     if not layouts:
         shapes = ", ".join(f"{p.name} {p.d_in}→{p.d_out}" for p in projs)
         return Reading([], f"projection shapes match no fused layout ({shapes})")
-    # Held first, then the config's, then every other one mlpfuse computes: a module may call F.gelu without holding
-    # it, square what its ReLU gives, or hold an activation mlpfuse does not name that computes one it knows
-    # (Bloom's gelu is tanh's). Only a module no reading verifies pays for the later ones.
-    tried = list(dict.fromkeys([*acts, *_config_activations(module, config), *activations.NAMES]))
+    # Held first, then those its forward calls, then the config's, then every other one mlpfuse computes: a module
+    # may call F.gelu without holding it, square what its ReLU gives, or hold an activation mlpfuse does not name
+    # that computes one it knows (Bloom's gelu is tanh's). Only a module no reading verifies pays for the later ones.
+    tried = list(dict.fromkeys([*acts, *called, *_config_activations(module, config),
+                                *activations.NAMES]))
     tried = [a for a in tried if a != "identity"]
     dropout = drops[0] if len(drops) == 1 else ""
     if len(drops) > 1:
@@ -213,6 +228,37 @@ def _layouts(projs: list[Projection]) -> list[tuple[str, tuple[str, ...], bool]]
     else:
         out.append((table.LINEAR_ACT, (projs[0].name,), False))
     return out
+
+
+# Functions a forward may call to apply an activation, by the name it calls them by (F.gelu, torch.sigmoid, x.relu(),
+# nn.functional.silu): what each suggests trying first. "" marks a call that makes the module a candidate without
+# naming one mlpfuse computes (x·sigmoid(1.702x) is quick_gelu, x·sigmoid(x) silu: the numbers decide).
+_CALLED = {"gelu": "gelu", "silu": "silu", "swish": "silu", "relu": "relu", "sigmoid": "silu", "quick_gelu":
+           "quick_gelu", "gelu_new": "gelu_tanh", "relu_squared": "relu2", "mish": "", "tanh": "", "softplus": "",
+           "relu6": "", "leaky_relu": "", "hardswish": "", "elu": "", "selu": "", "celu": "", "gelu_pytorch_tanh":
+           "gelu_tanh"}
+
+
+@functools.lru_cache(maxsize=None)
+def forward_activations(cls: type) -> tuple[tuple[str, str], ...]:
+    """(function called, mlpfuse's activation to try first) for each activation a class's forward calls as a
+    function (F.gelu(x, approximate="tanh") → ("gelu", "gelu_tanh")), read from its source; the second is "" for
+    one mlpfuse computes nothing like. Empty when there is no source to read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return ()
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+        if name not in _CALLED:
+            continue
+        tanh = any(k.arg == "approximate" and isinstance(k.value, ast.Constant) and k.value.value == "tanh"
+                   for k in node.keywords)
+        found.append((name, "gelu_tanh" if name == "gelu" and tanh else _CALLED[name]))
+    return tuple(dict.fromkeys(found))
 
 
 def _config_activations(module: nn.Module, config) -> list[str]:

@@ -105,7 +105,8 @@ def _walk(parent: nn.Module, prefix: str, report: PatchReport, backend: str, ver
                 report.left.append(Left(path, type(child).__name__, f"a mixture of experts: {reading.why_not}"))
             before = (len(report.swapped), len(report.left))
             _walk(child, path, report, backend, verify, verdicts, config, experts, recompute)
-            if not experts and table.looks_like_mlp(child) and (len(report.swapped), len(report.left)) == before:
+            plausible = table.looks_like_mlp(child) or reading.shaped
+            if not experts and plausible and (len(report.swapped), len(report.left)) == before:
                 report.left.append(Left(path, type(child).__name__, f"no layout mlpfuse fuses: {reading.why_not}"))
 
 
