@@ -2,8 +2,12 @@
 
 Starting processes that import torch costs seconds each; a case costs milliseconds. So a module starts its group
 once (`Group`), and each test sends the name of a function (in an importable module) for every rank to run with
-(rank, world, mesh, **kwargs). A rank that raises returns its traceback, and the test fails with it; a case that
-hangs (a rank stuck in a collective) is stopped after `timeout` seconds and the group is started afresh.
+(rank, world, mesh, **kwargs). A rank that raises returns its traceback, and the test fails with it.
+
+How long a case takes depends on the machine and on whatever else runs there (a loaded 2-core CI machine stretched a
+case past two minutes), so nothing here fails on a short clock: the test waits for as long as every rank it waits
+for is alive, fails at once when one has exited, and gives up only after HANG_S, far above any plausible run, which
+only a hang (ranks stuck in a collective) reaches. After a failure the group is started afresh.
 """
 
 from __future__ import annotations
@@ -15,12 +19,16 @@ import os
 import queue
 import sys
 import tempfile
+import time
 import traceback
 
 import torch.distributed as dist
 
 AVAILABLE = dist.is_available() and dist.is_gloo_available()
 WHY_NOT = "torch.distributed with the gloo backend is not available in this torch build"
+HANG_S = 30 * 60  # a case of seconds on an idle machine: only a hang runs this long, however busy the machine
+_POLL_S = 1.0  # how often a wait looks whether the ranks it waits for are still alive
+_GRACE_S = 10.0  # after one rank failed, how long the others may take to report theirs (the test fails either way)
 
 
 def _serve(rank: int, world: int, store_path: str, path: list, inbox, outbox) -> None:
@@ -30,7 +38,7 @@ def _serve(rank: int, world: int, store_path: str, path: list, inbox, outbox) ->
 
     torch.set_num_threads(1)  # two ranks on a small CI machine: no thread oversubscription
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=HANG_S))
     mesh = init_device_mesh("cpu", (world,))
     outbox.put((rank, "ready", None))
     while True:
@@ -50,7 +58,7 @@ def _serve(rank: int, world: int, store_path: str, path: list, inbox, outbox) ->
 class Group:
     """`world` spawned processes in one gloo group with a 1-D CPU device mesh."""
 
-    def __init__(self, world: int = 2, timeout: float = 120.0):
+    def __init__(self, world: int = 2, timeout: float = HANG_S):
         self.world, self.timeout = world, timeout
         self.procs: list = []
         self._start()
@@ -70,24 +78,31 @@ class Group:
 
     def _collect(self, what: str, restart: bool = True) -> list:
         results: list = [None] * self.world
-        errors = []
-        for _ in range(self.world):
+        errors, pending = [], set(range(self.world))
+        give_up, failed_at, problem = time.monotonic() + self.timeout, None, None
+        while pending and problem is None:
             try:
-                rank, status, value = self.outbox.get(timeout=self.timeout)
+                rank, status, value = self.outbox.get(timeout=_POLL_S)
             except queue.Empty:
-                self.close()
-                if restart:
-                    self._start()
-                raise AssertionError(f"{what}: a rank did not answer within {self.timeout:.0f} s") from None
+                dead = {r: self.procs[r].exitcode for r in sorted(pending) if not self.procs[r].is_alive()}
+                if dead:
+                    problem = f"{what}: rank(s) exited without answering (exit codes {dead})"
+                elif failed_at is not None and time.monotonic() > failed_at + _GRACE_S:
+                    break  # the rest may wait in a collective for the rank that failed: its traceback says why
+                elif time.monotonic() > give_up:
+                    problem = f"{what}: no answer from rank(s) {sorted(pending)} in {self.timeout:.0f} s (a hang)"
+                continue
+            pending.discard(rank)
             if status == "error":
+                failed_at = failed_at or time.monotonic()
                 errors.append(f"rank {rank}:\n{value}")
             results[rank] = value
-        if errors:
-            # A rank that failed may leave the other waiting in a collective: start a fresh group for what follows.
+        if problem is not None or errors:
+            # A rank that failed or died may leave the others waiting in a collective: start a fresh group.
             self.close()
             if restart:
                 self._start()
-            raise AssertionError(f"{what} failed\n" + "\n".join(errors))
+            raise AssertionError("\n".join([problem or f"{what} failed", *errors]))
         return results
 
     def run(self, module: str, name: str, **kwargs) -> list:

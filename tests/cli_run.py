@@ -13,6 +13,9 @@ import sys
 from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The wall-clock limit on a child process: only a hang reaches it. A command of seconds on an idle machine takes ten
+# times as long on a loaded one, so a limit must sit far above that, or the machine's load decides the test.
+HANG_S = 30 * 60
 SRC = os.path.join(ROOT, "src")
 
 
@@ -33,7 +36,7 @@ def cli_env(**extra) -> dict:
     return env
 
 
-def run_cli(*args, cwd=None, timeout: float = 600, memory_cap: int | None = None, env: dict | None = None,
+def run_cli(*args, cwd=None, timeout: float = HANG_S, memory_cap: int | None = None, env: dict | None = None,
             **env_extra) -> subprocess.CompletedProcess:
     """`python3 -m mlpfuse ARGS` with stdout and stderr pipes. `memory_cap` (bytes) caps the address space, so a
     command that would allocate more than the machine can give fails at once instead of swapping."""
@@ -124,6 +127,16 @@ def number(cell: str) -> float:
     """The leading number of a cell: `12651.9 ±17.6%` -> 12651.9, `0.371×` -> 0.371, `56%` -> 56."""
     head = cell.split()[0].rstrip("×%x")
     return float(head)
+
+
+def close_as_shown(cell: str, value: float) -> bool:
+    """The printed cell is `value` rounded to the places the cell itself shows: for numbers printed with an exponent
+    (`6.3e-07`), whose last place moves with the value, so that no expected precision is derived from a value that a
+    random draw decides (6.25e-07 prints as 6.3e-07: one place short of its own exponent's)."""
+    head = cell.split()[0].rstrip("×%x")
+    mantissa, _, exponent = head.lower().partition("e")
+    unit = 10.0 ** (int(exponent or 0) - len(mantissa.partition(".")[2]))
+    return abs(float(head) - value) <= 0.5 * unit * (1 + 1e-9)
 
 
 def close(cell: str, value: float, decimals: int) -> bool:

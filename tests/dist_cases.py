@@ -568,3 +568,28 @@ def bert_pair_matches_single(rank, world, mesh):
     for name in want:
         torch.testing.assert_close(got[name], want[name], **tol, msg=lambda m: f"{name}: {m}")
     assert spy.calls == [("linear", (HIDDEN // world, DIM))] * 2, spy.calls
+
+
+# The group's own behaviour (tests/_dist.py): a slow rank, a failing one, one that dies.
+
+def slow_rank(rank, world, mesh, seconds: float):
+    """Rank 1 answers after `seconds` (several of the group's polls): a rank still working is waited for."""
+    import time
+
+    if rank == 1:
+        time.sleep(seconds)
+    return rank
+
+
+def rank_fails(rank, world, mesh, how: str):
+    """Rank 1 raises (how="raise") or exits on the spot (how="exit") while rank 0 waits for it in a barrier."""
+    import os
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        if how == "exit":
+            os._exit(3)
+        raise ValueError("rank 1 gave up")
+    dist.barrier()
+    return rank

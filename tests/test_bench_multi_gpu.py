@@ -15,7 +15,7 @@ import sys
 import pytest
 
 import _dist
-from cli_run import benchmark_script
+from cli_run import HANG_S, benchmark_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "multi_gpu.py")
@@ -67,7 +67,7 @@ def test_cpu_gloo_smoke_run(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, SCRIPT, "--cpu-gloo", "--rounds", "2", "--reps", "1", "--sequence-parallel",
                            "--variants", "eager,mlpfuse,mlpfuse-ce", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=env, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     data = json.loads((out / "results.json").read_text())

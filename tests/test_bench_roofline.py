@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from cli_run import HANG_S
+
 from mlpfuse.bench import roofline
 from mlpfuse.bench.presets import Case
 from mlpfuse.bench.variants import eager_module, make_problem
@@ -210,7 +212,7 @@ def test_a_fifo_in_place_of_the_cache_does_not_block(cache):
     log, done = [], []
     worker = threading.Thread(target=lambda: done.append(_load(log)), daemon=True)
     worker.start()
-    worker.join(timeout=120)
+    worker.join(timeout=HANG_S)
     assert done, "load_peaks blocked on a FIFO"
     _assert_sane(done[0])
     assert len(_ignored(log, cache)) == 1 and cache.is_file()

@@ -35,7 +35,7 @@ def test_a_model_that_cannot_fit_is_refused_before_it_is_built(tmp_path):
     for args in (["bench", "--model", "llama3-8b", "--layers", "32", "--tokens", "1x8192"],
                  ["bench", "--model", "llama3-8b", "--layers", "4", "--mode", "decode,train", "--tokens", "2x2048"],
                  ["profile", "--model", "llama3-8b", "--no-tiny", "--layers", "32"]):
-        proc = run_cli(*args, "--device", "cpu", "--out", tmp_path / "o", memory_cap=6 * GB, timeout=300)
+        proc = run_cli(*args, "--device", "cpu", "--out", tmp_path / "o", memory_cap=6 * GB)
         line = assert_one_error_line(proc)
         assert line.startswith("mlpfuse: error: --model llama3-8b: needs about "), line
         need, have = (float(x) for x in re.search(r"needs about ([\d.]+) GB.* but ([\d.]+) GB are free", line).groups())

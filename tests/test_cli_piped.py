@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from cli_run import close, number, run_cli, table, tables
+from cli_run import close, close_as_shown, number, run_cli, table, tables
 
 TRACES = "tests/fixtures/traces"
 PUBLIC = f"{TRACES}/public"
@@ -129,7 +129,9 @@ def test_bench_table_is_whole(bench_run):
         assert cells["status"] == "ok"
         assert close(cells["wall µs/call"], r["wall_us"], 1)
         assert cells["wall µs/call"].endswith(f" ±{r['wall_spread_pct']:.1f}%")
-        assert close(cells["rel. err"], r["max_rel_error"], 2 - int(f"{r['max_rel_error']:e}".split("e")[1]))
+        # whole: a full mantissa and exponent (a cut cell would lose digits or the exponent), the JSON's value
+        assert re.fullmatch(r"\d\.\d+e[+-]\d+", cells["rel. err"]), cells["rel. err"]
+        assert close_as_shown(cells["rel. err"], r["max_rel_error"]), (cells["rel. err"], r["max_rel_error"])
     # stderr's list of files: each path whole on the one line
     wrote = next(line for line in proc.stderr.splitlines() if line.startswith("wrote "))
     for name in ("results.json", "results.csv", "results.md", "report.html"):

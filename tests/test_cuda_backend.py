@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_run import HANG_S
+
 import mlpfuse
 from mlpfuse import csrc, ops, reference
 from mlpfuse.activations import NAMES
@@ -30,7 +32,7 @@ NVCC = csrc.find_nvcc()
 def _cuda_home(nvcc: str) -> str:
     """The toolkit root nvcc itself reports (`TOP=` of its dry run): /usr/local/bin/nvcc may be a wrapper script."""
     out = subprocess.run([nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull], capture_output=True,
-                         text=True, timeout=60)
+                         text=True, timeout=HANG_S)
     top = re.search(r"TOP=(\S+)", out.stdout + out.stderr)
     return os.path.realpath(top.group(1)) if top else str(Path(nvcc).resolve().parent.parent)
 
@@ -72,7 +74,7 @@ def _compile(tmp_path_factory, arch: str, cuda_only: bool = False):
         objects = [o for o in objects if o.endswith(".cuda.o")]
     env = dict(os.environ, PATH=f"{home}/bin:{os.environ.get('PATH', '')}")
     run = subprocess.run(["ninja", "-C", str(folder), f"-j{min(3, len(objects))}", *objects], capture_output=True,
-                         text=True, env=env, timeout=900)
+                         text=True, env=env, timeout=HANG_S)
     return run.returncode, run.stdout + run.stderr, objects, ninja, folder
 
 
@@ -379,7 +381,7 @@ def test_bad_tensors_are_one_input_error():
 def test_benchmark_script_runs_small():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "cuda_backend_gpu.py"
     env = dict(os.environ, PYTHONPATH=str(Path(mlpfuse.__file__).resolve().parents[1]))
-    run = subprocess.run(["python3", str(script), "--quick"], capture_output=True, text=True, env=env, timeout=600)
+    run = subprocess.run(["python3", str(script), "--quick"], capture_output=True, text=True, env=env, timeout=HANG_S)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "numerics: PASS" in run.stdout
 

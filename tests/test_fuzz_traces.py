@@ -25,6 +25,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from cli_run import HANG_S
+
 from mlpfuse.cli import main
 from mlpfuse.profiling import expect
 
@@ -33,7 +35,7 @@ NAMES = sorted(f[: -len(".json.gz")] for f in os.listdir(FIXTURES) if f.endswith
 SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 _DOCS = {}
 
-SETTINGS = dict(derandomize=True, database=None, deadline=20_000,
+SETTINGS = dict(derandomize=True, database=None, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -65,7 +67,7 @@ def time_limit(seconds):
 
 def cli(*argv):
     out, err = io.StringIO(), io.StringIO()
-    with time_limit(60), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with time_limit(HANG_S), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main(list(argv))
         except SystemExit as exc:  # argparse's own refusals (an option value that looks like an option)
@@ -349,7 +351,7 @@ def test_mutated_traces_through_a_real_process(tmp_path):
         path.write_text(json.dumps(trace, allow_nan=True))
         for argv in (["analyze", str(path), "--json"], ["analyze", str(path)]):
             proc = subprocess.run([sys.executable, "-m", "mlpfuse", *argv], capture_output=True, text=True,
-                                  timeout=120, env=env)
+                                  timeout=HANG_S, env=env)
             assert proc.returncode in (0, 2) and "Traceback" not in proc.stderr
             if proc.returncode == 0:
                 check_analysis(strict(proc.stdout)) if "--json" in argv else check_text(proc.stdout)
@@ -359,5 +361,5 @@ def test_mutated_traces_through_a_real_process(tmp_path):
                                      stderr=subprocess.PIPE, env=env)
             early.stdout.close()
             err = early.stderr.read().decode()
-            code = early.wait(timeout=120)
+            code = early.wait(timeout=HANG_S)
             assert (code, err) == (141, "") or (code == 2 and len(err.splitlines()) == 1), (code, err)

@@ -1,5 +1,7 @@
 """Which tile rows a card gets (kernels.configs): measured cards by name and SM count, others the safe default."""
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -63,6 +65,25 @@ def test_cards_are_told_apart_by_name_and_sm_count():
     assert configs.card(H200, 132)[0] == "h200"
     # An unmeasured Hopper card still gets valid rows (the first H200 table's) for kernels a caller forces.
     assert _gated("NVIDIA GH200 480GB", 132, 8192, 14336, 4096) == configs._SM90_16[("gated", "large")]
+
+
+class Props(NamedTuple):
+    """The fields of torch.cuda.get_device_properties() that tell cards apart, for cards this machine lacks."""
+
+    name: str
+    multi_processor_count: int
+
+
+@pytest.mark.parametrize("name", [H100, H200])
+@pytest.mark.parametrize("sms", [114, 131, 133, 144])
+def test_a_measured_name_with_another_sm_count_is_an_untuned_card(name, sms):
+    """Same name, other SM count (a cut-down or differently fused part, a MIG-like slice): its clocks and tile
+    counts differ, so the card's measured rows and cut-overs do not apply; it gets the generic Hopper rows."""
+    assert configs.card_of(Props(name, 132)) is configs.card(name, 132) is not None
+    assert configs.card_of(Props(name, sms)) is None and configs.card(name, sms) is None
+    generic = configs._SM90_16
+    assert _gated(name, sms, 8192, 14336, 4096) == generic[("gated", "large")] != _gated(name, 132, 8192, 14336, 4096)
+    assert _gated(name, sms, 16384, 3072, 768) == generic[("gated", "large")]  # no long-call row either
 
 
 def test_measured_cards_carry_their_cut_overs():

@@ -20,6 +20,7 @@ import textwrap
 import pytest
 import torch
 
+from cli_run import HANG_S
 from conftest import HAS_CUDA
 from mlpfuse.kernels import available
 
@@ -121,7 +122,7 @@ _CHILD = textwrap.dedent(r"""
 @pytest.fixture(scope="module")
 def report() -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=HANG_S)
     assert proc.returncode == 0, f"kernels crashed on offsets past 2**31 (exit {proc.returncode}): {proc.stderr[-2000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

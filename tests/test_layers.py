@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cli_run import HANG_S
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 # The package's front door (mlpfuse/__init__.py) re-exports the public API of every layer: it sits on top, and only
 # its `__version__` may be imported from below.
@@ -148,7 +150,7 @@ def test_profiling_runs_without_triton_or_transformers():
     trace = Path(__file__).parent / "fixtures" / "traces" / "geglu_eager.json.gz"
     env = dict(os.environ, PYTHONPATH=str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", _PROBE.format(blocked=_BLOCKED), str(trace)], env=env,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0, out.stderr[-2000:]
     events, steps, kernels, leaked = out.stdout.split(" ", 3)
     assert int(events) > 0 and int(steps) > 0 and int(kernels) > 0

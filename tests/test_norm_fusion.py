@@ -300,3 +300,147 @@ def test_a_patched_model_pickles_and_deep_copies_with_its_norms_handed_over():
         assert layer.post_attention_layernorm(x) is x
         for got, want in zip(_logits(other, ids), _logits(model, ids)):
             assert torch.equal(got, want)
+
+
+# --- RMSNorm's eps, on every path that normalises ---------------------------------------------------------------
+
+def _rms64(x, weight, eps, kind):
+    """RMSNorm from its definition, in float64: each row divided by sqrt(mean(x²) + eps), then the weight."""
+    xd = x.double()
+    normed = xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + eps)
+    return normed * weight.double() if kind == N.WEIGHT_AFTER else normed * (1.0 + weight.double())
+
+
+def _eps_rows(m, d, generator):
+    """Rows whose mean square lies far below eps, near it and far above it (eps from 1e-6 to 0.25): on the small rows
+    eps decides the scale, so adding it after the square root, or leaving it out, is off by orders of magnitude."""
+    scales = torch.tensor([1e-4, 3e-3, 0.05, 0.5, 4.0])[torch.arange(m) % 5]
+    return torch.randn(m, d, generator=generator, dtype=torch.float64) * scales[:, None]
+
+
+def _row_err(got, want):
+    """Worst relative error of one row: a bug confined to the small rows must not hide behind the large ones."""
+    got, want = got.double().flatten(0, -2), want.flatten(0, -2)
+    return ((got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-300)).max().item()
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-2, 0.25])
+@pytest.mark.parametrize("kind", [N.WEIGHT_AFTER, N.ONE_PLUS])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float64, 1e-6), (torch.float16, 2e-3)],
+                         ids=["fp32", "fp64", "fp16"])
+def test_rms_norm_adds_eps_under_the_root(dtype, tol, kind, eps):
+    g = torch.Generator().manual_seed(3)
+    x = _eps_rows(10, 48, g).to(dtype)
+    w = (torch.randn(48, generator=g, dtype=torch.float64) / 2 + 1).to(dtype)
+    want = _rms64(x, w, eps, kind)
+    got = N.rms_norm(x, w, eps, kind)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert _row_err(got, want) < tol
+
+
+@pytest.mark.parametrize("mode", [0, 2, 3, 4])
+@pytest.mark.parametrize("kind", [N.WEIGHT_AFTER, N.ONE_PLUS])
+def test_decode_kernel_norm_prologue_adds_eps_under_the_root(kind, mode):
+    """The decode kernels' own norm (fp32 through the interpreter on a CPU) with a large eps and tiny rows."""
+    from mlpfuse import activations
+    from mlpfuse.kernels.decode_mlp import decode_gated_mlp
+
+    g = torch.Generator().manual_seed(kind * 7 + mode)
+    d, h, eps = 40, 72, 0.25
+    x = _eps_rows(5, d, g).to(DEVICE, torch.float32)
+    wg, wu = [(torch.randn(h, d, generator=g) / 2).to(DEVICE) for _ in range(2)]
+    wd = (torch.randn(d, h, generator=g) / 8).to(DEVICE)
+    nw = (torch.randn(d, generator=g) / 2 + 1).to(DEVICE)
+    xn = _rms64(x, nw, eps, kind)
+    want = F.linear(F.silu(xn @ wg.double().T) * (xn @ wu.double().T), wd.double())
+    got = decode_gated_mlp(x, wg, wu, wd, activation=activations.SILU, norm_weight=nw, norm_eps=eps, norm_kind=kind,
+                           allow_tf32=False, _mode=mode)
+    assert _row_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("backend,m", [("torch", 5), ("triton", 5), ("triton", 70)],
+                         ids=["torch", "triton-decode", "triton-past-decode"])
+@pytest.mark.parametrize("kind", [N.WEIGHT_AFTER, N.ONE_PLUS])
+def test_norm_gated_mlp_op_adds_eps_under_the_root(kind, backend, m):
+    """The op a compiled block records: the decode kernels normalise at decode sizes, ops.norm.rms_norm elsewhere."""
+    g = torch.Generator().manual_seed(kind + m)
+    d, h, eps = 32, 48, 0.25
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    x = _eps_rows(m, d, g).to(DEVICE, dtype)
+    wg, wu = [(torch.randn(h, d, generator=g, dtype=torch.float64) / 2).to(DEVICE, dtype) for _ in range(2)]
+    wd = (torch.randn(d, h, generator=g, dtype=torch.float64) / 8).to(DEVICE, dtype)
+    nw = (torch.randn(d, generator=g, dtype=torch.float64) / 2 + 1).to(DEVICE, dtype)
+    xn = _rms64(x, nw, eps, kind)
+    want = F.linear(F.silu(xn @ wg.double().T) * (xn @ wu.double().T), wd.double())
+    with torch.no_grad():
+        got = torch.ops.mlpfuse.norm_gated_mlp(x, nw, eps, kind, wg, wu, wd, None, None, None, "silu", backend)
+    # rms_norm computes in fp32 (as transformers' norms do), so float64 inputs keep fp32's rounding
+    assert _row_err(got, want) < 1e-5
+
+
+# --- which norm a layer's forward hands to the block ------------------------------------------------------------
+
+class _RawInputLayer(_Layer):
+    def forward(self, h):
+        n = self.norm(h)
+        h = self.mlp(h)  # the block reads the raw input; the normalised value is used below
+        return h + n
+
+
+class _DiscardedNormLayer(_Layer):
+    def forward(self, h):
+        n = self.norm(h)  # noqa: F841 - computed and dropped: the block still reads the raw input
+        h = self.mlp(h)
+        return h
+
+
+class _OtherNameLayer(_Layer):
+    def forward(self, x):
+        h = self.norm(x)
+        x = self.mlp(x)  # the norm's argument, not its output, goes into the block
+        return x + h
+
+
+class _RenamedLayer(_Layer):
+    def forward(self, x):
+        h = self.norm(x)
+        y = self.mlp(h)  # the block reads the norm's output, but `h` lives on and is read again
+        return y + h
+
+
+def _rms_layer_model(layer_cls, eps=0.25):
+    torch.manual_seed(0)
+    model = nn.Sequential(layer_cls(_RMS()), layer_cls(_RMS())).double()
+    with torch.no_grad():
+        for layer in model:
+            layer.norm.variance_epsilon = eps  # large enough that a wrongly applied norm shows on any row
+            layer.norm.weight.normal_(1.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("layer_cls", [_RawInputLayer, _DiscardedNormLayer, _OtherNameLayer, _RenamedLayer])
+def test_a_norm_whose_output_the_block_does_not_alone_read_stays(layer_cls):
+    model = _rms_layer_model(layer_cls)
+    ref = copy.deepcopy(model)
+    report = mlpfuse.patch(model, backend="torch")
+    x = torch.randn(3, 5, 16, dtype=torch.float64) * 0.1  # small rows: eps matters to the norm
+    with torch.no_grad():
+        got, want = model(x), ref(x)
+        normed = model[0].norm(x)
+    assert ((got - want).norm() / want.norm()).item() < 1e-12
+    assert [s.path for s in report.swapped] == ["0.mlp", "1.mlp"]
+    assert report.norms == [] and report.norms_kept == []
+    assert not torch.equal(normed, x)  # the norm still computes its output: not made to pass its input through
+
+
+def test_a_norm_whose_output_only_the_block_reads_is_fused_with_equal_outputs():
+    """The positive case beside the ones above: same classes, `h = self.norm(h); h = self.mlp(h)`."""
+    model = _rms_layer_model(_Layer)
+    ref = copy.deepcopy(model)
+    report = mlpfuse.patch(model, backend="torch")
+    assert [n.path for n in report.norms] == ["0.norm", "1.norm"]
+    x = torch.randn(3, 5, 16, dtype=torch.float64) * 0.1
+    with torch.no_grad():
+        assert model[0].norm(x) is x
+        got, want = model(x), ref(x)
+    assert ((got - want).norm() / want.norm()).item() < 1e-6  # the norm's fp32 rounding, as the model's own

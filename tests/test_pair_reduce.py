@@ -14,6 +14,8 @@ import os
 import pytest
 import torch
 
+from cli_run import HANG_S
+
 from mlpfuse.ops import pair_reduce
 
 
@@ -84,9 +86,9 @@ def test_two_ranks_sum_through_the_copy_engines():
     procs = [ctx.Process(target=_rank, args=(r, port, results)) for r in range(2)]
     for p in procs:
         p.start()
-    got = dict(results.get(timeout=300) for _ in procs)
+    got = dict(results.get(timeout=HANG_S) for _ in procs)
     for p in procs:
-        p.join(timeout=60)
+        p.join(timeout=HANG_S)
     for rank in range(2):
         assert not isinstance(got[rank], str), got[rank]
         for row in got[rank]:

@@ -240,3 +240,18 @@ def test_per_rank_traces_of_a_real_run(group, tmp_path):
     for row in data["per_rank"]:
         assert row["steps"] == 3 and row["comm_kernels"] == 0  # gloo on CPUs: no GPU kernels to count
     assert data["skew"]["matched_by"] == "step name" and len(data["skew"]["steps"]) == 3
+
+
+def test_the_group_waits_for_a_rank_still_working(group):
+    """Waiting is on progress, not on a clock: a rank that answers after several of the group's polls is waited for."""
+    assert group.run(CASES, "slow_rank", seconds=4 * _dist._POLL_S) == list(range(WORLD))
+
+
+@pytest.mark.parametrize("how,message", [("raise", "ValueError: rank 1 gave up"),
+                                         ("exit", "rank(s) exited without answering (exit codes {1: 3})")])
+def test_a_failed_or_dead_rank_fails_the_case_and_the_group_starts_afresh(group, how, message):
+    # rank 0 is left in a barrier: the case must fail on the other rank's traceback or exit, not wait out a clock
+    with pytest.raises(AssertionError) as failed:
+        group.run(CASES, "rank_fails", how=how)
+    assert message in str(failed.value)
+    assert group.run(CASES, "slow_rank", seconds=0.0) == list(range(WORLD))  # a fresh group runs the next case

@@ -5,9 +5,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
+
+from cli_run import HANG_S
 
 pytest.importorskip("transformers")
 
@@ -35,22 +36,20 @@ def folder(tmp_path, config, name="model"):
 
 
 def mlpfuse(*args):
-    """The CLI in a child process; its own child's peak memory (ru_maxrss, KiB) measured by a wrapper."""
+    """The CLI in a child process; its CPU seconds and peak memory (ru_maxrss, KiB) measured by a wrapper."""
     wrapper = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
                "u = resource.getrusage(resource.RUSAGE_CHILDREN); "
                "print(u.ru_utime + u.ru_stime, u.ru_maxrss, file=sys.stderr); sys.exit(r.returncode)")
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    start = time.perf_counter()
     p = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "-m", "mlpfuse", *args],
-                       capture_output=True, text=True, env=env, timeout=120)
-    wall = time.perf_counter() - start
+                       capture_output=True, text=True, env=env, timeout=HANG_S)
     *err, usage = p.stderr.strip().splitlines()
     cpu, peak = usage.split()
-    return p.returncode, p.stdout, "\n".join(err), (wall, float(cpu)), int(peak) * 1024
+    return p.returncode, p.stdout, "\n".join(err), float(cpu), int(peak) * 1024
 
 
 def test_dry_run_on_an_8b_config_is_quick_and_allocates_no_weights(tmp_path):
-    code, out, err, times, peak = mlpfuse("patch", "--dry-run", folder(tmp_path, LLAMA3_8B))
+    code, out, err, cpu, peak = mlpfuse("patch", "--dry-run", folder(tmp_path, LLAMA3_8B))
     assert code == 0 and err == "", err
     lines = out.splitlines()
     assert "llama (LlamaForCausalLM), 8.03 B parameters on the meta device" in lines[0]
@@ -58,10 +57,10 @@ def test_dry_run_on_an_8b_config_is_quick_and_allocates_no_weights(tmp_path):
     assert lines[2].split() == ["swapped", "model.layers.{0..31}.mlp", "LlamaMLP", "->", "gated", "(silu,", "by",
                                 "name:", "gate=gate_proj", "up=up_proj", "down=down_proj),", "4096", "x", "14336",
                                 "[32x]"]
-    # The CLI's own CPU time (7.2 s of wall on an idle 2-core machine): wall time also counts waiting for a core,
-    # which a loaded machine (parallel test runs) stretched to 17 s.
-    wall, cpu = times
-    assert cpu < 10 and wall < 60, f"{cpu:.1f} s of CPU, {wall:.1f} s of wall"
+    # No weights: the peak below says so. Time only catches work gone out of proportion (7.2 s on an idle 2-core
+    # machine, mostly imports): the CLI's own CPU time, never wall time (that counts waiting for a core, which a
+    # loaded machine stretched from 7 to 17 s), with a limit a ten times slower machine stays under.
+    assert cpu < 120, f"{cpu:.1f} s of CPU"
     assert peak < 2 * 2**30, f"peak {peak / 2**30:.2f} GiB: the 8B model's weights are 16 GiB in bf16"
 
 

@@ -16,6 +16,8 @@ import zlib
 
 import pytest
 
+from cli_run import HANG_S
+
 from mlpfuse.cli import main
 from mlpfuse.profiling import kernel_names, trace as trace_mod
 
@@ -383,7 +385,7 @@ def test_a_fifo_is_refused_at_once(tmp_path):
     fifo = tmp_path / "pipe.json"
     os.mkfifo(fifo)
     proc = subprocess.run([sys.executable, "-m", "mlpfuse", "analyze", str(fifo)], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": SRC})
+                          timeout=HANG_S, env={**os.environ, "PYTHONPATH": SRC})
     one_error_line(proc.returncode, proc.stderr, "FIFO")
 
 
@@ -391,7 +393,7 @@ def test_dev_zero_is_refused_at_once():
     if not os.path.exists("/dev/zero"):
         pytest.skip("needs /dev/zero")
     proc = subprocess.run([sys.executable, "-m", "mlpfuse", "analyze", "/dev/zero"], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": SRC})
+                          text=True, timeout=HANG_S, env={**os.environ, "PYTHONPATH": SRC})
     one_error_line(proc.returncode, proc.stderr, "character device")
 
 
@@ -437,7 +439,7 @@ def test_a_gzip_bomb_is_refused_without_inflating_it(tmp_path):
     for how in (["--max-bytes", "16M"], []):
         env = {**os.environ, "PYTHONPATH": SRC, "MLPFUSE_MAX_TRACE_BYTES": "16M"}
         proc = subprocess.run([sys.executable, "-c", code, "analyze", str(bomb), *how], capture_output=True,
-                              text=True, timeout=120, env=env)
+                              text=True, timeout=HANG_S, env=env)
         one_error_line(proc.returncode, proc.stderr, "gzip data inflates to more than the 16 MiB limit")
         peak_mib = int(proc.stdout) / 1024  # /proc reports kB
         assert peak_mib < 200, peak_mib  # inflating it all would take 512 MiB more
@@ -469,7 +471,7 @@ def _analyze_capped(path, address_space: int, *how):
     env = {**os.environ, "PYTHONPATH": SRC}
     env.pop(trace_mod.MAX_BYTES_ENV, None)
     return subprocess.run([sys.executable, "-m", "mlpfuse", "analyze", str(path), *how], capture_output=True,
-                          text=True, timeout=300, env=env, preexec_fn=cap)
+                          text=True, timeout=HANG_S, env=env, preexec_fn=cap)
 
 
 def test_the_bomb_builder_writes_a_valid_gzip(tmp_path):
@@ -662,7 +664,7 @@ def _closed_pipe_run(argv):
                             env={**os.environ, "PYTHONPATH": SRC})
     proc.stdout.close()  # the reader is gone before the first write, like `| head` after its lines
     err = proc.stderr.read().decode()
-    return proc.wait(timeout=120), err
+    return proc.wait(timeout=HANG_S), err
 
 
 @pytest.mark.parametrize("argv", [["analyze", LINEAR, "--json"], ["analyze", LINEAR], ["diff", LINEAR, LINEAR]])

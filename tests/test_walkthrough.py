@@ -10,7 +10,7 @@ from html import escape
 
 import pytest
 
-from cli_run import assert_one_error_line, close, run_cli, table
+from cli_run import HANG_S, assert_one_error_line, close, run_cli, table
 from mlpfuse import workloads
 from mlpfuse.cli import main
 
@@ -328,7 +328,7 @@ def test_without_transformers_every_output_says_what_was_skipped_and_how_to_get_
             "sys.exit(main(sys.argv[1:]))")
     out = tmp_path / "w"
     proc = subprocess.run([sys.executable, "-c", code, "walkthrough", "--device", "cpu", "--out", str(out),
-                           "--rounds", "1", "--steps", "3"], capture_output=True, text=True, timeout=300,
+                           "--rounds", "1", "--steps", "3"], capture_output=True, text=True, timeout=HANG_S,
                           env={**os.environ, "PYTHONPATH": SRC, "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr
     how = "pip install 'mlpfuse[models]'"

@@ -176,6 +176,11 @@ def card(name: str, num_sms: int) -> Optional[Card]:
     return CARDS.get((name.strip(), num_sms))
 
 
+def card_of(props) -> Optional[Card]:
+    """`card` for a CUDA device's properties (torch.cuda.get_device_properties: `name`, `multi_processor_count`)."""
+    return card(props.name, props.multi_processor_count)
+
+
 def _fp32(table: dict) -> dict:
     # fp32 rows: half the K depth keeps a stage's bytes (and the 128-byte TMA swizzle row) the same as 16-bit.
     return {key: cfg.with_(block_k=32) for key, cfg in table.items()}

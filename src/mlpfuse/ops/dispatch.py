@@ -223,9 +223,8 @@ def _auto_may_use(device: torch.device, dtype: torch.dtype, module: str) -> bool
 def _card(device: torch.device):
     """The device's kernels.configs.CARDS entry (tile rows and cut-overs measured on that card), or None."""
     from mlpfuse.kernels import configs
-    from mlpfuse.kernels import _common as C
 
-    return configs.card(C.device_name(device), C.num_sms(device))
+    return configs.card_of(torch.cuda.get_device_properties(device)) if device.type == "cuda" else None
 
 
 @functools.lru_cache(maxsize=None)
