@@ -60,25 +60,29 @@ def verify_block(source: nn.Module, block: nn.Module, exact: nn.Module, *, train
     gen, where = _generator(weight.device)
     widths = (proj.d_in,) + ((proj.d_out,) if block.fused_layout == table.POST_NORM else ())  # post-norm: residual
 
+    # Random weights rounded to the model's dtype, and the same values in float64 for the two float64 runs: one
+    # float64 copy of the weights at a time (4x a bf16 layer's bytes), on the model's device.
+    rounded = _random_parameters(source, gen, where, weight.dtype)
+    exact_params = {k: _double(v) for k, v in rounded.items()}
+
     # 1. The math.
     n = ROWS[0] * ROWS[1]
     scale = torch.tensor(SCALES * n, dtype=torch.float64, device=where)[:n].view(*ROWS, 1)
     wide = tuple((torch.randn(*ROWS, w, generator=gen, device=where, dtype=torch.float64) * scale).to(weight.device)
                  for w in widths)
-    params = _random_parameters(source, gen, where)
-    reason = _compare_math(source, exact, wide, params, False)
+    reason = _compare_math(source, exact, wide, exact_params, False)
     if reason is None and training:
-        reason = _compare_math(source, exact, wide, params, True)
+        reason = _compare_math(source, exact, wide, exact_params, True)
         if reason is not None:
             return reason + " in training mode (a dropout it applies without a dropout child?)"
     if reason is not None or (block is exact and weight.dtype == torch.float64):
         return reason
 
-    # 2. The rounding, in the model's dtype: the same random rows and weights rounded to it, against float64.
+    # 2. The rounding, in the model's dtype: unit-scale rows rounded to it, against float64 on the same values.
     rows = tuple(torch.randn(*ROWS, w, generator=gen, device=where).to(weight.device, weight.dtype) for w in widths)
-    rounded = _random_parameters(source, gen, where, weight.dtype)
     pair = (source, block)
-    ref = _forward(pair, {k: _double(v) for k, v in rounded.items()}, tuple(x.double() for x in rows), False)
+    ref = _forward(pair, exact_params, tuple(x.double() for x in rows), False)
+    del exact_params
     expected = _forward(pair, rounded, rows, False)
     got = _forward(pair, rounded, rows, False, fused=True)
     reason = next((r for r in (ref, expected, got) if isinstance(r, str)), None) or _shape_problem(expected, got)
@@ -105,10 +109,9 @@ def _generator(device: torch.device) -> tuple[torch.Generator, torch.device]:
     return gen, where
 
 
-def _random_parameters(source: nn.Module, gen: torch.Generator, where: torch.device,
-                       dtype: torch.dtype = torch.float64) -> dict:
+def _random_parameters(source: nn.Module, gen: torch.Generator, where: torch.device, dtype: torch.dtype) -> dict:
     """Weights of the source's shapes with unit-scale outputs (std 1/√fan-in), biases small, rounded to `dtype`;
-    its buffers as they are, in float64 for a float64 call."""
+    its buffers as they are."""
     out = {}
     for name, p in source.named_parameters():
         owner, _, kind = name.rpartition(".")
@@ -116,8 +119,7 @@ def _random_parameters(source: nn.Module, gen: torch.Generator, where: torch.dev
         std = 0.1 if p.dim() < 2 else (proj.d_in if proj is not None else p.shape[-1]) ** -0.5
         value = torch.randn(p.shape, generator=gen, device=where, dtype=torch.float64) * std
         out[name] = value.to(p.device, dtype if p.is_floating_point() else p.dtype)
-    for name, b in source.named_buffers():
-        out[name] = _double(b) if dtype == torch.float64 else b
+    out.update(source.named_buffers())
     return out
 
 
