@@ -3,6 +3,7 @@
 Deliberately not taken from mlpfuse.activations, so that tests compare against code mlpfuse does not own.
 """
 
+import torch
 import torch.nn.functional as F
 
 PLAIN = {
@@ -12,4 +13,5 @@ PLAIN = {
     "silu": F.silu,
     "relu": F.relu,
     "relu2": lambda z: F.relu(z) ** 2,
+    "quick_gelu": lambda z: z * torch.sigmoid(1.702 * z),  # CLIP's QuickGELU as transformers writes it
 }

@@ -99,6 +99,7 @@ _TABLE = (
 _BY_NAME = {name: a for a in _TABLE for name in (a.name, *a.aliases)}
 
 NAMES = tuple(a.name for a in _TABLE if a.id != IDENTITY)
+IDS = frozenset(a.id for a in _TABLE)
 
 
 def get(name: str | None, *, argument: str = "activation") -> Activation:

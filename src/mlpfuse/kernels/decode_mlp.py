@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mlpfuse import activations
 from mlpfuse.activations import act_fwd
 from mlpfuse.errors import InputError
 from mlpfuse.kernels import _common as C
@@ -498,7 +499,7 @@ def _check(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation):
         if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (n,) or b.dtype != x.dtype
                               or b.device != x.device):
             raise InputError(f"{name}: expected a [{n}] tensor of dtype {x.dtype} on {x.device} or None")
-    if not isinstance(activation, int) or isinstance(activation, bool) or not 0 <= activation <= 5:
+    if not isinstance(activation, int) or isinstance(activation, bool) or activation not in activations.IDS:
         raise InputError(f"activation: expected an activation id from mlpfuse.activations, got {activation!r}")
 
 
