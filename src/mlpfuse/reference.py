@@ -189,3 +189,53 @@ def linear_act(
     x2 = x.to(dtype).reshape(-1, x.shape[-1])
     y = linear_act_forward(x2, weight.to(dtype), _at(bias, dtype), activation)
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+# ---- FP8 (the recipe in mlpfuse.fp8): the oracle for the FP8 kernels, and their CPU path ------------------------
+#
+# Every GEMM here is the dequantized operands multiplied in fp32. That is what an FP8×FP8 GEMM with per-K-block
+# scales computes, up to summation order: for one output element, with b the 128-wide K blocks,
+#     Σ_k (xq_k·sx_b)(wq_k·sw_b) = Σ_b sx_b·sw_b · Σ_{k∈b} xq_k·wq_k
+# and the kernel computes the right side: the tensor cores sum xq·wq within a block in fp32 (a product of two e4m3
+# values has at most 8 significant bits, so each product is exact in fp32), then one multiply by sx_b·sw_b per
+# block. The left side rounds each dequantized operand to fp32 once (2^-24 relative); both then differ only by
+# fp32 rounding in different places, ~K·2^-24 of Σ|x||w|, sixteen times below e4m3's own 2^-4 for K up to 2^16.
+# A kernel compared with this reference also meets rare single-ulp differences in quantized h: an h element that
+# lies on an e4m3 rounding boundary can round either way after a different summation order.
+
+
+def linear_fp8(x: Tensor, weight, bias: Optional[Tensor] = None, activation=None) -> Tensor:
+    """act(quantize(x)·Wᵀ + b) for `weight` an `fp8.Fp8Weight`: x quantized 1×128, the GEMM in fp32, bias and
+    activation in fp32, returned in x's dtype (any leading dimensions)."""
+    from mlpfuse import fp8
+
+    xd = fp8.dequantize_activation(*fp8.quantize_activation(x))
+    z = F.linear(xd, weight.dequantize(torch.float32), _at(bias, torch.float32))
+    return activations.get(activation).forward(z).to(x.dtype)
+
+
+def gated_mlp_fp8(
+    x: Tensor,
+    gate,
+    up,
+    down,
+    activation="gelu_tanh",
+    gate_bias: Optional[Tensor] = None,
+    up_bias: Optional[Tensor] = None,
+    down_bias: Optional[Tensor] = None,
+) -> Tensor:
+    """The gated MLP in the FP8 recipe, `gate`, `up`, `down` being `fp8.Fp8Weight`s (any leading dimensions):
+        x → 1×128 quantized;  g, u = x·Wgᵀ + bg, x·Wuᵀ + bu  (fp32 accumulation, per-K-block scales)
+        h = act(g)·u in fp32, then 1×128 quantized: in the fused kernel the epilogue does this, as a 128-column
+            tile of h is exactly one scale group per row, so its amax is known before h leaves the chip
+        y = h·Wdᵀ + bd in fp32, returned in x's dtype.
+    Biases stay in high precision (added in fp32), as checkpoints keep them."""
+    from mlpfuse import fp8
+
+    f32 = torch.float32
+    xd = fp8.dequantize_activation(*fp8.quantize_activation(x))
+    g = F.linear(xd, gate.dequantize(f32), _at(gate_bias, f32))
+    u = F.linear(xd, up.dequantize(f32), _at(up_bias, f32))
+    h = activations.get(activation).forward(g) * u
+    hd = fp8.dequantize_activation(*fp8.quantize_activation(h))
+    return F.linear(hd, down.dequantize(f32), _at(down_bias, f32)).to(x.dtype)
