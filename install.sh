@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs mlpfuse into the current Python environment (PYTHON, default python3).
-#   bash install.sh        mlpfuse and its runtime needs
+#   bash install.sh        mlpfuse, its runtime needs and transformers (the walkthrough ends on a transformers
+#                          model's layer, patched); no Triton where there is no CUDA: there `auto` runs mlpfuse's
+#                          PyTorch path, which is what a CPU run shows
 #   bash install.sh test   the same, plus what the test suite needs (pytest, hypothesis, transformers 5; Debian's
 #                          chromium too, when run as root)
 # An installed torch is never replaced: a CUDA build stays as it is. Only where no torch is importable does this
@@ -17,7 +19,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 
 case "${1:-run}" in
-    run) pip_install -e . ;;
+    run) pip_install -e ".[models]" ;;
     test)
         pip_install -e ".[test,models]"
         # Without CUDA the suite runs the Triton kernels through Triton's interpreter (Triton 3.6, which needs

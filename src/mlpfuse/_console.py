@@ -32,6 +32,30 @@ def _isatty(stream) -> bool:
         return False
 
 
+class _TrimmedLines:
+    """A stream whose lines lose their trailing spaces. Off a terminal rich still pads a table's title, and a
+    cell's last column, to the table's width: hundreds of blanks after a title over a wide table."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        head, newline, self._partial = (self._partial + text).rpartition("\n")
+        if newline:
+            self._stream.write("\n".join(line.rstrip(" ") for line in head.split("\n")) + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self._partial:
+            self._stream.write(self._partial)
+            self._partial = ""
+        self._stream.flush()
+
+    def __getattr__(self, name):  # isatty, fileno, encoding, ...: the stream's own
+        return getattr(self._stream, name)
+
+
 class Console(_RichConsole):
     """A rich Console for stdout (or stderr) that prints unwrapped rows off a terminal. rich exits 1 by itself when
     stdout's reader goes away; here the BrokenPipeError reaches the CLI, which exits quietly with 141 as other tools
@@ -43,6 +67,7 @@ class Console(_RichConsole):
         stream = kwargs.get("file") or (sys.stderr if stderr else sys.stdout)
         if "width" not in kwargs and not _isatty(stream):
             kwargs["width"] = PIPE_WIDTH
+            kwargs["file"] = _TrimmedLines(stream)
         super().__init__(stderr=stderr, **kwargs)
 
     def on_broken_pipe(self) -> None:

@@ -31,10 +31,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mlpfuse.commands._help import Formatter, examples
+
     parser = _Parser(
         prog="mlpfuse",
         description="See where an nn.Linear / MLP block spends its time, kernel by kernel, and make it faster.",
-        epilog="Start with `mlpfuse walkthrough`; `mlpfuse COMMAND --help` shows a command's options and examples.",
+        epilog=examples(
+            ("mlpfuse walkthrough", "start here: the whole story on this machine"),
+            ("mlpfuse profile geglu-mlp --variant mlpfuse", "one workload's trace, tables and report.html"),
+            ("mlpfuse bench --list", "what the benchmark can run"),
+        ) + "\n\n`mlpfuse COMMAND --help` shows a command's options and more examples.",
+        formatter_class=Formatter,
     )
     from mlpfuse import __version__
 

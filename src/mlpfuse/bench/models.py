@@ -151,7 +151,8 @@ def _no_dropout(config) -> None:
 
 
 def _kind_of(config) -> tuple[str, str]:
-    """(model class name, kind) from a local config's architectures."""
+    """(model class name, kind) from a local config's architectures, else from its model_type: a config written by
+    `LlamaConfig(...).save_pretrained(folder)` names no architectures, and `patch --dry-run` takes such a folder."""
     transformers = transformers_or_error()
     for arch in getattr(config, "architectures", None) or []:
         if not hasattr(transformers, arch):
@@ -160,8 +161,20 @@ def _kind_of(config) -> tuple[str, str]:
             return arch, MASKED
         if arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel"):
             return arch, CAUSAL
-    raise InputError(f"--model: architectures {getattr(config, 'architectures', None)} hold no causal or masked "
-                     f"LM class transformers {transformers.__version__} knows")
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    model_type = getattr(config, "model_type", None)
+    # Masked first: the types in both tables are encoders (BERT, RoBERTa, ...) whose causal class is a decoder variant
+    # of a model trained as a masked LM. Bart's "masked" entry is its seq2seq class, which the lab does not run.
+    masked = MODEL_FOR_MASKED_LM_MAPPING_NAMES.get(model_type)
+    if isinstance(masked, str) and masked.endswith("ForMaskedLM") and hasattr(transformers, masked):
+        return masked, MASKED
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if isinstance(causal, str) and hasattr(transformers, causal):
+        return causal, CAUSAL
+    raise InputError(f"--model: neither architectures {getattr(config, 'architectures', None)} nor model_type "
+                     f"{model_type!r} names a causal or masked LM class transformers {transformers.__version__} knows")
 
 
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:

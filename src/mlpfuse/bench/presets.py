@@ -109,15 +109,18 @@ def _choose(values: list[str], valid, argument: str, aliases: dict | None = None
 
 
 def _parse_int(text: str, argument: str) -> int:
-    """An integer >= 1; `AxB` means A*B (batch x sequence)."""
+    """An integer >= 1; for --tokens, `AxB` means A*B (batch x sequence)."""
+    # Only token counts come as batch x sequence: a width like 4x2048 would be a wrong suggestion for --dim.
+    like = "512 or 4x2048" if argument == "--tokens" else "768 or 768,4096"
+    parts = text.lower().split("x") if argument == "--tokens" else [text]
     try:
         n = 1
-        for part in text.lower().split("x"):
+        for part in parts:
             n *= int(part)
     except ValueError:
-        raise InputError(f"{argument}: expected positive integers like 512 or 4x2048, got {text!r}") from None
-    if n < 1:
-        raise InputError(f"{argument}: expected positive integers like 512 or 4x2048, got {text!r}")
+        raise InputError(f"{argument}: expected positive integers like {like}, got {text!r}") from None
+    if n < 1 or any(int(part) < 1 for part in parts):
+        raise InputError(f"{argument}: expected positive integers like {like}, got {text!r}")
     return n
 
 

@@ -2,40 +2,38 @@
 
 from __future__ import annotations
 
-import argparse
 import shlex
 from pathlib import Path
 
 from mlpfuse import _outputs
+from mlpfuse.commands._help import add_parser, examples
 from mlpfuse.errors import InputError
 
-EPILOG = """examples:
-  mlpfuse bench --preset blog                          GeGLU 8192x768x3072 bf16 forward, every variant
-  mlpfuse bench --preset llama-8b --mode fwd,fwd+bwd --workload swiglu
-  mlpfuse bench --preset decode                        1..64 tokens x 4096x14336
-  mlpfuse bench --tokens 1,64,512,4096 --dim 768 --hidden 3072 --activation gelu_tanh,silu --workload gated
-  mlpfuse bench --preset small --variants eager,compile,mlpfuse --compile-mode max-autotune
-model lab (a whole transformers model; eager, compile, liger, mlpfuse, mlpfuse-compile):
-  mlpfuse bench --model llama3-8b --tokens 1x8192                      prefill, 32 layers
-  mlpfuse bench --model llama3-8b --layers 4 --mode decode,train --tokens 2x2048
-  mlpfuse bench --model gpt2 --tokens 1x128,8x128 --mode prefill,decode,train
-  mlpfuse bench --model llama3-8b --layers 4 --mode decode-step --tokens 1x128,8x128   one static-cache step
-  mlpfuse bench --model gpt2 --tiny --device cpu                       a CPU-sized run of the same code
-  mlpfuse bench --model ./my-model-folder --layers 2                   a local config.json (and its weights)
+DESCRIPTION = """\
+Benchmark every variant of an MLP block on the same weights and inputs: outputs checked against fp64 first, then
+GPU time (CUDA events), wall time per call, kernels and launches per call, peak memory and the distance to this
+device's measured roofline. Variants are timed in interleaved rounds; the tables show medians with their spread.
+
+Presets (--list): blog (GeGLU 8192x768x3072 bf16, the default on CUDA), llama-8b, gemma-2b, decode (1..64 tokens x
+4096x14336), small (the default on a CPU). --model runs a whole transformers model instead (the model lab: eager,
+compile, liger, mlpfuse, mlpfuse-compile; prefill, decode, train), e.g. --model llama3-8b --tokens 1x8192 on a GPU,
+or a local model folder.
+"""
+
+EPILOG = examples(
+    ("mlpfuse bench", "the default preset, every variant"),
+    ("mlpfuse bench --list", "presets, workloads and variants"),
+    ("mlpfuse bench --tokens 1,256 --dim 256 --hidden 1024 --variants eager,mlpfuse", "your own sizes"),
+    ("mlpfuse bench --model llama3-8b --tiny --mode prefill --variants eager,mlpfuse", "the model lab, toy widths"),
+) + """
+
 exit status: 0 ok, 1 a variant disagreed with the fp64 reference (model lab: gave non-finite logits), 2 bad input.
 """
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "bench",
-        help="benchmark eager, torch.compile, Liger, CUDA graphs and mlpfuse side by side",
-        description="Benchmark every variant of an MLP block on the same weights and inputs: outputs checked "
-        "against fp64 first, then GPU time (CUDA events), wall time per call, kernels and launches per call, "
-        "peak memory and the distance to this device's measured roofline.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_parser(subparsers, "bench", help="benchmark eager, torch.compile, Liger, CUDA graphs and mlpfuse side by "
+                   "side", description=DESCRIPTION, epilog=EPILOG)
     p.add_argument("--preset", help="comma list of blog, llama-8b, gemma-2b, decode, small (default blog; small on CPU)")
     p.add_argument("--tokens", help="comma list of token counts; AxB means batch x sequence (e.g. 1,64,4x2048)")
     p.add_argument("--dim", help="comma list of model dims (D)")
@@ -58,8 +56,8 @@ def register(subparsers) -> None:
                    "results (files of the same name are replaced)")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     p.add_argument("--list", action="store_true", help="list presets, workloads and variants, then exit")
-    lab = p.add_argument_group("model lab (with --model; --tokens, --mode, --variants, --dtype, --rounds, "
-                               "--target-ms, --device, --out, --json apply too)")
+    lab = p.add_argument_group("model lab (with --model)", "--tokens, --mode, --variants, --dtype, --rounds, "
+                               "--target-ms, --device, --out and --json apply too")
     lab.add_argument("--model", help="llama3-8b, gemma2-2b, qwen3-4b, olmo2-7b, gpt2, bert-base, or a local model "
                      "folder")
     lab.add_argument("--layers", type=int, help="decoder layers to build (default: the model's own count)")
@@ -151,9 +149,7 @@ def run_command(args) -> int:
 
     from mlpfuse.ops import dispatch
 
-    untuned = dispatch.untuned_note(device)
-    if untuned:
-        notes.append(untuned)
+    notes += [note for note in (dispatch.take_triton_note(), dispatch.untuned_note(device)) if note]
     err = Console(stderr=True)
     out = Console() if not args.json else None
     for note in notes:
@@ -312,9 +308,7 @@ def run_model_lab(args) -> int:
 
     from mlpfuse.ops import dispatch
 
-    untuned = dispatch.untuned_note(device)
-    if untuned:
-        notes.append(untuned)
+    notes += [note for note in (dispatch.take_triton_note(), dispatch.untuned_note(device)) if note]
     err = Console(stderr=True)
     out = Console() if not args.json else None
     for note in notes:

@@ -3,32 +3,36 @@ from the folder's config.json alone (no weights read or allocated)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 
+from mlpfuse.commands._help import add_parser, examples
 from mlpfuse.errors import InputError, printable
 
-EPILOG = """examples:
-  mlpfuse patch --dry-run ./Meta-Llama-3-8B            a folder with a config.json (weights not needed)
-  mlpfuse patch --dry-run ./olmo2 --backend triton --json
-Patching itself happens in Python, on a loaded model: report = mlpfuse.patch(model).
-The folder is untrusted input: config.json at most 4 MiB, sizes and layer counts bounded, no auto_map; none of its
-code is run (docs/patching.md says what it may hold).
+DESCRIPTION = """\
+Build the model of MODEL_DIR/config.json on the meta device (no weights), verify each MLP block mlpfuse recognises
+(by class name or by structure) on a small-width copy built on the CPU, and print what would be swapped, with the
+layout and real sizes, and what would be left, with the reason. Patching itself happens in Python, on a loaded
+model: report = mlpfuse.patch(model).
+"""
+
+EPILOG = examples(
+    ("python3 -c \"import transformers as t;t.LlamaConfig().save_pretrained('llama')\"", "a config folder"),
+    ("mlpfuse patch --dry-run llama", "what patch would swap in it (no weights needed)"),
+    ("mlpfuse patch --dry-run llama --backend torch --json", "as JSON"),
+) + """
+
+A Hugging Face model folder serves as it is: only its config.json is read. The folder is untrusted input:
+config.json at most 4 MiB, sizes and layer counts bounded, no auto_map; none of its code is run (docs/patching.md
+says what it may hold).
+
 exit status: 0 ok, 2 bad input (no config.json, an unknown model type, a config past those bounds or one
 transformers cannot build).
 """
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "patch",
-        help="show which MLP blocks mlpfuse.patch would swap in a model folder, and why it leaves the rest",
-        description="Build the model of MODEL_DIR/config.json on the meta device (no weights), verify each MLP block "
-        "mlpfuse recognises (by class name or by structure) on a small-width copy built on the CPU, and print "
-        "what would be swapped, with the layout and real sizes, and what would be left, with the reason.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_parser(subparsers, "patch", help="show which MLP blocks mlpfuse.patch would swap in a model folder, and "
+                   "why it leaves the rest", description=DESCRIPTION, epilog=EPILOG)
     p.add_argument("model_dir", metavar="MODEL_DIR", help="a local model folder with a config.json")
     p.add_argument("--dry-run", action="store_true", help="report only (required: the CLI never changes a model)")
     p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"),

@@ -27,10 +27,38 @@ _MAX_BYTES_HELP = ("most bytes read from a trace file or inflated from its gzip,
 _HTML_HELP = "also write a self-contained HTML report (timeline, flamegraph, tables) to FILE"
 
 
+# The examples of analyze and diff read what profile's examples write (tests/test_cli_help.py runs them in order).
+_AFTER_PROFILE = "eager/ and fused/: the folders `mlpfuse profile --help`'s first two examples write."
+
+ANALYZE = """\
+Per-step kernels, launches, CPU ops, GPU idle time and a verdict, from a Chrome/Kineto trace (torch.profiler's
+export_chrome_trace or tensorboard_trace_handler; .json or .json.gz) or from a saved `analyze --json` file. A folder
+of per-rank traces: each rank, the ranks merged, communication and skew.
+"""
+
+DIFF = """\
+What changed between two traces (or saved analyses) of the same step: kernels removed, added and unchanged, grouped
+by the op that launched them, CPU ops gone and new, and the per-step figures side by side. A folder of per-rank
+traces alone compares two of its ranks (default: the fastest and the slowest).
+"""
+
+PROFILE = """\
+Capture a trace of a built-in workload (linear, geglu-mlp) with torch.profiler and analyse it: kernels, launches
+and CPU ops per step, GPU idle time, a verdict; --expect turns the figures into checks (exit 1 when one fails).
+With --model, profile a small transformers model (one decoder layer by default) eager and after mlpfuse.patch, and
+show what changed. Each run writes its trace, analysis JSON and report.html to a results folder (--out).
+"""
+
+
 def register(subparsers) -> None:
-    p = subparsers.add_parser("analyze", help="analyse a Chrome/Kineto trace (.json or .json.gz)",
-                              description="Per-step kernels, launches, CPU ops, GPU idle time and a verdict. "
-                                          "A folder of per-rank traces: each rank, merged, communication, skew.")
+    from mlpfuse.commands._help import add_parser, examples
+
+    p = add_parser(subparsers, "analyze", help="analyse a Chrome/Kineto trace (.json or .json.gz)",
+                   description=ANALYZE, epilog=examples(
+                       ("mlpfuse analyze eager/*.trace.json.gz", "tables and a verdict"),
+                       ("mlpfuse analyze eager/*.trace.json.gz --json", "the same as JSON (docs/profiler.md)"),
+                       ("mlpfuse analyze eager/*.trace.json.gz --html eager.html", "a page with a timeline"),
+                   ) + "\n\n" + _AFTER_PROFILE)
     p.add_argument("trace", metavar="TRACE", help="trace file (.json or .json.gz), a saved `analyze --json` file, "
                                                   "or a folder holding one trace per rank of a run")
     p.add_argument("--allow-missing-ranks", action="store_true",
@@ -45,7 +73,11 @@ def register(subparsers) -> None:
     p.add_argument("--html", metavar="FILE", help=_HTML_HELP)
     p.set_defaults(func=run_analyze)
 
-    p = subparsers.add_parser("diff", help="what changed between two traces (or saved analysis JSON)")
+    p = add_parser(subparsers, "diff", help="what changed between two traces (or saved analysis JSON)",
+                   description=DIFF, epilog=examples(
+                       ("mlpfuse diff eager/*.trace.json.gz fused/*.trace.json.gz", "kernels and ops, both ways"),
+                       ("mlpfuse diff eager/*.analysis.json fused/*.analysis.json --json", "as JSON"),
+                   ) + "\n\n" + _AFTER_PROFILE)
     p.add_argument("a", metavar="A", help="the trace (or saved analysis) before the change, or a folder of per-rank "
                                           "traces (then B is left out)")
     p.add_argument("b", metavar="B", nargs="?", help="the trace (or saved analysis) after the change")
@@ -57,10 +89,13 @@ def register(subparsers) -> None:
     p.add_argument("--html", metavar="FILE", help=_HTML_HELP)
     p.set_defaults(func=run_diff)
 
-    p = subparsers.add_parser("profile", help="profile a built-in workload (linear, geglu-mlp), or one layer of a "
-                              "transformers model before and after mlpfuse.patch (--model)",
-                              description="Capture a trace of a built-in workload and analyse it; with --model, "
-                              "profile a one-layer model eager and patched, and show what changed.")
+    p = add_parser(subparsers, "profile", help="profile a built-in workload (linear, geglu-mlp), or one layer of a "
+                   "transformers model before and after mlpfuse.patch (--model)",
+                   description=PROFILE, epilog=examples(
+                       ("mlpfuse profile geglu-mlp --out eager", "a GeGLU MLP, eager"),
+                       ("mlpfuse profile geglu-mlp --variant mlpfuse --out fused", "the same, mlpfuse's GatedMLP"),
+                       ("mlpfuse profile --model llama3-8b", "one Llama-3-8B-shaped layer, eager and patched"),
+                   ))
     p.add_argument("workload", metavar="WORKLOAD", nargs="?", help="linear | geglu-mlp (or give --model)")
     model = p.add_argument_group("a model's layer before and after mlpfuse.patch (needs transformers)")
     model.add_argument("--model", help="llama3-8b, gemma2-2b, qwen3-4b, gpt2, bert-base, or a local model folder")
@@ -166,6 +201,15 @@ def run_diff(args) -> int:
     return 0
 
 
+def _triton_note() -> None:
+    """Where Triton is missing, say once, as a line of its own, that the mlpfuse side runs its PyTorch path."""
+    from mlpfuse.ops import dispatch
+
+    note = dispatch.take_triton_note()
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+
+
 def run_profile(args) -> int:
     if args.model is not None:
         return run_model_profile(args)
@@ -200,6 +244,8 @@ def run_profile(args) -> int:
     from mlpfuse.profiling import profile, render
 
     sizes = {k: getattr(args, k) for k in _SIZE_OPTIONS[workload]}
+    if variant == "mlpfuse":
+        _triton_note()
     built = workloads.build(workload, variant=variant, device=args.device, dtype=args.dtype, bias=args.bias, **sizes)
     args.out = _outputs.prepare(args.out, default=DEFAULT_OUT, force=args.force)
     trace_path = os.path.join(args.out, f"{built.label}.pt.trace.json.gz")
@@ -247,6 +293,7 @@ def run_model_profile(args) -> int:
     if args.tokens is not None and len(model_lab.parse_shapes(args.tokens, ())) != 1:
         raise InputError(f"--tokens: expected one BATCHxSEQ shape for a profile, got {args.tokens!r}")
     args.out = _outputs.prepare(args.out, default=DEFAULT_OUT, force=args.force)
+    _triton_note()
     if not args.json:
         print(f"profiling {printable(args.model)} ({args.layers} layer{'s' if args.layers > 1 else ''}) eager and "
               "patched", file=sys.stderr)
@@ -256,6 +303,7 @@ def run_model_profile(args) -> int:
     data = {"model": result.label, "patch": result.report.to_dict(), "eager": result.before.to_dict(),
             "mlpfuse": result.after.to_dict(), "diff": result.diff.to_dict()}
     _write_json(os.path.join(args.out, "model-diff.json"), data)
+    report = _model_report(args.out, result, data)
     if args.json:
         _dump(data)
         return 0
@@ -266,4 +314,16 @@ def run_model_profile(args) -> int:
     print(f"\ndiff {printable(result.label)}: eager -> mlpfuse")
     render.print_diff(data["diff"])
     print(f"traces: {printable(args.out)}/model-eager.pt.trace.json.gz, model-mlpfuse.pt.trace.json.gz")
+    print(f"report: {printable(report)}")
     return 0
+
+
+def _model_report(out: str, result, data: dict) -> str:
+    """report.html of a --model run: both sides in depth, their diff, and what mlpfuse.patch swapped."""
+    from mlpfuse.report import Variant, write
+
+    sides = [Variant(f"model-{side}", data[side], about=f"{result.label} [{side}]",
+                     trace_path=os.path.join(out, f"model-{side}.pt.trace.json.gz")) for side in ("eager", "mlpfuse")]
+    return write(os.path.join(out, "report.html"), f"mlpfuse profile --model: {result.label}", sides,
+                 diffs=[(f"{result.label}: eager -> mlpfuse.patch", data["diff"])],
+                 notes=result.report.summary().splitlines(), what="--out")

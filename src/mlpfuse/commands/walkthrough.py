@@ -39,9 +39,26 @@ DIFFS = [
 ]
 
 
+DESCRIPTION = """\
+The nn.Linear -> fused MLP story, end to end, on this machine: nn.Linear and a GeGLU MLP, each eager, under
+torch.compile and through mlpfuse's fused modules, profiled in interleaved rounds; then the diffs between them
+(kernels removed, added, unchanged) and, where transformers is installed, one Llama-3-8B-shaped layer before and
+after mlpfuse.patch (toy widths on a CPU).
+
+Writes the traces (open them in https://ui.perfetto.dev), each case's analysis JSON, summary.md, readme-table.md
+and report.html to a new results folder. A case that cannot run here is listed with its reason and the rest go on.
+On a CPU the traces hold CPU ops only: the kernel story needs a CUDA GPU.
+"""
+
+
 def register(subparsers) -> None:
-    p = subparsers.add_parser("walkthrough", help="the nn.Linear -> fused MLP walkthrough, end to end",
-                              description=__doc__.splitlines()[0])
+    from mlpfuse.commands._help import add_parser, examples
+
+    p = add_parser(subparsers, "walkthrough", help="the nn.Linear -> fused MLP walkthrough, end to end",
+                   description=DESCRIPTION, epilog=examples(
+                       ("mlpfuse walkthrough", "every case, 3 rounds; on CUDA when present, else the CPU"),
+                       ("mlpfuse walkthrough --rounds 1 --steps 3 --out quick", "a first look: one short round"),
+                   ))
     p.add_argument("--device", help="cpu | cuda (default cuda when present)")
     p.add_argument("--dtype", help="bf16 | fp16 | fp32 (default bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--out", help="results folder (default: a new ./mlpfuse-results/walkthrough-<device>/<date-time>); "
@@ -192,13 +209,20 @@ def _run(args, device: str, out: str) -> int:
     import torch
     from mlpfuse.ops import dispatch
 
-    untuned = dispatch.untuned_note(torch.device(device))
-    if untuned:
-        console.print(f"note: {untuned}", markup=False)
+    for note in (dispatch.take_triton_note(), dispatch.untuned_note(torch.device(device))):
+        if note:
+            console.print(f"note: {note}", markup=False)
     built = _build_cases(device, args.dtype, console, failed)
     described = {case: b.describe() for case, b in built.items()}
     staging = os.path.join(out, "rounds")
     os.makedirs(staging, exist_ok=True)
+    # The folder above holds the run's own note; this one is for whoever opens rounds/ itself after a stopped run
+    # (a finished run removes the folder, note and all).
+    from mlpfuse._outputs import NOTE
+
+    atomic_write_text(os.path.join(staging, NOTE), "Every case's trace of every round, while the walkthrough runs: "
+                      "when it finishes it keeps each case's median round in the folder above and removes this "
+                      "folder. If you can read this, the run did not finish and these traces are partial.\n")
     rounds = _profile_rounds(args, built, staging, console, failed)
     _keep_median_traces(out, staging, rounds)
 

@@ -11,7 +11,7 @@ import os
 
 
 @functools.lru_cache(maxsize=None)
-def _triton_importable() -> bool:
+def triton_importable() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -21,7 +21,7 @@ def _triton_importable() -> bool:
 
 def available() -> bool:
     """True when the Triton kernels can run here: Triton imports and either CUDA is present or the interpreter is on."""
-    if not _triton_importable():
+    if not triton_importable():
         return False
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return True

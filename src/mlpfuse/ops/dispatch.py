@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import warnings
 from typing import Optional
 
 import torch
@@ -194,8 +195,11 @@ def _unavailable(device_type: str, dtype: torch.dtype, module: str, interpret: s
     # ~20 µs of host time, twice per training step.
     from mlpfuse import kernels
 
+    if not kernels.triton_importable():
+        return ("Triton is not installed (pip install triton; without CUDA its interpreter runs the kernels, "
+                "TRITON_INTERPRET=1, with numpy<2.4)")
     if not kernels.available():
-        return "Triton is not installed or there is no CUDA device (TRITON_INTERPRET=1 runs the kernels on CPU)"
+        return "there is no CUDA device (TRITON_INTERPRET=1 runs the kernels on the CPU through Triton's interpreter)"
     if device_type == "cpu" and interpret in ("", "0"):
         return "x is on the CPU; the kernels need CUDA (or TRITON_INTERPRET=1)"
     if device_type not in ("cuda", "cpu"):
@@ -207,11 +211,31 @@ def _unavailable(device_type: str, dtype: torch.dtype, module: str, interpret: s
     return None
 
 
+_triton_note_taken = False
+
+
+def take_triton_note() -> Optional[str]:
+    """Where Triton does not import, one line saying what `auto` does instead — returned once per process (None
+    after that, and None where Triton imports). `auto` gives it as a warning on its first call; a command prints it
+    first as a line of its own, so that its output does not carry a warning's file and line number."""
+    global _triton_note_taken
+    from mlpfuse import kernels
+
+    if _triton_note_taken or kernels.triton_importable():
+        return None
+    _triton_note_taken = True
+    return ("Triton is not installed, so backend='auto' runs mlpfuse's PyTorch path (the same math in ATen ops); "
+            "the fused kernels need Triton and a CUDA GPU")
+
+
 @functools.lru_cache(maxsize=None)
 def _auto_may_use(device: torch.device, dtype: torch.dtype, module: str) -> bool:
     """Whether `auto` may consider kernel `module` for tensors of this device and dtype: a Hopper-class CUDA device, a
     16-bit dtype, the kernel importable. Cached: asking the driver for the capability costs several µs a call, which
     showed up in the benchmark sweep at 512 tokens (auto 72.7 µs vs the torch backend 61.0 µs, same kernels)."""
+    note = take_triton_note()
+    if note is not None:
+        warnings.warn(f"mlpfuse: {note}", stacklevel=2)
     if device.type != "cuda" or dtype not in FAST_DTYPES:
         return False
     if torch.cuda.get_device_capability(device)[0] < MIN_ARCH:
@@ -222,6 +246,10 @@ def _auto_may_use(device: torch.device, dtype: torch.dtype, module: str) -> bool
 @functools.lru_cache(maxsize=None)
 def _card(device: torch.device):
     """The device's kernels.configs.CARDS entry (tile rows and cut-overs measured on that card), or None."""
+    from mlpfuse import kernels
+
+    if device.type != "cuda" or not kernels.triton_importable():
+        return None  # no card to look up; or no Triton, which kernels._common imports (and `auto` then runs torch)
     from mlpfuse.kernels import configs
 
     return configs.card_of(torch.cuda.get_device_properties(device)) if device.type == "cuda" else None

@@ -33,7 +33,7 @@ class DryRun:
     def lines(self) -> list[str]:
         r = self.report
         head = (f"mlpfuse patch --dry-run {self.folder}: {self.model_type} ({self.model_class}), "
-                f"{self.parameters / 1e9:.2f} B parameters on the meta device; each block verified on a copy "
+                f"{_count(self.parameters)} parameters on the meta device; each block verified on a copy "
                 f"{tiny.WIDTH} wide, backend {r.backend!r}")
         if not r.swapped and not r.left:
             return [head, "would swap nothing: no MLP block mlpfuse recognises"]
@@ -70,6 +70,14 @@ def dry_run(folder: str, backend: str = "auto") -> DryRun:
     sizes = {s.path: _size(real, s.path) for s in report.swapped}
     return DryRun(folder, config.model_type, model_class.__name__, sum(p.numel() for p in real.parameters()),
                   report, sizes)
+
+
+def _count(n: int) -> str:
+    """A parameter count as model cards write it: 8.03 B, 124.44 M, 20.54 K, 96."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return str(n)
 
 
 def _transformers():

@@ -43,9 +43,13 @@ def profile(
     from mlpfuse.profiling import expect as expect_mod
     from mlpfuse.profiling.capture import capture, trace_file
 
-    expectations = list(expect or [])
+    if not callable(fn):
+        raise InputError(f"fn: expected a callable to run once per step (a function or a module), got "
+                         f"{type(fn).__name__} {fn!r:.80}")
+    # One string is one expectation, not a list of its characters.
+    expectations = [expect] if isinstance(expect, str) else list(expect or [])
     for e in expectations:
-        expect_mod.parse(e)
+        expect_mod.parse(e, "expect")
     if not isinstance(keep_trace, bool):
         raise InputError(f"keep_trace: expected True or False, got {keep_trace!r}")
     with trace_file(trace_path, label, keep_trace) as (path, kept):
@@ -54,5 +58,5 @@ def profile(
         result = analyze(path)
     if not kept:
         result.data["trace"] = None
-    result.expectations = result.check(expectations) if expectations else []
+    result.expectations = expect_mod.check(result, expectations, "expect") if expectations else []
     return result

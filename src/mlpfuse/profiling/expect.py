@@ -48,33 +48,36 @@ class Result:
         return {"expectation": self.expectation, "status": self.status, "actual": self.actual}
 
 
-def parse(text: str) -> Expectation:
+def parse(text: str, argument: str = "--expect") -> Expectation:
+    """One expectation. `argument` is what the caller calls it in errors: `--expect` on the command line,
+    `expect` from Python (mlpfuse.profile(..., expect=[...]))."""
+    name = f"{argument} {text!r}" if argument.startswith("--") else f"{argument}={text!r}"
     if not isinstance(text, str):
-        raise InputError(f"--expect: expected a string like kernels=5, got {text!r}")
+        raise InputError(f"{argument}: expected a string like kernels=5, got {text!r}")
     m = _SYNTAX.match(text)
     if not m:
-        raise InputError(f"--expect {text!r}: expected KEY=VALUE or KEY~=TEXT (e.g. kernels=5, no-op=aten::add)")
+        raise InputError(f"{name}: expected KEY=VALUE or KEY~=TEXT (e.g. kernels=5, no-op=aten::add)")
     key, op, value = m.group("key"), m.group("op"), m.group("value")
     if op == "~=":
         if key not in ("kernel", "no-kernel"):
-            raise InputError(f"--expect {text!r}: '~=' works with kernel / no-kernel only")
+            raise InputError(f"{name}: '~=' works with kernel / no-kernel only")
     elif key in ("op", "no-op"):
         pass
     elif key in _COUNTS or key in FAMILIES:
         try:
             count = float(value)
         except ValueError:
-            raise InputError(f"--expect {text!r}: expected a number after '=', got {value!r}") from None
+            raise InputError(f"{name}: expected a number after '=', got {value!r}") from None
         if not 0 <= count < math.inf:  # NaN fails the comparison as well
-            raise InputError(f"--expect {text!r}: expected a finite count >= 0 after '=', got {value!r}")
+            raise InputError(f"{name}: expected a finite count >= 0 after '=', got {value!r}")
     else:
         known = ", ".join([*_COUNTS, *FAMILIES, "op", "no-op", "kernel~", "no-kernel~"])
-        raise InputError(f"--expect {text!r}: unknown key {key!r}; expected one of {known}")
+        raise InputError(f"{name}: unknown key {key!r}; expected one of {known}")
     return Expectation(text.strip(), key, op, value)
 
 
-def check(analysis, expectations: Iterable[str]) -> list[Result]:
-    parsed = [parse(e) for e in expectations]  # all parse errors before any result
+def check(analysis, expectations: Iterable[str], argument: str = "expectations") -> list[Result]:
+    parsed = [parse(e, argument) for e in expectations]  # all parse errors before any result
     results = []
     per_step = analysis.per_step
     for e in parsed:

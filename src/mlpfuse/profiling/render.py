@@ -91,8 +91,13 @@ def _fit(title, columns, rows, width: int) -> Table:
     wanted = sum(natural[i] for i in flexible)
     widths = list(natural)
     if flexible and wanted > room:
-        for i in flexible:
-            widths[i] = min(natural[i], max(columns[i][2], room * natural[i] // wanted))
+        # Narrow columns first, each at most an even share of what is left: a short column (a family, an op name)
+        # stays whole and the long kernel names take the rest, instead of every column losing the same fraction.
+        left, pending = room, sorted(flexible, key=lambda i: natural[i])
+        while pending:
+            i = pending.pop(0)
+            widths[i] = min(natural[i], max(columns[i][2], left // (len(pending) + 1)))
+            left -= widths[i]
             _keep_apart([row[i] for row in rows], widths[i])
     # Off a terminal a row can be hundreds of characters wide: a title centred over it would start far right.
     table = titled(title, width, title_justify="left" if unlimited(width) else "center")

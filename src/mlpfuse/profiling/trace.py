@@ -510,11 +510,32 @@ def refuse_execution_trace(data: Any, path: str) -> None:
                          "timeline with torch.profiler (prof.export_chrome_trace or a tensorboard_trace_handler)")
 
 
+def _own_output(data: dict, path: str) -> str | None:
+    """What to pass instead, when `data` is one of mlpfuse's own result files rather than a trace (None if not)."""
+    folder = os.path.dirname(path) or "."
+    if {"rounds", "cases", "verdicts"} <= data.keys():
+        cases = data["cases"] if isinstance(data["cases"], dict) else {}
+        example = next((str(c)[:80] for c in cases), "CASE")
+        return (f"this is mlpfuse walkthrough's summary, not a trace: pass one of the traces beside it "
+                f"({os.path.join(folder, example)}.pt.trace.json.gz, or its saved {example}.analysis.json); the "
+                "report.html beside it shows every case")
+    if {"model", "patch", "eager", "mlpfuse", "diff"} <= data.keys():
+        return (f"this is mlpfuse profile --model's model-diff.json, not a trace: pass "
+                f"{os.path.join(folder, 'model-eager.pt.trace.json.gz')} or model-mlpfuse.pt.trace.json.gz beside it")
+    if {"meta", "rows"} <= data.keys():
+        return ("this is mlpfuse bench's results.json (timings, not a trace): open the report.html beside it, or "
+                "trace one shape with `mlpfuse profile`")
+    return None
+
+
 def _split_document(data: Any, path: str) -> tuple[list, dict]:
     refuse_execution_trace(data, path)
     if isinstance(data, dict):
         events = data.get("traceEvents")
         if not isinstance(events, list):
+            own = _own_output(data, path)
+            if own:
+                raise InputError(f"TRACE {path}: {own}")
             raise InputError(f"TRACE {path}: JSON has no 'traceEvents' list; not a Chrome/Kineto trace")
         return events, {k: v for k, v in data.items() if k != "traceEvents"}
     if isinstance(data, list):
