@@ -63,11 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     # torch's profiler (Kineto) logs two `USDT: ... profiler_start/stop` lines per capture straight to stderr; its
     # level 6 keeps them out of mlpfuse's output. KINETO_LOG_LEVEL=2 shows its warnings again.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    import warnings
+
+    from mlpfuse._host import HostLoadWarning
     from mlpfuse._outputs import noted
 
     previous = _on_sigterm(_terminate)
     try:
-        with noted(f"mlpfuse {args.command}"):
+        with noted(f"mlpfuse {args.command}"), warnings.catch_warnings():
+            # Commands that time on the CPU say once that the machine is busy (a `mlpfuse: warning:` line); the
+            # API's warning from each mlpfuse.profile() call inside them would repeat it in Python's format.
+            warnings.simplefilter("ignore", HostLoadWarning)
             code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not as a message at interpreter exit
         return code

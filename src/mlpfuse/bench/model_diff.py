@@ -70,5 +70,5 @@ def profile_model(name: str, *, layers: int = 1, tiny: bool | None = None, token
                 raise InputError(f"--model: mlpfuse.patch swapped nothing in {built.label}: {report.summary()}")
         path = os.path.join(out, f"model-{side}.pt.trace.json.gz") if out else None
         traces[side] = profile(forward, ids, steps=steps, wait=wait, warmup=warmup, active=active,
-                               label=f"model-{side}", trace_path=path)
+                               label=f"model-{side}", trace_path=path, threads=None)  # the caller pins them
     return ModelDiff(label, traces["eager"], traces["mlpfuse"], diff(traces["eager"], traces["mlpfuse"]), report)

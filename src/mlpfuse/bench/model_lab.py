@@ -601,7 +601,8 @@ def _busy_per_token(prepared: dict[str, Prepared], settings) -> dict[str, timing
     from mlpfuse.profiling import profile
 
     def busy(step) -> float:
-        return profile(step, steps=1, wait=0, warmup=0, active=1, record_shapes=False).per_step["gpu_busy_us"]
+        return profile(step, steps=1, wait=0, warmup=0, active=1, record_shapes=False,
+                       threads=None).per_step["gpu_busy_us"]  # GPU time; the host's threads stay the lab's
 
     values: dict[str, list[float]] = {v: [] for v in prepared}
     for _ in range(settings.rounds):

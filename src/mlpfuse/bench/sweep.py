@@ -96,7 +96,8 @@ def _profile_counts(step, label: str) -> dict:
     """Kernels, launches, memsets, copies per call, from mlpfuse's own profiler (None where it is unavailable)."""
     from mlpfuse.profiling import profile
 
-    per = profile(step, label=label, record_shapes=False).to_dict()["per_step"]  # the trace is not kept
+    # Counts only, not times: the bench's thread setting stays; the trace is not kept.
+    per = profile(step, label=label, record_shapes=False, threads=None).to_dict()["per_step"]
     return {
         "kernels": per.get("gpu_kernels"),
         "launches": per.get("launch_calls"),

@@ -22,6 +22,7 @@ _SIZE_OPTIONS = {
 
 
 DEFAULT_OUT = os.path.join("mlpfuse-results", "profile")
+DEFAULT_STEPS = 5
 _MAX_BYTES_HELP = ("most bytes read from a trace file or inflated from its gzip, e.g. 500M or 8G "
                    "(default $MLPFUSE_MAX_TRACE_BYTES, else 2G)")
 _HTML_HELP = "also write a self-contained HTML report (timeline, flamegraph, tables) to FILE"
@@ -43,10 +44,12 @@ traces alone compares two of its ranks (default: the fastest and the slowest).
 """
 
 PROFILE = """\
-Capture a trace of a built-in workload (linear, geglu-mlp) with torch.profiler and analyse it: kernels, launches
-and CPU ops per step, GPU idle time, a verdict; --expect turns the figures into checks (exit 1 when one fails).
-With --model, profile a small transformers model (one decoder layer by default) eager and after mlpfuse.patch, and
-show what changed. Each run writes its trace, analysis JSON and report.html to a results folder (--out).
+Capture a trace with torch.profiler and analyse it: kernels, launches and CPU ops per step, GPU idle time, a
+verdict; --expect turns the figures into checks (exit 1 when one fails). What runs: your own script, after `--`
+(`mlpfuse profile -- python train.py ARGS`: in this process, a step ending at each optimizer.step(), or at each
+return of --step-fn NAME); a built-in workload (linear, geglu-mlp); or, with --model, a small transformers model
+(one decoder layer by default) eager and after mlpfuse.patch, with what changed. Each run writes its trace,
+analysis JSON and report.html to a results folder (--out).
 """
 
 
@@ -89,14 +92,24 @@ def register(subparsers) -> None:
     p.add_argument("--html", metavar="FILE", help=_HTML_HELP)
     p.set_defaults(func=run_diff)
 
-    p = add_parser(subparsers, "profile", help="profile a built-in workload (linear, geglu-mlp), or one layer of a "
-                   "transformers model before and after mlpfuse.patch (--model)",
+    from mlpfuse._host import DEFAULT_THREADS, THREADS_HELP
+
+    p = add_parser(subparsers, "profile", help="profile your own script (-- python SCRIPT.py ARGS), a built-in "
+                   "workload (linear, geglu-mlp), or one layer of a transformers model before and after "
+                   "mlpfuse.patch (--model)",
                    description=PROFILE, epilog=examples(
                        ("mlpfuse profile geglu-mlp --out eager", "a GeGLU MLP, eager"),
                        ("mlpfuse profile geglu-mlp --variant mlpfuse --out fused", "the same, mlpfuse's GatedMLP"),
                        ("mlpfuse profile --model llama3-8b", "one Llama-3-8B-shaped layer, eager and patched"),
                    ))
-    p.add_argument("workload", metavar="WORKLOAD", nargs="?", help="linear | geglu-mlp (or give --model)")
+    # nargs="*": after `--` come a script and its own arguments (argparse drops the `--`); else one workload name.
+    p.add_argument("workload", metavar="WORKLOAD", nargs="*",
+                   help="linear | geglu-mlp (or give --model); or `-- python SCRIPT.py ARGS` (also `-- SCRIPT.py ARGS`, "
+                        "`-- python -m MODULE ARGS`): your script, run in this process, a step ending at each "
+                        "torch.optim.Optimizer.step()")
+    p.add_argument("--step-fn", metavar="NAME",
+                   help="script: a step ends each time the function NAME, defined at top level in the script, "
+                        "returns (instead of at each optimizer step)")
     model = p.add_argument_group("a model's layer before and after mlpfuse.patch (needs transformers)")
     model.add_argument("--model", help="llama3-8b, gemma2-2b, qwen3-4b, gpt2, bert-base, or a local model folder")
     model.add_argument("--layers", type=int, default=1, help="decoder layers to build (default 1)")
@@ -115,10 +128,12 @@ def register(subparsers) -> None:
     p.add_argument("--device", help="cpu | cuda (default cuda when present)")
     p.add_argument("--compile", action="store_true", help="same as --variant compile")
     p.add_argument("--variant", default=None, help="eager | compile | mlpfuse (default eager)")
-    p.add_argument("--steps", type=int, default=5, help="steps run in all (>= wait + warmup + active; default 5)")
+    p.add_argument("--steps", type=int, help="workloads: steps run in all (>= wait + warmup + active; default 5); "
+                   "a script runs its own loop")
     p.add_argument("--wait", type=int, default=1, help="steps run before the profiler starts (default 1)")
     p.add_argument("--warmup", type=int, default=1, help="profiled steps thrown away as warm-up (default 1)")
     p.add_argument("--active", type=int, default=3, help="steps recorded and analysed (default 3)")
+    p.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=THREADS_HELP)
     p.add_argument("--out", help="folder for trace, JSON and report.html (default: a new "
                    "mlpfuse-results/profile/<date-time>); one holding an earlier run's results needs --force")
     p.add_argument("--force", action="store_true", help="write into an --out folder that holds an earlier run's "
@@ -211,6 +226,22 @@ def _triton_note() -> None:
 
 
 def run_profile(args) -> int:
+    from mlpfuse.profiling.script import looks_like_command
+
+    words = list(args.workload or [])
+    if words[:1] == ["--"]:  # some Python versions keep it
+        words = words[1:]
+    if len(words) > 1 and words[0] in _SIZE_OPTIONS:
+        raise InputError(f"WORKLOAD: expected one workload, got {' '.join(words)!r}")
+    if looks_like_command(words):
+        from mlpfuse.commands.profile_script import run_script_profile
+
+        return run_script_profile(args, words)
+    if args.step_fn is not None:
+        raise InputError("--step-fn: applies to a script (mlpfuse profile -- python SCRIPT.py ARGS)")
+    args.workload = words[0] if words else None
+    if args.steps is None:
+        args.steps = DEFAULT_STEPS
     if args.model is not None:
         return run_model_profile(args)
     for flag, given in (("--tiny", args.tiny is not None), ("--tokens", args.tokens is not None),
@@ -231,7 +262,8 @@ def run_profile(args) -> int:
         raise InputError(f"--compile conflicts with --variant {variant}")
     workload = args.workload
     if workload not in _SIZE_OPTIONS:
-        raise InputError(f"WORKLOAD: expected one of {', '.join(_SIZE_OPTIONS)}, got {workload!r}")
+        raise InputError(f"WORKLOAD: expected one of {', '.join(_SIZE_OPTIONS)}, got {workload!r} (your own "
+                         "script: mlpfuse profile -- python SCRIPT.py ARGS)")
     all_sizes = {"batch", "in_dim", "out_dim", "seq", "dim", "hidden"}
     wrong = [k for k in all_sizes - set(_SIZE_OPTIONS[workload]) if getattr(args, k) is not None]
     if wrong:
@@ -240,9 +272,10 @@ def run_profile(args) -> int:
     if args.bias is not None and workload != "linear":
         raise InputError("--bias/--no-bias: applies to the linear workload only")
 
-    from mlpfuse import workloads
-    from mlpfuse.profiling import profile, render
+    from mlpfuse import _host, workloads
+    from mlpfuse.profiling import profile
 
+    _host.check_threads(args.threads, "--threads")
     sizes = {k: getattr(args, k) for k in _SIZE_OPTIONS[workload]}
     if variant == "mlpfuse":
         _triton_note()
@@ -251,23 +284,32 @@ def run_profile(args) -> int:
     trace_path = os.path.join(args.out, f"{built.label}.pt.trace.json.gz")
     if not args.json:
         print(f"profiling {built.describe()}", file=sys.stderr)
-    result = profile(built.fn, built.x, steps=args.steps, wait=args.wait, warmup=args.warmup, active=args.active,
-                     label=built.label, trace_path=trace_path, expect=args.expect)
+    with _host.cli_run(args.threads):
+        result = profile(built.fn, built.x, steps=args.steps, wait=args.wait, warmup=args.warmup,
+                         active=args.active, label=built.label, trace_path=trace_path, expect=args.expect,
+                         threads=None)  # pinned by cli_run
     data = result.to_dict()
     data["workload"] = built.describe()
-    _write_json(os.path.join(args.out, f"{built.label}.analysis.json"), data)
+    return write_results(args, built.label, data, trace_path, built.describe(), result.expectations)
+
+
+def write_results(args, label: str, data: dict, trace_path: str, about: str, expectations: list) -> int:
+    """What every single-trace profile leaves: `<label>.analysis.json` and report.html in args.out, then the tables
+    (or --json) on stdout. The exit code: 1 when an expectation is broken."""
+    from mlpfuse.profiling import render
     from mlpfuse.report import Variant, write
 
-    report = write(os.path.join(args.out, "report.html"), f"mlpfuse profile: {built.label}",
-                   [Variant(built.label, data, trace_path=trace_path, about=built.describe())], what="--out")
+    _write_json(os.path.join(args.out, f"{label}.analysis.json"), data)
+    report = write(os.path.join(args.out, "report.html"), f"mlpfuse profile: {label}",
+                   [Variant(label, data, trace_path=trace_path, about=about)], what="--out")
     if args.json:
-        _dump({**data, "expectations": [r.to_dict() for r in result.expectations]})
+        _dump({**data, "expectations": [r.to_dict() for r in expectations]})
     else:
         render.print_analysis(data)
-        render.print_expectations(result.expectations)
+        render.print_expectations(expectations)
         print(f"trace: {printable(trace_path)}  (open in https://ui.perfetto.dev)")
         print(f"report: {printable(report)}")
-    return 1 if any(not r.ok for r in result.expectations) else 0
+    return 1 if any(not r.ok for r in expectations) else 0
 
 
 def run_model_profile(args) -> int:
@@ -285,6 +327,9 @@ def run_model_profile(args) -> int:
     if args.layers < 1:
         raise InputError(f"--layers: expected an integer >= 1, got {args.layers}")
     check_schedule(args.steps, args.wait, args.warmup, args.active)
+    from mlpfuse import _host
+
+    _host.check_threads(args.threads, "--threads")
     from mlpfuse.bench import model_diff, model_lab, models
     from mlpfuse.profiling import render
 
@@ -297,9 +342,10 @@ def run_model_profile(args) -> int:
     if not args.json:
         print(f"profiling {printable(args.model)} ({args.layers} layer{'s' if args.layers > 1 else ''}) eager and "
               "patched", file=sys.stderr)
-    result = model_diff.profile_model(args.model, layers=args.layers, tiny=args.tiny, tokens=args.tokens,
-                                      device=args.device, dtype=args.dtype, out=args.out, steps=args.steps,
-                                      wait=args.wait, warmup=args.warmup, active=args.active)
+    with _host.cli_run(args.threads):
+        result = model_diff.profile_model(args.model, layers=args.layers, tiny=args.tiny, tokens=args.tokens,
+                                          device=args.device, dtype=args.dtype, out=args.out, steps=args.steps,
+                                          wait=args.wait, warmup=args.warmup, active=args.active)
     data = {"model": result.label, "patch": result.report.to_dict(), "eager": result.before.to_dict(),
             "mlpfuse": result.after.to_dict(), "diff": result.diff.to_dict()}
     _write_json(os.path.join(args.out, "model-diff.json"), data)

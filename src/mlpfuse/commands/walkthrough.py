@@ -70,9 +70,9 @@ def register(subparsers) -> None:
     p.add_argument("--rounds", type=int, default=3,
                    help="profiled runs of every case, interleaved (eager, compile, mlpfuse; then compile, mlpfuse, "
                         "eager; ...); the tables show the median over rounds with its min-max (default 3)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU intra-op threads during the run (default 1: threads competing for a few cores make CPU "
-                        "timings swing from run to run; the previous setting is restored afterwards)")
+    from mlpfuse._host import DEFAULT_THREADS, THREADS_HELP
+
+    p.add_argument("--threads", type=int, default=DEFAULT_THREADS, help=THREADS_HELP)
     p.set_defaults(func=run)
 
 
@@ -89,8 +89,6 @@ def _positive(value, flag: str, low: int) -> None:
 
 
 def run(args) -> int:
-    import torch
-
     from mlpfuse import workloads
     from mlpfuse.errors import InputError
 
@@ -103,12 +101,10 @@ def run(args) -> int:
 
     out = _outputs.prepare(args.out, default=os.path.join("mlpfuse-results", f"walkthrough-{device.split(':')[0]}"),
                            force=args.force)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
+    from mlpfuse import _host
+
+    with _host.cli_run(args.threads):
         return _run(args, device, out)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _build_cases(device, dtype, console, failed) -> dict:
@@ -168,7 +164,8 @@ def _profile_rounds(args, built, staging, console, failed):
                 continue
             try:
                 result = profile(b.fn, b.x, steps=args.steps, wait=1, warmup=1, active=args.steps - 2, label=case,
-                                 trace_path=os.path.join(staging, f"{case}.round{r + 1}.pt.trace.json.gz"))
+                                 trace_path=os.path.join(staging, f"{case}.round{r + 1}.pt.trace.json.gz"),
+                                 threads=None)  # pinned once for the whole walkthrough (--threads)
             except InputError:
                 raise
             except Exception as exc:  # e.g. torch.compile without a working C++ compiler: record it and go on

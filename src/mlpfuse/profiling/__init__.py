@@ -29,6 +29,7 @@ def profile(
     trace_path: str | None = None,
     expect: Iterable[str] | None = None,
     keep_trace: bool = False,
+    threads: int | None = 1,
     **kwargs: Any,
 ) -> Analysis:
     """Run `fn(*args, **kwargs)` under torch.profiler and return the analysis of the trace it wrote.
@@ -38,10 +39,14 @@ def profile(
     `analysis.trace_path` None; the analysis itself is complete without the file.
     With `expect`, the expectations are parsed before anything runs (a typo fails fast) and their results are
     stored on the analysis as `analysis.expectations` (list of ExpectationResult).
+    `threads`: torch's CPU intra-op threads while `fn` runs (default 1, as `mlpfuse walkthrough --threads`: threads
+    competing for a few cores make CPU timings swing), restored afterwards; None leaves them as they are. A
+    HostLoadWarning says when the machine is too busy to time.
     """
+    from mlpfuse import _host
     from mlpfuse.errors import InputError
     from mlpfuse.profiling import expect as expect_mod
-    from mlpfuse.profiling.capture import capture, trace_file
+    from mlpfuse.profiling.capture import capture, check_schedule, trace_file
 
     if not callable(fn):
         raise InputError(f"fn: expected a callable to run once per step (a function or a module), got "
@@ -52,7 +57,10 @@ def profile(
         expect_mod.parse(e, "expect")
     if not isinstance(keep_trace, bool):
         raise InputError(f"keep_trace: expected True or False, got {keep_trace!r}")
-    with trace_file(trace_path, label, keep_trace) as (path, kept):
+    _host.check_threads(threads)
+    check_schedule(steps, wait, warmup, active, label)  # bad input first: no warning about a run that never starts
+    _host.warn_if_busy()
+    with trace_file(trace_path, label, keep_trace) as (path, kept), _host.pinned_threads(threads):
         path = capture(fn, *args, steps=steps, wait=wait, warmup=warmup, active=active, label=label,
                        record_shapes=record_shapes, with_stack=with_stack, trace_path=path, **kwargs)
         result = analyze(path)
