@@ -20,8 +20,8 @@ PACKAGE = SRC / "mlpfuse"
 # Bottom to top. A module may import its own layer and any layer listed before it. A name matches a module and
 # everything under it ("mlpfuse.ops" covers mlpfuse.ops.dispatch); the longest matching name wins.
 LAYERS = (
-    ("base", ("mlpfuse.errors", "mlpfuse._io", "mlpfuse._cache", "mlpfuse._console", "mlpfuse.activations",
-              "mlpfuse.reference")),
+    ("base", ("mlpfuse.errors", "mlpfuse._io", "mlpfuse._cache", "mlpfuse._console", "mlpfuse._host",
+              "mlpfuse._outputs", "mlpfuse.activations", "mlpfuse.fp8", "mlpfuse.reference")),
     ("kernels", ("mlpfuse.kernels", "mlpfuse.csrc")),
     ("ops", ("mlpfuse.ops",)),
     ("modules", ("mlpfuse.modules",)),
