@@ -252,7 +252,7 @@ def _card(device: torch.device):
         return None  # no card to look up; or no Triton, which kernels._common imports (and `auto` then runs torch)
     from mlpfuse.kernels import configs
 
-    return configs.card_of(torch.cuda.get_device_properties(device)) if device.type == "cuda" else None
+    return configs.card_of(torch.cuda.get_device_properties(device))
 
 
 @functools.lru_cache(maxsize=None)
