@@ -134,8 +134,8 @@ def read(module: nn.Module, config=None) -> Reading:
             norms.append((name, child))
         elif any(True for _ in child.parameters()):
             return Reading([], f"{name} ({type(child).__name__}) holds parameters besides the projections")
-        elif activation_name(child) not in (None, "identity"):
-            acts.append(activation_name(child))
+        elif (act := activation_name(child)) not in (None, "identity"):
+            acts.append(act)
         elif not isinstance(child, (nn.Identity, nn.ModuleList, nn.ModuleDict, nn.Sequential)):
             unknown.append(type(child).__name__)
     for value in _plain_attributes(module).values():  # functions (F.silu) and names ("gelu") held as attributes
