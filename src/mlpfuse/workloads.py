@@ -213,13 +213,6 @@ def _check_memory(spec: WorkloadSpec, sizes: dict[str, int], device: str, dtype:
                          f"{have / 2**30:,.1f} GiB available; choose smaller sizes")
 
 
-def results_folder(path: str, option: str = "--out") -> str:
-    """Create the results folder `path` (it may exist); one error line when it cannot be one."""
-    from mlpfuse._outputs import make_folder
-
-    return make_folder(path, option)
-
-
 @dataclasses.dataclass
 class Built:
     """A ready-to-profile workload: call `fn(x)` once per step."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mlpfuse import _outputs
 from mlpfuse.bench import footprint, models
 from mlpfuse.errors import InputError
 
@@ -47,7 +48,7 @@ def profile_model(name: str, *, layers: int = 1, tiny: bool | None = None, token
         raise InputError(f"--tokens: expected one BATCHxSEQ shape for a profile, got {tokens!r}")
     (batch, seq), = shapes
     if out is not None:
-        workloads.results_folder(out, "--out")
+        _outputs.make_folder(out, "--out")
     footprint.check(name, layers=layers, tiny=tiny, shapes=shapes, modes=["prefill"], dtype=torch_dtype,
                     device=torch.device(device))
     built = models.build(name, layers=layers, tiny=tiny, device=torch.device(device), dtype=torch_dtype)
