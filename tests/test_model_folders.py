@@ -71,7 +71,8 @@ def refused(tmp_path, args, expected: str, stdin: str = "") -> str:
     ({**TINY_LLAMA, "num_hidden_layers": 10**9}, "config.json: num_hidden_layers: 1000000000, outside the 0 to 1024"),
     ({"model_type": "switch_transformers", "num_layers": 64, "num_decoder_layers": 64, "num_experts": 4096},
      "config.json: 128 layers x 4096 experts, more than the 131072 mlpfuse builds"),
-])
+], ids=["not-json", "a-string", "deep-nesting", "wide-not-int", "unknown-type", "huge-int", "1e9-layers",
+        "too-many-experts"])  # short ids: pytest puts the id in PYTEST_CURRENT_TEST, which subprocesses inherit
 def test_a_hostile_config_is_one_error_line(tmp_path, command, config, expected):
     path = folder(tmp_path, config)
     refused(tmp_path, commands(path, tmp_path)[command], expected)
@@ -80,7 +81,7 @@ def test_a_hostile_config_is_one_error_line(tmp_path, command, config, expected)
 @pytest.mark.parametrize("config, expected", [
     ("{not json", "config.json: not a JSON file (JSONDecodeError"),
     ({**TINY_LLAMA, "num_hidden_layers": 10**9}, "config.json: num_hidden_layers: 1000000000, outside the 0 to 1024"),
-])
+], ids=["not-json", "1e9-layers"])
 def test_profile_refuses_a_hostile_config_too(tmp_path, config, expected):
     path = folder(tmp_path, config)
     refused(tmp_path, commands(path, tmp_path)["profile"], expected)
