@@ -226,51 +226,7 @@ def test_per_k_block_scaling_equals_dequantize_then_matmul():
     assert bool(((y.double() - y_blocks).abs() <= 310 * 2.0**-24 * scale).all())
 
 
-# ---- the reference FP8 MLP against the float64 MLP ---------------------------------------------------------------
-
-def _amax_groups(t, dims):
-    return _group_scale(t, dims) * 448
-
-
-def _quant_bound(t_abs, dims):
-    """Bound on |quantize-dequantize(t) − t| for |t| ≤ t_abs elementwise: u·|t| + 2^-10·s, s ≤ amax/448."""
-    return U * t_abs + SUB * _amax_groups(t_abs, dims) / 448
-
-
-def _lipschitz(act):
-    grid = torch.linspace(-60, 60, 240001, dtype=torch.float64)
-    return float(activations.get(act).grad(grid).abs().max()) * 1.001
-
-
-def _mlp_error_bound(x, wg, wu, wd, act, bg, bu, bd, out_roundoff):
-    """Elementwise bound on |gated_mlp_fp8 − gated_mlp in float64|, propagated step by step (all in float64):
-        GEMM with operand errors ea, eb: |ã·b̃ − a·b| ≤ ea·|b| + |a|·eb + ea·eb  (+ fp32 accumulation γ·|ã|·|b̃|)
-        GLU: |act(g̃)·ũ − act(g)·u| ≤ L·eg·(|u| + eu) + |act(g)|·eu, L = sup|act'|  (+ fp32 evaluation)
-        h's quantization on top of h̃ (|h̃| ≤ |h| + eh), then the down GEMM, then the cast to the output dtype."""
-    def gamma(k):
-        return (k + 4) * 2.0**-24 * 1.01  # fp32 sums of k terms, the operands' own fp32 rounding, the bias add
-
-    ex = _quant_bound(x.abs(), "row")
-    pre = []
-    for w, b in ((wg, bg), (wu, bu)):
-        ew = _quant_bound(w.abs(), "block")
-        e = ex @ w.abs().T + x.abs() @ ew.T + ex @ ew.T
-        e += gamma(x.shape[-1]) * ((x.abs() + ex) @ (w.abs() + ew).T + (0 if b is None else b.abs()))
-        pre.append(e)
-    eg, eu = pre
-    g, u = reference.gated_preact(x, wg, wu, bg, bu)
-    a = activations.get(act).forward(g)
-    h = a * u
-    eh = _lipschitz(act) * eg * (u.abs() + eu) + a.abs() * eu
-    eh += 2.0**-18 * (a.abs() + g.abs() + eg + 1e-30) * (u.abs() + eu)  # act and product evaluated in fp32
-    hb = h.abs() + eh
-    eh = eh + _quant_bound(hb, "row")
-    ewd = _quant_bound(wd.abs(), "block")
-    ey = eh @ wd.abs().T + h.abs() @ ewd.T + eh @ ewd.T
-    ey += gamma(h.shape[-1]) * ((hb + eh) @ (wd.abs() + ewd).T + (0 if bd is None else bd.abs()))
-    y = F.linear(h, wd, bd)
-    return y, ey + out_roundoff * (y.abs() + ey)
-
+# ---- the reference FP8 MLP against the float64 MLP (and reference.gated_mlp_fp8_bound, the bound `patch` uses) -
 
 def _mlp_case(seed, m, d, hidden, bias):
     gen = _gen(seed)
@@ -298,7 +254,7 @@ def test_fp8_mlp_error_is_within_the_derived_bound(act, bias, dtype, shape):
     assert y.dtype == dtype
     y64 = reference.gated_mlp(x, *ws, act, *bs)
     out_roundoff = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-24
-    y_bound, bound = _mlp_error_bound(x, *ws, act, *bs, out_roundoff)
+    y_bound, bound = reference.gated_mlp_fp8_bound(x, *ws, act, *bs, out_roundoff=out_roundoff)
     torch.testing.assert_close(y_bound, y64, rtol=1e-12, atol=1e-12)
     err = (y.double() - y64).abs()
     assert bool((err <= bound).all()), float((err / bound).max())
@@ -399,6 +355,6 @@ def test_massive_activation_tokens_spoil_every_token_per_tensor_but_none_in_the_
     def per_token(yy):
         return ((yy - y64).norm(dim=1) / y64.norm(dim=1))[2:]
 
-    _, bound = _mlp_error_bound(x, *ws, "gelu_tanh", None, None, None, 2.0**-24)
+    _, bound = reference.gated_mlp_fp8_bound(x, *ws, "gelu_tanh", out_roundoff=2.0**-24)
     assert bool(((y - y64).abs() <= bound).all())
     assert float(per_token(y).max()) < 0.25 and float(per_token(y_tensor).min()) > 0.5

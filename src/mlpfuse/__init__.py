@@ -14,6 +14,7 @@ _EXPORTS = {
     "GatedMLP": "mlpfuse.modules",
     "FusedLinear": "mlpfuse.modules",
     "MLP": "mlpfuse.modules",
+    "Fp8Linear": "mlpfuse.modules",
     "profile": "mlpfuse.profiling",
     "analyze": "mlpfuse.profiling",
     "diff": "mlpfuse.profiling",
@@ -23,7 +24,7 @@ _EXPORTS = {
     "InputError": "mlpfuse.errors",
 }
 
-_SUBMODULES = ("ops", "activations", "parallel")
+_SUBMODULES = ("ops", "activations", "parallel", "fp8")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 

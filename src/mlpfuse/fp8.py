@@ -66,7 +66,9 @@ def _groups(n: int, size: int = GROUP) -> int:
 def _scale_inv(amax: Tensor) -> Tensor:
     """scale_inv = amax / 448, with zeros → 1 and a floor at fp32's smallest normal; NaN and inf pass through
     (NaN < floor is False, so `maximum` would keep NaN anyway, but `where` states it)."""
-    s = torch.clamp_min(amax / FP8_MAX, MIN_SCALE_INV)
+    # A true division: PyTorch's CUDA kernels turn a division by a Python scalar into a multiplication by its
+    # reciprocal, which rounds differently from the correctly rounded amax/448 the kernels and the CPU compute.
+    s = torch.clamp_min(amax / torch.full_like(amax, FP8_MAX), MIN_SCALE_INV)
     s = torch.where(amax == 0, torch.ones_like(s), s)
     return torch.where(torch.isnan(amax), amax, s)
 

@@ -1,4 +1,5 @@
-"""Drop-in modules: GatedMLP (Llama/Gemma MLP), PackedGatedMLP (Phi-3's gate_up_proj), FusedLinear, MLP.
+"""Drop-in modules: GatedMLP (Llama/Gemma MLP), PackedGatedMLP (Phi-3's gate_up_proj), FusedLinear, MLP, and
+Fp8Linear (a projection held in the FP8 recipe, which GatedMLP(precision="fp8") is made of).
 
 Parameter names match the modules they replace, so state_dicts load as is: `gate_proj.weight`, `up_proj.weight`,
 `down_proj.weight` (+ `.bias`) for GatedMLP; `gate_up_proj.weight`, `down_proj.weight` for PackedGatedMLP;
@@ -21,9 +22,9 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from mlpfuse import activations
+from mlpfuse import activations, fp8
 from mlpfuse.errors import InputError
-from mlpfuse.ops import _checks, dispatch
+from mlpfuse.ops import _checks, dispatch, fp8_mlp
 from mlpfuse.ops._util import plain_linear
 from mlpfuse.ops.gated_mlp import CallPlan, gated_mlp_call, registered_call
 from mlpfuse.ops.linear_act import LinearActPlan, linear_act_call
@@ -247,9 +248,11 @@ class GatedMLP(nn.Module):
         dtype=None,
         backend: Optional[str] = None,
         recompute: bool = False,
+        precision: Optional[str] = None,
     ):
         super().__init__()
         dim, hidden = _check_init((("dim", dim), ("hidden", hidden)), bias, device, dtype)
+        precision = _check_precision(precision)
         self.dim, self.hidden = dim, hidden
         self.activation: str = activations.get(activation).name
         self.backend: str = dispatch.check_backend_name(backend)
@@ -258,9 +261,14 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(dim, hidden, bias=bias, device=device, dtype=dtype)
         self.down_proj = nn.Linear(hidden, dim, bias=bias, device=device, dtype=dtype)
         self._plan = CallPlan()
+        self.precision: str = ""
+        if precision == "fp8":
+            self.to_fp8()
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.jit.is_scripting():
+            if self.__dict__.get("precision") == "fp8":
+                return self._fp8_forward(x)
             # Plain dict reads instead of six nn.Module.__getattr__ calls: at decode sizes the host time per call
             # is the cost.
             mods = self._modules
@@ -291,11 +299,50 @@ class GatedMLP(nn.Module):
         children = [(n, getattr(self, n)) for n in ("gate_proj", "up_proj", "down_proj")]
         return sharded.gated(x, children, False, self.activation, self.backend)
 
+    @torch.jit.unused
+    def _fp8_forward(self, x: Tensor) -> Tensor:
+        mods = self._modules
+        g, u, d = mods["gate_proj"], mods["up_proj"], mods["down_proj"]
+        return fp8_mlp.fp8_gated_mlp(x, g.weight, g.weight_scale_inv, u.weight, u.weight_scale_inv, d.weight,
+                                     d.weight_scale_inv, g.bias, u.bias, d.bias, self.activation, self.backend)
+
+    @torch.jit.unused
+    def to_fp8(self) -> "GatedMLP":
+        """Quantize the three projections into the FP8 recipe (mlpfuse.fp8: e4m3, one fp32 scale per 128×128
+        block), in place, dropping the high-precision weights; returns the module. Inference only afterwards. The
+        state_dict then holds `<proj>.weight` (e4m3) and `<proj>.weight_scale_inv` (fp32), transformers' FP8Linear
+        keys; biases stay in their dtype."""
+        if self.__dict__.get("precision") == "fp8":
+            return self
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            child = getattr(self, name)
+            if isinstance(child, Fp8Linear):
+                continue
+            w, _ = _weight_of(self, name)
+            if _sharded(w):
+                raise InputError(f"{name}.weight: a sharded (DTensor) weight cannot be quantized in place; "
+                                 "quantize before tensor parallelism")
+            setattr(self, name, Fp8Linear.from_linear(child))
+        self.precision = "fp8"
+        return self
+
+    @torch.jit.unused
+    def dequantize(self) -> "GatedMLP":
+        """Back to nn.Linear projections in the dtype the weights were quantized from (lossy: the FP8 values, not the
+        originals), in place; returns the module."""
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            child = getattr(self, name)
+            if isinstance(child, Fp8Linear):
+                setattr(self, name, child.to_linear())
+        self.precision = ""
+        return self
+
     def extra_repr(self) -> str:
         bias = self.gate_proj.bias is not None
+        fp8_note = ", precision=fp8" if getattr(self, "precision", "") == "fp8" else ""
         return (
             f"dim={self.dim}, hidden={self.hidden}, activation={self.activation}, bias={bias}"
-            f"{_repr_backend(self.backend)}{', recompute=True' if getattr(self, 'recompute', False) else ''}"
+            f"{_repr_backend(self.backend)}{', recompute=True' if getattr(self, 'recompute', False) else ''}{fp8_note}"
         )
 
     @classmethod
@@ -420,6 +467,19 @@ class PackedGatedMLP(GatedMLP):
             f"dim={self.dim}, hidden={self.hidden}, activation={self.activation}, bias={bias}, packed=True"
             f"{_repr_backend(self.backend)}"
         )
+
+    @torch.jit.unused
+    def to_fp8(self) -> "GatedMLP":
+        """A GatedMLP in the FP8 recipe holding this module's gate and up halves quantized apart (so its state_dict
+        has gate_proj / up_proj keys, not gate_up_proj), and down_proj; this module is left as it is."""
+        w, b = _weight_of(self.gate_up_proj, "gate_up_proj")
+        h = self.hidden
+        m = GatedMLP(self.dim, h, self.activation, bias=False, device="meta", backend=self.backend or None)
+        m.gate_proj = Fp8Linear.from_weight(w[:h], None if b is None else b[:h])
+        m.up_proj = Fp8Linear.from_weight(w[h:], None if b is None else b[h:])
+        m.down_proj = Fp8Linear.from_linear(self.down_proj)
+        m.precision = "fp8"
+        return m
 
     @classmethod
     def from_linears(  # type: ignore[override]
@@ -550,6 +610,87 @@ class FusedLinear(nn.Linear):
         m.weight = shared.weight
         m.bias = shared.bias
         return m
+
+
+def _check_precision(precision) -> str:
+    if precision is None or precision == "":
+        return ""
+    if not isinstance(precision, str) or precision.strip().lower() != "fp8":
+        raise InputError(f"precision: expected None (the weights' own dtype) or 'fp8', got {precision!r}")
+    return "fp8"
+
+
+class Fp8Linear(nn.Module):
+    """x·Wᵀ + b with W held in the FP8 recipe (mlpfuse.fp8): buffers `weight` (float8_e4m3fn [out, in]) and
+    `weight_scale_inv` (fp32, one per 128×128 block), the keys of transformers' FP8Linear, and `bias` in `dtype`.
+    Inference only. Decode-sized inputs (≤ 16 tokens) run weight-only; larger ones quantize x 1×128 and run an FP8
+    GEMM (mlpfuse.ops.fp8_mlp). `dtype` is the dtype the weight was quantized from, which `to_linear` restores."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype: torch.dtype = torch.bfloat16, activation: Optional[str] = None, backend: Optional[str] = None):
+        super().__init__()
+        in_features, out_features = _check_init((("in_features", in_features), ("out_features", out_features)),
+                                                bias, device, dtype)
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype = dtype
+        self.activation: str = activations.get(activation).name
+        self.backend: str = dispatch.check_backend_name(backend)
+        self.register_buffer("weight", torch.zeros(out_features, in_features, device=device, dtype=fp8.DTYPE))
+        self.register_buffer("weight_scale_inv", torch.ones(fp8.weight_scale_shape(out_features, in_features),
+                                                            device=device, dtype=fp8.SCALE_DTYPE))
+        self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fp8_mlp.fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, self.activation, self.backend)
+
+    def fp8_weight(self) -> fp8.Fp8Weight:
+        return fp8.Fp8Weight(self.weight, self.weight_scale_inv, self.dtype)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # Checked as a checkpoint is: a weight that is not e4m3, or scales that do not fit it, is one InputError
+        # naming the tensor (nn.Module's own copy would cast a bf16 weight into e4m3 without its scales).
+        if prefix + fp8.WEIGHT_KEY in state_dict or prefix + fp8.SCALE_KEY in state_dict:
+            w = fp8.Fp8Weight.from_state_dict(state_dict, prefix, dtype=self.dtype)
+            if tuple(w.shape) != (self.out_features, self.in_features):
+                raise InputError(f"{prefix}weight: shape {list(w.shape)}, this module holds "
+                                 f"[{self.out_features}, {self.in_features}]")
+            state_dict = {**state_dict, prefix + fp8.SCALE_KEY: w.scale_inv}  # e8m0 scales widened to fp32
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def extra_repr(self) -> str:
+        act = f", activation={self.activation}" if self.activation != "identity" else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"fp8=e4m3 128x128{act}{_repr_backend(self.backend)}")
+
+    @classmethod
+    def from_weight(cls, weight: Tensor, bias: Optional[Tensor] = None, activation: Optional[str] = None,
+                    backend: Optional[str] = None) -> "Fp8Linear":
+        """Quantize a [out, in] weight (any floating dtype, which the module computes in); the bias is kept as is."""
+        w = fp8.quantize_weight(weight.detach())
+        m = cls(w.shape[1], w.shape[0], bias=False, device="meta", dtype=weight.dtype, activation=activation,
+                backend=backend)
+        m.weight, m.weight_scale_inv = w.values, w.scale_inv
+        if bias is not None:
+            m.bias = nn.Parameter(bias.detach(), requires_grad=False)
+        return m
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, activation: Optional[str] = None,
+                    backend: Optional[str] = None) -> "Fp8Linear":
+        """An Fp8Linear from an nn.Linear-like module (its weight quantized, its bias kept)."""
+        w, b = _weight_of(linear, "")
+        return cls.from_weight(w, b, activation, backend)
+
+    def to_linear(self) -> nn.Linear:
+        """An nn.Linear in `dtype` holding the dequantized weight (lossy) and the bias."""
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta",
+                        dtype=self.dtype)
+        lin.weight = nn.Parameter(self.fp8_weight().dequantize(self.dtype))
+        if self.bias is not None:
+            lin.bias = nn.Parameter(self.bias.detach().clone())
+        return lin
 
 
 class MLP(nn.Module):

@@ -239,3 +239,93 @@ def gated_mlp_fp8(
     h = activations.get(activation).forward(g) * u
     hd = fp8.dequantize_activation(*fp8.quantize_activation(h))
     return F.linear(hd, down.dequantize(f32), _at(down_bias, f32)).to(x.dtype)
+
+
+# Decode sizes run weight-only (ops.fp8_mlp): the weights in the recipe, x and h in x's dtype. The kernels widen each
+# e4m3 weight exactly to x's dtype, sum each 128-wide K block in fp32 and scale it by its weight scale; here the
+# dequantized weights are multiplied in fp32, equal up to fp32 rounding (the argument above, with x unquantized).
+
+def linear_fp8_weight_only(x: Tensor, weight, bias: Optional[Tensor] = None, activation=None) -> Tensor:
+    """act(x·Wᵀ + b) for `weight` an `fp8.Fp8Weight`, x not quantized: fp32 math, returned in x's dtype."""
+    z = F.linear(x.float(), weight.dequantize(torch.float32), _at(bias, torch.float32))
+    return activations.get(activation).forward(z).to(x.dtype)
+
+
+def gated_mlp_fp8_weight_only(x: Tensor, gate, up, down, activation="gelu_tanh", gate_bias: Optional[Tensor] = None,
+                              up_bias: Optional[Tensor] = None, down_bias: Optional[Tensor] = None) -> Tensor:
+    """The gated MLP with `fp8.Fp8Weight` weights and unquantized activations: g, u, h in fp32, h rounded once to
+    x's dtype (what the weight-only kernels store between their two launches), y in x's dtype."""
+    f32 = torch.float32
+    xf = x.float()
+    g = F.linear(xf, gate.dequantize(f32), _at(gate_bias, f32))
+    u = F.linear(xf, up.dequantize(f32), _at(up_bias, f32))
+    h = (activations.get(activation).forward(g) * u).to(x.dtype)
+    return F.linear(h.float(), down.dequantize(f32), _at(down_bias, f32)).to(x.dtype)
+
+
+# ---- how far the FP8 MLP may be from the float64 one: a bound derived from the recipe, used by `patch` ---------
+
+FP32_ACCUMULATION = 2.0**-24
+# Hopper's FP8 tensor cores add each product into an accumulator of about 14 significant bits within an MMA (the
+# DeepSeek-V3 report measured it); mlpfuse's kernels promote to fp32 after every 128-wide K block, so within one
+# block a sum is off by at most 128 roundings of 2^-14 relative to its running magnitude.
+FP8_MMA_ACCUMULATION = 2.0**-14
+
+
+def gated_mlp_fp8_bound(x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, activation, bg: Optional[Tensor] = None,
+                        bu: Optional[Tensor] = None, bd: Optional[Tensor] = None, *, out_roundoff: float,
+                        accumulation: float = FP32_ACCUMULATION) -> tuple[Tensor, Tensor]:
+    """(y, bound): the float64 MLP on these (float64) operands and an elementwise bound on |y_fp8 − y| for the recipe
+    (x, Wg, Wu, h and Wd rounded as fp8 says, then y rounded to the output dtype, `out_roundoff` its unit
+    roundoff). Each step propagated (u = 2^-4, s a group's amax/448):
+        a rounding of t:  |Δt| ≤ u·|t| + 2^-10·s
+        a GEMM with operand errors ea, eb: |ã·b̃ − a·b| ≤ ea·|b| + |a|·eb + ea·eb, plus γ·|ã|·|b̃| for the sums
+        the GLU: |act(g̃)·ũ − act(g)·u| ≤ L·eg·(|u| + eu) + |act(g)|·eu, L = sup|act'|, plus its fp32 evaluation
+    γ = (128 + 4)·accumulation per K block (FP8_MMA_ACCUMULATION for tensor-core sums, else fp32's 2^-24 over the
+    whole K). The weight-only path (x and h not quantized, h rounded to a 16-bit dtype at most 2^-9) stays within
+    the same bound. Rigorous, so loose: ~√K above a typical error for random signs."""
+    from mlpfuse import fp8
+
+    u, sub = fp8.UNIT_ROUNDOFF, fp8.SUBNORMAL_HALF_SPACING
+
+    def group_amax(t: Tensor, dims: str) -> Tensor:
+        if dims == "row":
+            k = t.shape[-1]
+            amax = F.pad(t, (0, -k % 128)).unflatten(-1, (-1, 128)).abs().amax(-1)
+            return amax.repeat_interleave(128, -1)[..., :k]
+        out, inp = t.shape
+        pad = F.pad(t, (0, -inp % 128, 0, -out % 128))
+        amax = pad.unflatten(1, (-1, 128)).unflatten(0, (-1, 128)).abs().amax(dim=(1, 3))
+        return amax.repeat_interleave(128, 0)[:out].repeat_interleave(128, 1)[:, :inp]
+
+    def rounding(t_abs: Tensor, dims: str) -> Tensor:
+        return u * t_abs + sub * group_amax(t_abs, dims) / 448
+
+    def gamma(k: int) -> float:
+        if accumulation > FP32_ACCUMULATION:
+            return (128 + 4) * accumulation * 1.01
+        return (k + 4) * accumulation * 1.01
+
+    act = activations.get(activation)
+    grid = torch.linspace(-60, 60, 240001, dtype=torch.float64)
+    lipschitz = float(act.grad(grid).abs().max()) * 1.001
+    ex = rounding(x.abs(), "row")
+    pre = []
+    for w, b in ((wg, bg), (wu, bu)):
+        ew = rounding(w.abs(), "block")
+        e = ex @ w.abs().T + x.abs() @ ew.T + ex @ ew.T
+        e += gamma(x.shape[-1]) * ((x.abs() + ex) @ (w.abs() + ew).T + (0 if b is None else b.abs()))
+        pre.append(e)
+    eg, eu = pre
+    g, up = gated_preact(x, wg, wu, bg, bu)
+    a = act.forward(g)
+    h = a * up
+    eh = lipschitz * eg * (up.abs() + eu) + a.abs() * eu
+    eh += 2.0**-18 * (a.abs() + g.abs() + eg + 1e-30) * (up.abs() + eu)  # act and product evaluated in fp32
+    hb = h.abs() + eh
+    eh = eh + rounding(hb, "row")
+    ewd = rounding(wd.abs(), "block")
+    ey = eh @ wd.abs().T + h.abs() @ ewd.T + eh @ ewd.T
+    ey += gamma(h.shape[-1]) * ((hb + eh) @ (wd.abs() + ewd).T + (0 if bd is None else bd.abs()))
+    y = F.linear(h, wd, bd)
+    return y, ey + out_roundoff * (y.abs() + ey)

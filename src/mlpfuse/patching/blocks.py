@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.nn.modules import module as _module
 
 from mlpfuse.modules import _sharded, _weight_bias
-from mlpfuse.ops import _checks, dispatch
+from mlpfuse.ops import _checks, dispatch, fp8_mlp
 from mlpfuse.ops._util import linear2d, rows, unrows
 from mlpfuse.ops.gated_mlp import CallPlan, gated_mlp_call
 from mlpfuse.ops.linear_act import LinearActPlan, linear_act_call
@@ -110,14 +110,38 @@ class GatedBlock(PatchedBlock):
         # The RMSNorm in front of the block, when patching handed it over (mlpfuse.patching.norms): the norm module
         # then passes its input through and this block applies it (its decode kernels, or the norm's own forward).
         self.fused_norm = None
+        # "fp8" once patch(precision="fp8") quantized the projections (mlpfuse.patching.quantize): they are then
+        # modules.Fp8Linear, in this block and in the module it replaced.
+        self.fused_precision = ""
 
     def extra_repr(self) -> str:
         extra = ", the norm in front handed over" if self.fused_norm is not None else ""
-        return super().extra_repr() + extra + (", recompute=True" if self.fused_recompute else "")
+        fp8 = ", precision=fp8" if self.fused_precision == "fp8" else ""
+        return super().extra_repr() + extra + (", recompute=True" if self.fused_recompute else "") + fp8
+
+    def fp8_call(self, x: Tensor, children=None) -> Tensor:
+        """The MLP on FP8 projections (modules.Fp8Linear): this block's, or `children` in its layout's order."""
+        mods = children if children is not None else [self._modules[n] for n in self.fused_linears]
+        d = mods[-1]
+        if self.fused_packed:
+            gu, n = mods[0], self.fused_hidden
+            w, s, b = gu.weight, gu.weight_scale_inv, gu.bias
+            halves = [(w[:n], s[: n // 128], None if b is None else b[:n]),
+                      (w[n:], s[n // 128:], None if b is None else b[n:])]
+            (wg, sg, bg), (wu, su, bu) = halves[::-1] if self.fused_gate_second else halves
+        else:
+            g, u = mods[0], mods[1]
+            wg, sg, bg, wu, su, bu = g.weight, g.weight_scale_inv, g.bias, u.weight, u.weight_scale_inv, u.bias
+        return fp8_mlp.fp8_gated_mlp(x, wg, sg, wu, su, d.weight, d.weight_scale_inv, bg, bu, d.bias,
+                                     self.fused_activation, self.fused_backend)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         mods = self._modules
         norm = self.fused_norm
+        if self.fused_precision == "fp8":
+            if self._dropout_active():
+                return self._source_forward(hidden_states if norm is None else norm(hidden_states))
+            return self.fp8_call(hidden_states if norm is None else norm(hidden_states))
         names = self.fused_linears
         w, b = _weight_bias(mods[names[0]])
         wd, bd = _weight_bias(mods[names[-1]])

@@ -16,6 +16,8 @@ class Swapped:
     activation: str
     matched: str = "name"  # "name": a row of the family table; "structure": its children, proven on numbers
     roles: str = ""  # which child plays which part ("gate=w1 up=w3 down=w2")
+    precision: str = ""  # "fp8" when patch(precision="fp8") quantized the block's projections
+    fp8_error: Optional[float] = None  # its measured ‖Δy‖/‖y‖ against float64 (mlpfuse.patching.quantize)
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class PatchReport:
     already_patched: list[str] = field(default_factory=list)
     norms: list[FusedNorm] = field(default_factory=list)  # RMSNorms handed to the block after them
     norms_kept: list[Left] = field(default_factory=list)  # norms in front of a swapped block, kept, with why
+    fp8_kept: list[Left] = field(default_factory=list)  # swapped blocks left in their dtype by precision="fp8"
 
     @property
     def changed(self) -> bool:
@@ -55,6 +58,7 @@ class PatchReport:
             "already_patched": list(self.already_patched),
             "norms": [asdict(n) for n in self.norms],
             "norms_kept": [asdict(n) for n in self.norms_kept],
+            "fp8_kept": [asdict(n) for n in self.fp8_kept],
         }
 
     def summary(self) -> str:
@@ -68,6 +72,10 @@ class PatchReport:
         parts.append(f"left {len(self.left)}")
         if self.norms:
             parts.append(f"{len(self.norms)} norms fused")
+        errors = [s.fp8_error for s in self.swapped if s.precision == "fp8"]
+        if errors or self.fp8_kept:
+            spread = f" (output error vs float64 {min(errors):.2g}–{max(errors):.2g})" if errors else ""
+            parts.append(f"{len(errors)} in fp8{spread}")
         return "\n".join([head + ", ".join(parts), *self.group_lines()])
 
     def group_lines(self, extra: Optional[dict[str, str]] = None) -> list[str]:
@@ -76,7 +84,7 @@ class PatchReport:
         groups: dict[tuple, list[str]] = {}
         for s in self.swapped:
             how = f"by {s.matched}" + (f": {s.roles}" if s.roles else "")
-            what = ", ".join(part for part in (s.activation, how) if part)  # a post-norm block has no activation
+            what = ", ".join(part for part in (s.activation, how, s.precision) if part)  # post-norm: no activation
             more = f", {extra[s.path]}" if extra and s.path in extra else ""
             groups.setdefault(("swapped", f"{s.source} -> {s.layout} ({what}){more}"), []).append(s.path)
         for item in self.left:
@@ -88,6 +96,8 @@ class PatchReport:
             groups.setdefault(("norm", f"RMSNorm ({n.kind}) applied by {into}'s decode kernels"), []).append(n.path)
         for item in self.norms_kept:
             groups.setdefault(("norm", f"{item.source} kept: {item.reason}"), []).append(item.path)
+        for item in self.fp8_kept:
+            groups.setdefault(("not fp8", f"{item.source} stays in its dtype: {item.reason}"), []).append(item.path)
         return [f"  {kind:8s} {fold_paths(paths)}  {what}" + (f"  [{len(paths)}x]" if len(paths) > 1 else "")
                 for (kind, what), paths in groups.items()]
 

@@ -15,13 +15,14 @@ import torch.nn as nn
 
 from mlpfuse.errors import InputError
 from mlpfuse.ops import _checks, dispatch
-from mlpfuse.patching import blocks, checks, norms, structure, table
+from mlpfuse.modules import _check_precision
+from mlpfuse.patching import blocks, checks, norms, quantize, structure, table
 from mlpfuse.patching.report import Left, PatchReport, Swapped
 from mlpfuse.patching.verify import one_line, verify_block
 
 
 def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = True,
-          fuse_norms: bool = True, recompute: bool = False) -> PatchReport:
+          fuse_norms: bool = True, recompute: bool = False, precision: Optional[str] = None) -> PatchReport:
     """Swap, in place, every MLP block of `model` that mlpfuse recognises (by class name or by structure) for a
     fused one; return the report.
 
@@ -32,6 +33,11 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
     that only the block reads the norm's output (mlpfuse.patching.norms): its decode kernels then normalise x.
     recompute: the swapped gated blocks keep only their input for the backward and recompute g and u there
     (training memory: three [tokens, hidden] tensors less per block, for two GEMMs more).
+    precision: None (the weights' own dtype) or "fp8": each swapped gated block's projections are then quantized
+    once into the FP8 recipe (mlpfuse.fp8; inference only) and their high-precision weights dropped, each after
+    its FP8 output met the recipe's error bound on its own weights (mlpfuse.patching.quantize); the report gives
+    the measured error of each and says which blocks stayed in their dtype, and why. Their state_dict keys gain
+    `weight_scale_inv` beside `weight` (transformers' FP8Linear layout); `unpatch` dequantizes (lossy).
     Parameters are reused (same objects), state_dict keys do not change, a second call changes nothing, and
     `unpatch(model)` puts the original modules back.
     """
@@ -40,6 +46,9 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
     backend_name = dispatch.check_backend_name(backend)
     _checks.flag("fuse_norms", fuse_norms)
     _checks.flag("recompute", recompute)
+    precision = _check_precision(precision)
+    if precision == "fp8" and recompute:
+        raise InputError("recompute: FP8 blocks are inference-only; recompute is for training")
     report = PatchReport(type(model).__name__, backend_name or "env")
     if isinstance(model, blocks.PatchedBlock):
         report.already_patched.append("")
@@ -48,6 +57,8 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
                                 "that holds it, or use mlpfuse.GatedMLP / MLP.from_module"))
     else:
         _walk(model, "", report, backend_name, verify, {}, getattr(model, "config", None), recompute=recompute)
+        if precision == "fp8":
+            quantize.quantize_blocks(model, report)
         if fuse_norms:
             norms.fuse_norms(model, report)
     return report
@@ -67,6 +78,8 @@ def unpatch(model: nn.Module) -> list[str]:
                 continue
             path = f"{prefix}.{name}" if prefix else name
             if isinstance(child, blocks.PatchedBlock):
+                if isinstance(child, blocks.GatedBlock) and child.fused_precision == "fp8":
+                    quantize.restore(child)
                 source = child.fused_source
                 source.training = child.training
                 parent._modules[name] = source

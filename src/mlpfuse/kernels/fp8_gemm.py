@@ -1,0 +1,347 @@
+"""The FP8 forms of the MLP's GEMMs, in the recipe of `mlpfuse.fp8` (e4m3 values; weights with one fp32 scale per
+128×128 block, activations with one per token and 128 consecutive channels).
+
+    quantize          x [M, K] → xq [M, K] e4m3, sx [M, K/128]                   (one pass, when x has no producer)
+    fp8_gemm          z = Σ_b sx[:, b]·sw[:, b] · (xq_b · wq_bᵀ)   per 128-wide K block b, fp32 accumulators;
+                      GATED: a second weight (up) in the same K loop, z = act(g)·u;  else z = act(g)
+                      epilogue: biases (fp32), then either z in the output dtype, or z quantized again (QUANT_OUT):
+                      a BN = 128 tile is exactly one scale group per row, so its row amax is known on chip and
+                      the next GEMM's operand (hq, sh) leaves it already in FP8 — no pass of its own over h
+    fp8_weight_gemm   decode sizes (M ≤ 64): weight-only — W read once as e4m3 and widened to x's dtype in
+                      registers, each 128×128 block's scale applied to its partial sum; x and the output stay in
+                      x's dtype (the bytes are the weights; quantizing x would only add a pass and error)
+
+The K step is 128 (the scale group), so each step's tensor-core sum is one block's, scaled by one activation scale
+per row and one weight scale per column and added to the accumulator: the per-K-block scaling of the recipe, with the
+products of e4m3 values exact in the fp32 accumulation.
+
+Rounding to e4m3 is round-to-nearest-even. On the GPU that is the hardware conversion; Triton's interpreter (the CPU
+tests) converts out-of-range, tie and NaN values wrongly, so there the rounding is done in fp32 arithmetic first
+(`EMULATE`) and the cast then only meets values e4m3 holds exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mlpfuse import fp8
+from mlpfuse.activations import act_fwd
+from mlpfuse.errors import InputError
+from mlpfuse.kernels import _common as C
+from mlpfuse.kernels._common import tile_coords
+
+GROUP = fp8.GROUP  # the K step and the output tile width of QUANT_OUT: one scale group
+_EMULATE = C.INTERPRET
+
+
+@triton.jit
+def _e4m3(v, EMULATE: tl.constexpr):
+    """fp32 v (|v| ≤ 448, or NaN) → e4m3, round to nearest even."""
+    if EMULATE:
+        # The e4m3 spacing around v: 2^(e-3) for a normal exponent e ≥ -6, 2^-9 below (subnormals); adding and
+        # subtracting 1.5·2^23 rounds v/spacing (|v/spacing| ≤ 16) to an integer, ties to even.
+        e = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        spacing = ((tl.maximum(e, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
+        r = ((v / spacing + 12582912.0) - 12582912.0) * spacing
+        r = tl.where(r == 0.0, v * 0.0, r)  # keep the sign of a zero
+        q = tl.where(v != v, 0x7F, r.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+        return q.to(tl.float8e4nv, bitcast=True)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_rows(v, EMULATE: tl.constexpr):
+    """v [R, 128] fp32 (one scale group per row) → (values e4m3, scale_inv [R] fp32), as fp8.quantize_activation:
+    scale_inv = max(amax/448, 2^-126), 1 for a zero row, NaN for a row holding a NaN; ±inf makes it inf."""
+    amax = tl.max(tl.abs(v), axis=1)
+    s = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
+    s = tl.where(amax == 0.0, 1.0, s)
+    # tl.max drops NaNs (max.f32 returns the other operand): find them apart.
+    has_nan = tl.max((v != v).to(tl.int32), axis=1) > 0
+    s = tl.where(has_nan, float("nan"), s)
+    return _e4m3(tl.math.div_rn(v, s[:, None]), EMULATE), s
+
+
+@triton.jit(do_not_specialize=["M"])
+def mlpfuse_fp8_quantize_kernel(x, q, s, M, K, sxm, sqm, ssm, BM: tl.constexpr, EMULATE: tl.constexpr,
+                                I64: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    b = tl.program_id(1)
+    rk = b * 128 + tl.arange(0, 128)
+    if I64:
+        rm = rm.to(tl.int64)
+    mask = (rm[:, None] < M) & (rk[None, :] < K)
+    v = tl.load(x + rm[:, None] * sxm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    values, scale = _quantize_rows(v, EMULATE)
+    tl.store(q + rm[:, None] * sqm + rk[None, :], values, mask=mask)
+    tl.store(s + rm * ssm + b, scale, mask=rm < M)
+
+
+@triton.jit(do_not_specialize=["M"])
+def mlpfuse_fp8_gemm_kernel(
+    a, sa, w1, s1, w2, s2, b1, b2, out, sout,
+    M, N, K, s_am, s_sam, s_w1, s_s1, s_w2, s_s2, s_om, s_som,
+    ACT: tl.constexpr, GATED: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, QUANT_OUT: tl.constexpr,
+    TMA: tl.constexpr, EMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
+    I64: tl.constexpr,
+):
+    BK: tl.constexpr = 128
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)):
+        pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BM
+        off_n = pid_n * BN
+        rm = off_m + tl.arange(0, BM)
+        rn = off_n + tl.arange(0, BN)
+        if I64:
+            rm = rm.to(tl.int64)
+            rn = rn.to(tl.int64)
+        mmask = rm < M
+        nmask = rn < N
+        acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+        acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            k0 = ki * BK
+            if TMA:  # out-of-range rows and columns come back as zeros
+                at = a.load([off_m, k0])
+                wt1 = w1.load([off_n, k0])
+            else:
+                rk = k0 + tl.arange(0, BK)
+                kmask = rk[None, :] < K
+                at = tl.load(a + rm[:, None] * s_am + rk[None, :], mask=mmask[:, None] & kmask, other=0.0)
+                wt1 = tl.load(w1 + rn[:, None] * s_w1 + rk[None, :], mask=nmask[:, None] & kmask, other=0.0)
+            sx = tl.load(sa + rm * s_sam + ki, mask=mmask, other=0.0)
+            sw1 = tl.load(s1 + (rn // 128) * s_s1 + ki, mask=nmask, other=0.0)
+            acc1 += tl.dot(at, wt1.T) * (sx[:, None] * sw1[None, :])
+            if GATED:
+                if TMA:
+                    wt2 = w2.load([off_n, k0])
+                else:
+                    wt2 = tl.load(w2 + rn[:, None] * s_w2 + rk[None, :], mask=nmask[:, None] & kmask, other=0.0)
+                sw2 = tl.load(s2 + (rn // 128) * s_s2 + ki, mask=nmask, other=0.0)
+                acc2 += tl.dot(at, wt2.T) * (sx[:, None] * sw2[None, :])
+        if HAS_B1:
+            acc1 += tl.load(b1 + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            if HAS_B2:
+                acc2 += tl.load(b2 + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            z = act_fwd(acc1, ACT) * acc2
+        else:
+            z = act_fwd(acc1, ACT)
+        mask = mmask[:, None] & nmask[None, :]
+        if QUANT_OUT:  # BN == 128: this tile's columns are one scale group; columns past N must not raise amax
+            values, scale = _quantize_rows(tl.where(nmask[None, :], z, 0.0), EMULATE)
+            tl.store(out + rm[:, None] * s_om + rn[None, :], values, mask=mask)
+            tl.store(sout + rm * s_som + pid_n, scale, mask=mmask)
+        else:
+            tl.store(out + rm[:, None] * s_om + rn[None, :], z.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def mlpfuse_fp8_weight_gemm_kernel(
+    x, w1, s1, w2, s2, b1, b2, out,
+    M, N, K, s_xm, s_w1, s_s1, s_w2, s_s2, s_om,
+    ACT: tl.constexpr, GATED: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, I64: tl.constexpr,
+):
+    """Weight-only: outᵀ [BLOCK_N, M] = Wq[slice] · xᵀ, the weight the MMA's left operand ("swap AB") so that a tiny M
+    is the MMA's narrow side. BLOCK_N divides 128, so the program's rows share one row of weight scales."""
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk0 = tl.arange(0, 128)
+    if I64:
+        rn = rn.to(tl.int64)
+        rm = rm.to(tl.int64)
+        rk0 = rk0.to(tl.int64)
+    nmask = rn < N
+    mmask = rm < M
+    srow = (pid * BLOCK_N) // 128
+    dt = x.dtype.element_ty
+    acc1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, 128):
+        rk = k0 + rk0
+        kmask = rk < K
+        xt = tl.load(x + rm[None, :] * s_xm + rk[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
+        wt = tl.load(w1 + rn[:, None] * s_w1 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc1 += tl.dot(wt.to(dt), xt, input_precision=DOT_PREC) * tl.load(s1 + srow * s_s1 + k0 // 128)
+        if GATED:
+            wt2 = tl.load(w2 + rn[:, None] * s_w2 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            acc2 += tl.dot(wt2.to(dt), xt, input_precision=DOT_PREC) * tl.load(s2 + srow * s_s2 + k0 // 128)
+    if HAS_B1:
+        acc1 += tl.load(b1 + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
+    if GATED:
+        if HAS_B2:
+            acc2 += tl.load(b2 + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        z = act_fwd(acc1, ACT) * acc2
+    else:
+        z = act_fwd(acc1, ACT)
+    tl.store(out + rm[None, :] * s_om + rn[:, None], z.to(out.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
+
+
+_quantize_launch = C.Launcher(mlpfuse_fp8_quantize_kernel)
+_gemm_launch = C.Launcher(mlpfuse_fp8_gemm_kernel)
+_weight_launch = C.Launcher(mlpfuse_fp8_weight_gemm_kernel)
+
+
+def _check_act(x: torch.Tensor, name: str = "x") -> None:
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise InputError(f"{name}: expected a 2-D tensor with unit inner stride, got shape {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+
+
+def _check_weight(name: str, w: torch.Tensor, s: torch.Tensor, k: int, like: torch.Tensor,
+                  n: int | None = None) -> None:
+    """Values e4m3 [n, k] and scales fp32 [ceil(n/128), ceil(k/128)], row-major, on `like`'s device."""
+    rows = w.shape[0] if w.dim() == 2 else -1
+    if (w.dtype != fp8.DTYPE or w.dim() != 2 or w.shape[1] != k or (n is not None and rows != n)
+            or w.stride(1) != 1 or w.device != like.device):
+        raise InputError(f"{name}: expected row-major {fp8.DTYPE} values of shape ({n if n is not None else 'N'}, "
+                         f"{k}) on {like.device}, got {w.dtype} {tuple(w.shape)} on {w.device}")
+    if (s.dtype != fp8.SCALE_DTYPE or tuple(s.shape) != fp8.weight_scale_shape(rows, k) or s.stride(1) != 1
+            or s.device != like.device):
+        raise InputError(f"{name}_scale: expected fp32 scales of shape {fp8.weight_scale_shape(rows, k)} on "
+                         f"{like.device}, got {s.dtype} {tuple(s.shape)} on {s.device}")
+
+
+def _check_bias(name: str, b, n: int, like: torch.Tensor) -> None:
+    if b is not None and (tuple(b.shape) != (n,) or not b.is_floating_point() or b.device != like.device):
+        raise InputError(f"{name}: expected a floating-point tensor of shape ({n},) on {like.device}")
+
+
+def quantize(x: torch.Tensor, block_m: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (unit inner stride) → (values e4m3 [M, K], scale_inv fp32 [M, ceil(K/128)]): fp8.quantize_activation
+    in one pass."""
+    _check_act(x)
+    m, k = x.shape
+    q = torch.empty(m, k, device=x.device, dtype=fp8.DTYPE)
+    s = torch.empty(m, -(-k // GROUP), device=x.device, dtype=fp8.SCALE_DTYPE)
+    if m == 0 or k == 0:
+        return q, s
+    bm = 16 if C.INTERPRET else block_m
+    i64 = C.needs_i64(x, q)
+    key = (x.dtype, bm, i64, C.align16(x), k % 16 == 0, x.stride(0) % 16 == 0)
+    _quantize_launch(key, (triton.cdiv(m, bm), s.shape[1]), (x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0)),
+                     (bm, _EMULATE, i64), num_warps=4, num_stages=1)
+    return q, s
+
+
+def _gemm_config(m: int, n: int, quant_out: bool, gated: bool) -> tuple[int, int, int, int, int]:
+    """(BM, BN, GROUP_M, num_warps, num_stages). The output tile is one scale group wide when the output is quantized;
+    the interpreter runs small tiles (each program is emulated). From `benchmarks/fp8_tune.py` on an H200
+    (benchmarks/results/nvidia-h200/fp8-tune): the gated kernel's two accumulators spill at 128-row tiles (7.1 ms
+    vs 3.5 ms at 8192×4096×14336), so it keeps 64 rows; the down GEMM takes 128×128 tiles from 512 rows (1.39 ms at
+    8192 tokens; 64×128: 1.61–1.93) and 64×64 below (52 µs at 64 tokens; 64×128: 65–75)."""
+    if C.INTERPRET:
+        return 16, 128, 2, 4, 1
+    if gated:
+        return 64, 128, 8, 8, 3
+    if m >= 512:
+        return 128, 128, 8, 8, 3
+    return 64, 128 if quant_out else 64, 8, 4, 4
+
+
+def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
+             w2: torch.Tensor | None = None, s2: torch.Tensor | None = None, b1: torch.Tensor | None = None,
+             b2: torch.Tensor | None = None, *, activation: int, quant_out: bool,
+             out_dtype: torch.dtype = torch.bfloat16):
+    """z = act(a·W1ᵀ + b1) [· (a·W2ᵀ + b2) when w2 is given], a [M, K] e4m3 with 1×128 scales, each weight e4m3
+    [N, K] with its 128×128 scales; returns z in `out_dtype`, or (values, scale_inv) of z quantized 1×128 when
+    `quant_out`."""
+    _check_act(a, "a")
+    if a.dtype != fp8.DTYPE:
+        raise InputError(f"a: expected {fp8.DTYPE} values, got {a.dtype}")
+    m, k = a.shape
+    if tuple(a_scale.shape) != (m, -(-k // GROUP)) or a_scale.dtype != fp8.SCALE_DTYPE or a_scale.stride(1) != 1:
+        raise InputError(f"a_scale: expected fp32 scales of shape ({m}, {-(-k // GROUP)}), got {a_scale.dtype} "
+                         f"{tuple(a_scale.shape)}")
+    _check_weight("w1", w1, s1, k, a)
+    n = w1.shape[0]
+    gated = w2 is not None
+    if gated:
+        _check_weight("w2", w2, s2, k, a, n)
+    else:
+        w2, s2 = w1, s1
+    _check_bias("b1", b1, n, a)
+    _check_bias("b2", b2, n, a)
+    if quant_out:
+        out = torch.empty(m, n, device=a.device, dtype=fp8.DTYPE)
+        sout = torch.empty(m, -(-n // GROUP), device=a.device, dtype=fp8.SCALE_DTYPE)
+    else:
+        out = torch.empty(m, n, device=a.device, dtype=out_dtype)
+        sout = a_scale
+    if m == 0 or n == 0:
+        return (out, sout) if quant_out else out
+    bm, bn, group_m, warps, stages = _gemm_config(m, n, quant_out, gated)
+    use_tma = C.tma_capable(a.device) and k > 0 and C.tma_ok(a) and C.tma_ok(w1) and C.tma_ok(w2)
+    aa, wa1, wa2 = a, w1, w2
+    if use_tma:
+        aa, wa1 = C.desc(a, [bm, GROUP]), C.desc(w1, [bn, GROUP])
+        wa2 = C.desc(w2, [bn, GROUP]) if gated else wa1
+    i64 = C.needs_i64(a, out, w1, w2)
+    consts = (activation, gated, b1 is not None, b2 is not None, quant_out, use_tma, _EMULATE, bm, bn, group_m, i64)
+    key = (consts, out.dtype, n, k, a.stride(0), a_scale.stride(0), w1.stride(0), s1.stride(0), w2.stride(0),
+           s2.stride(0), out.stride(0), sout.stride(0), C.align16(a), C.align16(a_scale), C.align16(out),
+           C.align16(sout), C.align16(w1), C.align16(s1), C.align16(w2), C.align16(s2),
+           b1 is None or (b1.dtype, C.align16(b1)), b2 is None or (b2.dtype, C.align16(b2)), warps, stages)
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    grid = (min(tiles, C.num_sms(a.device)),)
+    args = (aa, a_scale, wa1, s1, wa2, s2, a if b1 is None else b1, a if b2 is None else b2, out, sout,
+            m, n, k, a.stride(0), a_scale.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0),
+            out.stride(0), sout.stride(0))
+    _gemm_launch(key, grid, args, consts, num_warps=warps, num_stages=stages)
+    return (out, sout) if quant_out else out
+
+
+def _weight_config(m: int, n: int, gated: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_M, num_warps, num_stages) for the weight-only kernel: narrow row slices so that a few thousand
+    output rows still spread over every SM. From `benchmarks/fp8_tune.py` on an H200 at 1 and 16 rows × 4096×14336:
+    gate+up 64-row slices, 4 warps, 3 stages (60 µs; 32 rows: 95; 128 rows: 77–95); down 32-row slices, 4 stages
+    (68 µs; 64 rows: 83–85)."""
+    block_m = max(16, triton.next_power_of_2(m))
+    if C.INTERPRET:
+        return 32, block_m, 4, 1
+    if gated:
+        return 64, block_m, 4, 3
+    return 32, block_m, 4, 4
+
+
+WEIGHT_ONLY_MAX_M = 64  # the weight-only kernel's largest M (its tiles keep M whole)
+
+
+def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor | None = None,
+                    s2: torch.Tensor | None = None, b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                    *, activation: int, allow_tf32: bool = False) -> torch.Tensor:
+    """z = act(x·W1ᵀ + b1) [· (x·W2ᵀ + b2)] for x [M ≤ 64, K] in bf16/fp16/fp32, the weights read as e4m3."""
+    _check_act(x)
+    m, k = x.shape
+    if m > WEIGHT_ONLY_MAX_M:
+        raise InputError(f"x: the weight-only kernel takes at most {WEIGHT_ONLY_MAX_M} rows, got {m}")
+    _check_weight("w1", w1, s1, k, x)
+    n = w1.shape[0]
+    gated = w2 is not None
+    if gated:
+        _check_weight("w2", w2, s2, k, x, n)
+    else:
+        w2, s2 = w1, s1
+    _check_bias("b1", b1, n, x)
+    _check_bias("b2", b2, n, x)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if m == 0 or n == 0:
+        return out
+    block_n, block_m, warps, stages = _weight_config(m, n, gated)
+    i64 = C.needs_i64(x, out, w1, w2)
+    consts = (activation, gated, b1 is not None, b2 is not None, C.dot_precision(x.dtype, allow_tf32), block_n,
+              block_m, i64)
+    key = (consts, x.dtype, n, k, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0), out.stride(0),
+           C.align16(x), C.align16(out), C.align16(w1), C.align16(s1), C.align16(w2), C.align16(s2),
+           b1 is None or (b1.dtype, C.align16(b1)), b2 is None or (b2.dtype, C.align16(b2)), warps, stages)
+    args = (x, w1, s1, w2, s2, x if b1 is None else b1, x if b2 is None else b2, out,
+            m, n, k, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0), out.stride(0))
+    _weight_launch(key, (triton.cdiv(n, block_n),), args, consts, num_warps=warps, num_stages=stages)
+    return out

@@ -1,0 +1,203 @@
+"""The MLP in FP8 (inference): where precision "fp8" goes from a module to its kernels, in one file.
+
+    fp8_gated_mlp(x, Wg, sg, Wu, su, Wd, sd, bg?, bu?, bd?, activation, backend) -> y
+    fp8_linear(x, W, s, b?, activation, backend) -> act(x·Wᵀ + b)
+
+W* are e4m3 values [out, in] and s* their fp32 128×128 block scales (mlpfuse.fp8). Two paths, chosen here by the
+number of tokens M:
+- M ≤ WEIGHT_ONLY_MAX_M (decode): weight-only — the weights are read once as e4m3 and widened in registers; x, h and
+  y stay in x's dtype (kernels.fp8_gemm.fp8_weight_gemm, two launches for the gated MLP). At these sizes the step is
+  the weight bytes, which FP8 halves; quantizing x and h would add passes and error for nothing.
+- larger M: x quantized 1×128 (one pass), the gate+up GEMM in FP8 with the GLU and h's 1×128 quantization in its
+  epilogue, the down GEMM in FP8 reading h and its scales (three launches; h crosses HBM once, as FP8).
+The "torch" backend computes the same two forms with PyTorch ops from the dequantized operands
+(reference.gated_mlp_fp8 and its weight-only counterpart): the CPU path, and the kernels' oracle.
+
+Inference only: a call that needs a gradient (autograd's rule, decided once in `_call`) is refused in one line.
+Plain eager calls run the kernels directly; torch.compile, export and graph capture see one custom op each
+(`mlpfuse::fp8_gated_mlp`, `mlpfuse::fp8_linear`), whose kernels are the same, so compiled output equals eager's bit
+for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from mlpfuse import activations, fp8, reference
+from mlpfuse.errors import InputError
+from mlpfuse.ops import dispatch
+from mlpfuse.ops._util import needs_grad, op_span, plain_eager, profiling
+
+# Tokens up to which the weight-only kernels run (their tiles keep every row; they take up to 64).
+WEIGHT_ONLY_MAX_M = 16
+
+MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89) and Hopper (sm_90) onwards
+
+
+def _path(x: Tensor, backend: str) -> str:
+    """'triton' or 'torch' for this call: `auto` takes the kernels on a GPU with FP8 tensor cores and the reference
+    path on the CPU; an impossible request is one InputError line saying what is needed."""
+    backend = dispatch.resolve_backend(backend)
+    if x.is_cuda:
+        return _decide(x.device, backend, "")
+    return _decide(x.device, backend, os.environ.get("TRITON_INTERPRET", "0"))
+
+
+def check_device(device: torch.device, backend: str = "") -> None:
+    """Raise the one-line InputError a call on `device` with this backend would raise; None when FP8 runs there."""
+    _decide(device, dispatch.resolve_backend(backend), os.environ.get("TRITON_INTERPRET", "0"))
+
+
+@functools.lru_cache(maxsize=None)
+def _decide(device: torch.device, backend: str, interpret: str) -> str:
+    """_path's decision per (device, backend, the interpreter's switch): asking the driver costs host time."""
+    if backend == "cuda":
+        raise InputError("backend: precision='fp8' runs on the 'triton' or 'torch' backends, not 'cuda'")
+    if backend == "torch":
+        return "torch"
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < MIN_CAPABILITY:
+            raise InputError(f"precision='fp8' needs a GPU with FP8 tensor cores (compute capability 8.9 or newer); "
+                             f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}")
+        why = dispatch.triton_unavailable(torch.empty(0, device=device), "fp8_gemm")
+        if why is not None:
+            raise InputError(f"precision='fp8' needs mlpfuse's Triton kernels on this GPU: {why}")
+        return "triton"
+    if device.type == "cpu":
+        if backend == "triton":
+            why = dispatch.triton_unavailable(torch.empty(0), "fp8_gemm")
+            if why is not None:
+                raise InputError(f"backend 'triton': {why}")
+            return "triton"
+        return "torch"  # auto on the CPU: the reference path
+    raise InputError(f"precision='fp8' runs on CUDA GPUs with FP8 tensor cores or on the CPU, not on {device.type}")
+
+
+def _kernels():
+    return dispatch.kernel("fp8_gemm")
+
+
+def _weight(values: Tensor, scale: Tensor, dtype: torch.dtype) -> fp8.Fp8Weight:
+    return fp8.Fp8Weight(values, scale, dtype)
+
+
+def _gated_impl(x, wg, sg, wu, su, wd, sd, bg, bu, bd, activation: str, backend: str) -> Tensor:
+    act = activations.get(activation)
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if _path(x, backend) == "torch":
+        w = [_weight(v, s, x.dtype) for v, s in ((wg, sg), (wu, su), (wd, sd))]
+        if m <= WEIGHT_ONLY_MAX_M:
+            y = reference.gated_mlp_fp8_weight_only(x2, *w, act.name, bg, bu, bd)
+        else:
+            y = reference.gated_mlp_fp8(x2, *w, act.name, bg, bu, bd)
+        return y.reshape(*x.shape[:-1], wd.shape[0])
+    kern = _kernels()
+    x2 = x2.contiguous()
+    if m <= WEIGHT_ONLY_MAX_M:
+        h = kern.fp8_weight_gemm(x2, wg, sg, wu, su, bg, bu, activation=act.id)
+        y = kern.fp8_weight_gemm(h, wd, sd, None, None, bd, activation=activations.IDENTITY)
+    else:
+        xq, xs = kern.quantize(x2)
+        hq, hs = kern.fp8_gemm(xq, xs, wg, sg, wu, su, bg, bu, activation=act.id, quant_out=True)
+        y = kern.fp8_gemm(hq, hs, wd, sd, None, None, bd, activation=activations.IDENTITY, quant_out=False,
+                          out_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], wd.shape[0])
+
+
+def _linear_impl(x, w, s, b, activation: str, backend: str) -> Tensor:
+    act = activations.get(activation)
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if _path(x, backend) == "torch":
+        weight = _weight(w, s, x.dtype)
+        if m <= WEIGHT_ONLY_MAX_M:
+            y = reference.linear_fp8_weight_only(x2, weight, b, act.name)
+        else:
+            y = reference.linear_fp8(x2, weight, b, act.name)
+        return y.reshape(*x.shape[:-1], w.shape[0])
+    kern = _kernels()
+    x2 = x2.contiguous()
+    if m <= WEIGHT_ONLY_MAX_M:
+        y = kern.fp8_weight_gemm(x2, w, s, None, None, b, activation=act.id)
+    else:
+        xq, xs = kern.quantize(x2)
+        y = kern.fp8_gemm(xq, xs, w, s, None, None, b, activation=act.id, quant_out=False, out_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+@torch.library.custom_op("mlpfuse::fp8_gated_mlp", mutates_args=())
+def _gated_op(x: Tensor, gate_weight: Tensor, gate_scale: Tensor, up_weight: Tensor, up_scale: Tensor,
+              down_weight: Tensor, down_scale: Tensor, gate_bias: Optional[Tensor], up_bias: Optional[Tensor],
+              down_bias: Optional[Tensor], activation: str, backend: str) -> Tensor:
+    return _gated_impl(x, gate_weight, gate_scale, up_weight, up_scale, down_weight, down_scale, gate_bias, up_bias,
+                       down_bias, activation, backend)
+
+
+@_gated_op.register_fake
+def _(x, gate_weight, gate_scale, up_weight, up_scale, down_weight, down_scale, gate_bias, up_bias, down_bias,
+      activation, backend):
+    return x.new_empty(*x.shape[:-1], down_weight.shape[0])
+
+
+@torch.library.custom_op("mlpfuse::fp8_linear", mutates_args=())
+def _linear_op(x: Tensor, weight: Tensor, scale: Tensor, bias: Optional[Tensor], activation: str,
+               backend: str) -> Tensor:
+    return _linear_impl(x, weight, scale, bias, activation, backend)
+
+
+@_linear_op.register_fake
+def _(x, weight, scale, bias, activation, backend):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _check_call(x, w: Tensor, biases) -> None:
+    """The checks every call makes once, before any path: a gradient is not supported; x is a floating tensor of the
+    weights' width on their device."""
+    if needs_grad([x, *biases]):
+        raise InputError("precision='fp8' is inference-only: run it under torch.no_grad() or torch.inference_mode() "
+                         "(x or a bias requires grad)")
+    if not isinstance(x, Tensor) or not x.is_floating_point() or x.dtype == fp8.DTYPE:
+        raise InputError(f"x: expected a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dim() == 0 or x.shape[-1] != w.shape[1]:
+        raise InputError(f"x: expected last dimension {w.shape[1]}, got shape {tuple(x.shape)}")
+    if x.device != w.device:
+        raise InputError(f"x: on {x.device}, the FP8 weights on {w.device}")
+
+
+def fp8_gated_mlp(x: Tensor, gate_weight: Tensor, gate_scale: Tensor, up_weight: Tensor, up_scale: Tensor,
+                  down_weight: Tensor, down_scale: Tensor, gate_bias: Optional[Tensor] = None,
+                  up_bias: Optional[Tensor] = None, down_bias: Optional[Tensor] = None, activation: str = "silu",
+                  backend: str = "") -> Tensor:
+    """y = down(act(gate(x))·up(x)), each weight as e4m3 values and fp32 128×128 scales (the fields of an
+    fp8.Fp8Weight), any leading dimensions, y in x's dtype."""
+    _check_call(x, gate_weight, (gate_bias, up_bias, down_bias))
+    args = (x, gate_weight, gate_scale, up_weight, up_scale, down_weight, down_scale, gate_bias, up_bias, down_bias,
+            activation, backend)
+    if not plain_eager(x):
+        return torch.ops.mlpfuse.fp8_gated_mlp(*args)
+    if profiling():
+        with op_span("mlpfuse::fp8_gated_mlp"):
+            return _gated_impl(*args)
+    return _gated_impl(*args)
+
+
+def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Optional[Tensor] = None, activation: str = "identity",
+               backend: str = "") -> Tensor:
+    """act(x·Wᵀ + b), W as e4m3 values and fp32 128×128 scales, any leading dimensions, in x's dtype."""
+    _check_call(x, weight, (bias,))
+    args = (x, weight, scale, bias, activation, backend)
+    if not plain_eager(x):
+        return torch.ops.mlpfuse.fp8_linear(*args)
+    if profiling():
+        with op_span("mlpfuse::fp8_linear"):
+            return _linear_impl(*args)
+    return _linear_impl(*args)

@@ -1,0 +1,129 @@
+"""`patch(model, precision="fp8")`: each swapped gated block's projections quantized into the FP8 recipe
+(mlpfuse.fp8) once, at patch time, and the high-precision weights dropped.
+
+A block is quantized only after its FP8 output is checked on numbers, on its own weights: random rows in the model's
+dtype, at a decode size (the weight-only kernels) and a prefill size (x and h quantized, FP8 GEMMs), against the
+float64 MLP of the same weights, elementwise within the recipe's propagated bound
+(reference.gated_mlp_fp8_bound: every rounding the recipe makes, the tensor cores' accumulation on a GPU, and the
+cast to the model's dtype). A block that cannot run in FP8 here, or does not meet the bound, stays fused in its
+dtype, and the report says why. The measured error (‖Δy‖/‖y‖ at the prefill size) is in the report for every block
+quantized.
+
+The quantized projections (modules.Fp8Linear, transformers' FP8Linear keys) replace the originals in the block and in
+the module it replaced, so nothing holds the old weights; `unpatch` puts back nn.Linear modules holding the
+dequantized weights (lossy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from mlpfuse import reference
+from mlpfuse.errors import InputError
+from mlpfuse.modules import Fp8Linear, _sharded
+from mlpfuse.ops import fp8_mlp
+from mlpfuse.patching import blocks
+from mlpfuse.patching.report import Left
+
+ROWS = (fp8_mlp.WEIGHT_ONLY_MAX_M // 2, 2 * fp8_mlp.WEIGHT_ONLY_MAX_M + 1)  # one decode size, one prefill size
+_OUT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+
+
+def quantize_blocks(model: nn.Module, report) -> None:
+    """Quantize every gated block `report` swapped in `model`; record what was quantized and what was kept, why."""
+    for i, swapped in enumerate(report.swapped):
+        block = model.get_submodule(swapped.path)
+        if not isinstance(block, blocks.GatedBlock):
+            report.fp8_kept.append(Left(swapped.path, type(block.fused_source).__name__,
+                                        f"a {block.fused_layout} block: FP8 covers gated MLPs"))
+            continue
+        if block.fused_precision == "fp8":
+            continue
+        error, reason = _quantize(block)
+        if reason is not None:
+            report.fp8_kept.append(Left(swapped.path, type(block.fused_source).__name__, reason))
+        else:
+            report.swapped[i] = dataclasses.replace(swapped, precision="fp8", fp8_error=error)
+
+
+def _quantize(block: blocks.GatedBlock) -> tuple[Optional[float], Optional[str]]:
+    """(error, None) when the block was quantized, (None, why not) when it stays in its dtype."""
+    mods = block._modules
+    names = block.fused_linears
+    linears = [mods[n] for n in names]
+    weights = [m.weight for m in linears]
+    dtype = weights[0].dtype
+    if any(w.dtype != dtype for w in weights):
+        return None, f"projections in different dtypes ({', '.join(str(w.dtype) for w in weights)})"
+    if dtype not in _OUT_ROUNDOFF:
+        return None, f"weights in {dtype}"
+    if any(_sharded(w) for w in weights):
+        return None, "sharded (DTensor) weights: quantize before tensor parallelism"
+    if block.fused_in_scale != 1.0 or block.fused_out_scale != 1.0:
+        return None, "gate or down multipliers (scaled inputs): not in the FP8 path"
+    if block.fused_packed and block.fused_hidden % 128:
+        return None, (f"a packed gate_up projection whose halves ({block.fused_hidden} rows) are not a whole number "
+                      f"of 128-row scale blocks")
+    try:
+        fp8_mlp.check_device(weights[0].device, block.fused_backend)
+    except InputError as exc:
+        return None, str(exc)
+    with torch.no_grad():
+        fp8_children = [Fp8Linear.from_linear(m) for m in linears]
+        error, reason = _verify(block, linears, fp8_children)
+    if reason is not None:
+        return None, reason
+    source = block.fused_source
+    for name, child in zip(names, fp8_children):
+        mods[name] = child
+        if source._modules.get(name) is not None:
+            source._modules[name] = child  # the original Linear (and its weight) is no longer held
+    block.fused_precision = "fp8"
+    return error, None
+
+
+def _verify(block, linears, fp8_children) -> tuple[Optional[float], Optional[str]]:
+    w = [m.weight.detach() for m in linears]
+    b = [None if m.bias is None else m.bias.detach() for m in linears]
+    if block.fused_packed:
+        n = block.fused_hidden
+        first, second = (w[0][:n], w[0][n:]), (None if b[0] is None else b[0][:n], None if b[0] is None else b[0][n:])
+        order = (1, 0) if block.fused_gate_second else (0, 1)
+        wg, wu, wd = first[order[0]], first[order[1]], w[1]
+        bg, bu, bd = second[order[0]], second[order[1]], b[1]
+    else:
+        (wg, wu, wd), (bg, bu, bd) = w, b
+    device, dtype = wg.device, wg.dtype
+    gen = torch.Generator(device=device) if device.type == "cuda" else torch.Generator()
+    gen.manual_seed(0)
+    accumulation = reference.FP8_MMA_ACCUMULATION if device.type == "cuda" else reference.FP32_ACCUMULATION
+    error = 0.0
+    for rows in ROWS:
+        x = torch.randn(rows, wg.shape[1], generator=gen, device=device).to(dtype)
+        try:
+            y = block.fp8_call(x, fp8_children)
+        except Exception as exc:  # noqa: BLE001 - a block the FP8 path cannot run stays in its dtype, with why
+            return None, f"the FP8 forward failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+        d = [None if t is None else t.double() for t in (wg, wu, wd, bg, bu, bd)]
+        y64, bound = reference.gated_mlp_fp8_bound(x.double(), *d[:3], block.fused_activation, *d[3:],
+                                                   out_roundoff=_OUT_ROUNDOFF[dtype], accumulation=accumulation)
+        diff = (y.double() - y64).abs()
+        if not bool((diff <= bound).all()):
+            worst = float((diff / bound).nan_to_num(float("inf")).max())
+            return None, (f"its FP8 output at {rows} rows exceeds the recipe's error bound ({worst:.3g}× the bound "
+                          f"against float64)")
+        error = float((y.double() - y64).norm() / y64.norm().clamp_min(1e-300))
+    return error, None
+
+
+def restore(block: blocks.GatedBlock) -> None:
+    """For `unpatch`: the replaced module's FP8 projections back as nn.Linear modules (dequantized, lossy)."""
+    source = block.fused_source
+    for name in block.fused_linears:
+        child = source._modules.get(name)
+        if isinstance(child, Fp8Linear):
+            source._modules[name] = child.to_linear()
