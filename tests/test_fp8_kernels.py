@@ -1,0 +1,143 @@
+"""The FP8 kernels (kernels/fp8_gemm.py) against the recipe (mlpfuse.fp8) and float64 oracles.
+
+On the CPU they run through Triton's interpreter, whose own e4m3 conversion is wrong for ties, NaN and values past
+448 (the kernels round in fp32 there first: EMULATE), so these tests check the rounding the GPU's hardware does.
+Every assertion is a bound derived from the recipe (u = 2^-4 per rounding, 2^-10·scale below e4m3's normal range,
+fp32 sums K·2^-24), never a tolerance picked to pass; inputs are fp32/fp16 (the interpreter's bf16 dot is wrong).
+"""
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, HAS_TRITON
+from mlpfuse import activations, fp8, reference
+from mlpfuse.errors import InputError
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+
+U, SUB = fp8.UNIT_ROUNDOFF, fp8.SUBNORMAL_HALF_SPACING
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+# fp32 accumulation; on a GPU the FP8 tensor cores' own (~14 bits within a 128-wide block, reference.py)
+ACC = reference.FP8_MMA_ACCUMULATION * 132 if HAS_CUDA else None
+
+
+def _k():
+    from mlpfuse.kernels import fp8_gemm
+
+    return fp8_gemm
+
+
+def _same_bits_or_both_nan(a, b):
+    fa, fb = a.float(), b.float()
+    return bool(((fa == fb) & (torch.signbit(fa) == torch.signbit(fb)) | (fa.isnan() & fb.isnan())).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_quantize_kernel_is_the_recipe_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 300, generator=gen) * 2.0 ** torch.randint(-12, 12, (37, 1), generator=gen)
+    x[3, 5] = float("nan")
+    x[7, 200] = float("inf")
+    x[8, 10] = -float("inf")
+    x[9] = 0
+    x[10, :128] = torch.linspace(-448 * 1.5, 448 * 1.5, 128)  # ties and values past 448 before scaling
+    x[11, 256:] = 2.0**-14  # fp16's smallest normal: a tiny group
+    x = x.to(DEVICE, dtype)
+    q, s = _k().quantize(x)
+    rq, rs = fp8.quantize_activation(x)
+    assert torch.equal(s.nan_to_num(7.0, 8.0, 9.0), rs.nan_to_num(7.0, 8.0, 9.0))
+    assert _same_bits_or_both_nan(q, rq)
+    assert bool(s[3].isnan()[0]) and not bool(s[3, 1:].isnan().any())  # the NaN's group only
+
+
+def _case(seed, m, k, n, bias=False, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    ws = [fp8.quantize_weight((torch.randn(*s, generator=gen) * s[1] ** -0.5).to(DEVICE)) for s in
+          ((n, k), (n, k), (k, n))]
+    bs = [(torch.randn(s, generator=gen) * 0.1).to(DEVICE, dtype) if bias else None for s in (n, n, k)]
+    return x, ws, bs
+
+
+@pytest.mark.parametrize("act,bias", [("silu", False), ("gelu_tanh", True)])
+def test_gated_gemm_quantizes_h_in_its_epilogue_within_one_rounding(act, bias):
+    """hq, sh from the epilogue against h computed in float64 from the same quantized operands: the scales are
+    amax/448 of h (up to fp32 rounding of the sums), each value one e4m3 rounding of h/scale."""
+    x, (wg, wu, _), (bg, bu, _) = _case(2, 33, 300, 260, bias)  # partial K group, partial N tile
+    kern = _k()
+    xq, xs = kern.quantize(x)
+    hq, hs = kern.fp8_gemm(xq, xs, wg.values, wg.scale_inv, wu.values, wu.scale_inv, bg, bu,
+                           activation=activations.get(act).id, quant_out=True)
+    xd = fp8.dequantize_activation(xq, xs, torch.float64)
+    g = xd @ wg.dequantize(torch.float64).T + (0 if bg is None else bg.double())
+    u = xd @ wu.dequantize(torch.float64).T + (0 if bu is None else bu.double())
+    h = activations.get(act).forward(g) * u
+    # fp32 sums of 300 products and the fp32 activation: ≤ 2^-14 of Σ|x||w| scale, far inside e4m3's rounding
+    scale_err = (xd.abs() @ wg.dequantize(torch.float64).abs().T) * (xd.abs() @ wu.dequantize(torch.float64).abs().T)
+    slack = (ACC or 310 * 2.0**-24) * 4 * scale_err + 2.0**-20 * h.abs()
+    amax = torch.nn.functional.pad(h.abs(), (0, -h.shape[1] % 128)).unflatten(1, (-1, 128)).amax(-1)
+    assert bool(((hs.double() - amax / 448).abs() <= amax / 448 * 2.0**-18
+                 + slack.max(1, keepdim=True).values / 448 + 1e-300).all())
+    hd = fp8.dequantize_activation(hq, hs, torch.float64)
+    sh = hs.double().repeat_interleave(128, 1)[:, :h.shape[1]]
+    assert bool(((hd - h).abs() <= U * h.abs() + SUB * sh + slack * (1 + U)).all())
+
+
+def test_down_gemm_is_the_dequantized_product_to_fp32_rounding():
+    x, (_, _, wd), (_, _, bd) = _case(3, 40, 200, 384, bias=True)
+    kern = _k()
+    hq, hs = kern.quantize(torch.randn(40, 384, generator=torch.Generator().manual_seed(4)).to(DEVICE))
+    y = kern.fp8_gemm(hq, hs, wd.values, wd.scale_inv, None, None, bd, activation=activations.IDENTITY,
+                      quant_out=False, out_dtype=torch.float32)
+    hd = fp8.dequantize_activation(hq, hs, torch.float64)
+    w = wd.dequantize(torch.float64)
+    ref = hd @ w.T + bd.double()
+    bound = (ACC or 390 * 2.0**-24) * (hd.abs() @ w.abs().T + bd.double().abs()) + 2.0**-24 * ref.abs()
+    assert bool(((y.double() - ref).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_weight_only_kernels_are_the_dequantized_weights_in_fp32(m):
+    x, (wg, wu, wd), (bg, bu, bd) = _case(5, m, 260, 200, bias=True)
+    kern = _k()
+    act = activations.get("gelu_tanh")
+    h = kern.fp8_weight_gemm(x, wg.values, wg.scale_inv, wu.values, wu.scale_inv, bg, bu, activation=act.id)
+    x64 = x.double()
+    g = x64 @ wg.dequantize(torch.float64).T + bg.double()
+    u = x64 @ wu.dequantize(torch.float64).T + bu.double()
+    h64 = act.forward(g) * u
+    sums = lambda w, b: x64.abs() @ w.dequantize(torch.float64).abs().T + b.double().abs()  # noqa: E731
+    eg, eu = 270 * 2.0**-24 * sums(wg, bg), 270 * 2.0**-24 * sums(wu, bu)
+    lip = 1.2  # sup |gelu_tanh'| ≈ 1.13
+    bound = lip * eg * (u.abs() + eu) + act.forward(g).abs() * eu + 2.0**-20 * (h64.abs() + 1e-30)
+    assert bool(((h.double() - h64).abs() <= bound).all())
+    y = kern.fp8_weight_gemm(h, wd.values, wd.scale_inv, None, None, bd, activation=activations.IDENTITY)
+    ref = h.double() @ wd.dequantize(torch.float64).T + bd.double()
+    yb = 210 * 2.0**-24 * (h.double().abs() @ wd.dequantize(torch.float64).abs().T + bd.double().abs())
+    assert bool(((y.double() - ref).abs() <= yb + 2.0**-24 * ref.abs()).all())
+
+
+@pytest.mark.parametrize("m", [3, 40])
+def test_a_nan_token_spoils_its_own_outputs_only(m):
+    from mlpfuse.ops import fp8_mlp
+
+    x, ws, _ = _case(6, m, 256, 256)
+    x[1, 7] = float("nan")
+    y = fp8_mlp.fp8_gated_mlp(x, *[t for w in ws for t in (w.values, w.scale_inv)], activation="silu",
+                              backend="triton")
+    assert bool(y[1].isnan().all())
+    assert not bool(y[torch.arange(m) != 1].isnan().any())
+
+
+def test_the_kernels_name_a_wrong_operand_in_one_line():
+    kern = _k()
+    x, (wg, wu, _), _ = _case(7, 4, 256, 128)
+    with pytest.raises(InputError, match="w1: expected row-major torch.float8_e4m3fn"):
+        kern.fp8_weight_gemm(x, wg.dequantize(), wg.scale_inv, activation=0)
+    with pytest.raises(InputError, match=r"w2_scale: expected fp32 scales of shape \(1, 2\)"):
+        kern.fp8_weight_gemm(x, wg.values, wg.scale_inv, wu.values, wu.scale_inv[:, :1], activation=0)
+    xq, xs = kern.quantize(x)
+    with pytest.raises(InputError, match="a_scale: expected fp32 scales"):
+        kern.fp8_gemm(xq, xs[:, :1], wg.values, wg.scale_inv, activation=0, quant_out=True)
+    with pytest.raises(InputError, match="at most 64 rows"):
+        kern.fp8_weight_gemm(torch.zeros(65, 256, device=DEVICE), wg.values, wg.scale_inv, activation=0)

@@ -1,0 +1,173 @@
+"""precision="fp8" from the user's side: GatedMLP / Fp8Linear, state_dict, compile, and patch(precision="fp8").
+
+The CPU runs the torch path (the recipe's reference, reference.gated_mlp_fp8 and its weight-only form) under
+`auto`, and the Triton kernels through the interpreter with backend="triton"; both are held to the recipe's error
+bound against float64 (reference.gated_mlp_fp8_bound), and the torch path to the reference bit for bit.
+"""
+
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+import mlpfuse
+from conftest import HAS_CUDA, HAS_TRITON
+from mlpfuse import fp8, reference
+from mlpfuse.errors import InputError
+from mlpfuse.modules import Fp8Linear, GatedMLP
+from mlpfuse.ops import fp8_mlp
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+BACKENDS = ["torch"] + (["triton"] if HAS_TRITON else [])
+
+
+def _mlp(seed=0, dim=256, hidden=384, act="silu", bias=True, dtype=torch.float32):
+    torch.manual_seed(seed)
+    m = GatedMLP(dim, hidden, act, bias=bias, device=DEVICE, dtype=dtype)
+    for p in m.parameters():
+        nn.init.normal_(p, std=p.shape[-1] ** -0.5 if p.dim() == 2 else 0.1)
+    return m
+
+
+def _high(m):
+    return [t.detach().double() for t in (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight,
+                                          m.gate_proj.bias, m.up_proj.bias, m.down_proj.bias)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rows", [3, 40])  # weight-only (decode) and FP8 GEMMs
+def test_an_fp8_gated_mlp_is_within_the_recipe_bound_and_the_torch_path_is_the_reference(backend, rows):
+    m = _mlp()
+    w64 = _high(m)
+    m.backend = backend
+    m.to_fp8()
+    x = torch.randn(2, rows // 2 + 1, 256, device=DEVICE)
+    with torch.no_grad():
+        y = m(x)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    y64, bound = reference.gated_mlp_fp8_bound(x.double(), *w64[:3], "silu", *w64[3:], out_roundoff=2.0**-24,
+                                               accumulation=reference.FP8_MMA_ACCUMULATION)
+    assert bool(((y.double() - y64).abs() <= bound).all())
+    if backend == "torch":
+        ws = [c.fp8_weight() for c in (m.gate_proj, m.up_proj, m.down_proj)]
+        small = x.shape[0] * x.shape[1] <= fp8_mlp.WEIGHT_ONLY_MAX_M
+        fn = reference.gated_mlp_fp8_weight_only if small else reference.gated_mlp_fp8
+        assert torch.equal(y, fn(x, *ws, "silu", m.gate_proj.bias, m.up_proj.bias, m.down_proj.bias))
+
+
+def test_to_fp8_drops_the_high_precision_weights_and_the_state_dict_round_trips():
+    m = _mlp(dtype=torch.bfloat16).to_fp8()
+    assert list(m.parameters()) == [m.gate_proj.bias, m.up_proj.bias, m.down_proj.bias]
+    state = m.state_dict()
+    assert state["gate_proj.weight"].dtype == fp8.DTYPE and state["gate_proj.weight_scale_inv"].shape == (3, 2)
+    assert state["down_proj.weight_scale_inv"].shape == (2, 3) and state["down_proj.bias"].dtype == torch.bfloat16
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    fresh = GatedMLP(256, 384, "silu", bias=True, device=DEVICE, dtype=torch.bfloat16, precision="fp8")
+    fresh.load_state_dict(torch.load(buf))
+    x = torch.randn(20, 256, device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), m(x))
+
+
+def test_a_wrong_checkpoint_tensor_is_one_error_naming_it():
+    m = GatedMLP(256, 384, "silu", precision="fp8", device=DEVICE)
+    good = m.state_dict()
+    with pytest.raises(InputError, match=r"up_proj.weight_scale_inv: shape \[2, 2\] does not match"):
+        m.load_state_dict({**good, "up_proj.weight_scale_inv": torch.ones(2, 2, device=DEVICE)})
+    with pytest.raises(InputError, match="down_proj.weight: expected dtype torch.float8_e4m3fn, got torch.float32"):
+        m.load_state_dict({**good, "down_proj.weight": torch.ones(256, 384, device=DEVICE)})
+
+
+def test_dequantize_gives_linears_holding_the_fp8_values():
+    m = _mlp(dtype=torch.bfloat16).to_fp8()
+    deq = m.up_proj.fp8_weight().dequantize()
+    m.dequantize()
+    assert type(m.up_proj) is nn.Linear and torch.equal(m.up_proj.weight, deq)
+    assert m.up_proj.weight.dtype == torch.bfloat16
+
+
+def test_fp8_is_inference_only_and_other_misuse_is_one_line():
+    m = _mlp().to_fp8()
+    with pytest.raises(InputError, match="inference-only"):
+        m(torch.randn(4, 256, device=DEVICE, requires_grad=True))
+    with torch.no_grad():
+        m(torch.randn(4, 256, device=DEVICE, requires_grad=True))  # no_grad: autograd's rule says no gradient
+    with pytest.raises(InputError, match="precision: expected None"):
+        GatedMLP(8, 16, precision="fp4")
+    m.backend = "cuda"
+    with pytest.raises(InputError, match="not 'cuda'"), torch.no_grad():
+        m(torch.randn(4, 256, device=DEVICE))
+    m.backend = "auto"
+    with pytest.raises(InputError, match="x: expected last dimension 256"), torch.no_grad():
+        m(torch.randn(4, 255, device=DEVICE))
+
+
+def test_fp8_linear_matches_its_reference():
+    torch.manual_seed(3)
+    lin = nn.Linear(300, 130, device=DEVICE)
+    f = Fp8Linear.from_linear(lin, activation="gelu_tanh")
+    for rows in (4, 50):
+        x = torch.randn(rows, 300, device=DEVICE)
+        with torch.no_grad():
+            y = f(x)
+        fn = reference.linear_fp8_weight_only if rows <= fp8_mlp.WEIGHT_ONLY_MAX_M else reference.linear_fp8
+        if DEVICE == "cpu":
+            assert torch.equal(y, fn(x, f.fp8_weight(), f.bias, "gelu_tanh"))
+    assert type(f.to_linear()) is nn.Linear
+
+
+@pytest.mark.slow
+def test_compiled_fp8_equals_eager_bit_for_bit_without_a_graph_break():
+    m = _mlp().to_fp8()
+    compiled = torch.compile(m, fullgraph=True, dynamic=False)
+    for rows in (3, 40):
+        x = torch.randn(rows, 256, device=DEVICE)
+        with torch.no_grad():
+            assert torch.equal(compiled(x), m(x))
+
+
+def _tiny_llama(**kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=300, **kw)
+    return LlamaForCausalLM(cfg).to(DEVICE, torch.bfloat16).eval()
+
+
+def test_patch_fp8_quantizes_verifies_reports_and_unpatch_dequantizes():
+    pytest.importorskip("transformers")
+    model = _tiny_llama()
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if ".mlp." in n}
+    report = mlpfuse.patch(model, precision="fp8")
+    assert [s.precision for s in report.swapped] == ["fp8", "fp8"]
+    assert all(0 < s.fp8_error < 2 * fp8.UNIT_ROUNDOFF for s in report.swapped)
+    assert "2 in fp8" in report.summary() and "no norm prologue" in report.summary()
+    assert report.to_dict()["swapped"][0]["fp8_error"] == report.swapped[0].fp8_error
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp.gate_proj, Fp8Linear) and mlp.fused_source.gate_proj is mlp.gate_proj  # nothing else holds
+    state = model.state_dict()
+    assert state["model.layers.1.mlp.down_proj.weight"].dtype == fp8.DTYPE
+    assert "model.layers.1.mlp.down_proj.weight_scale_inv" in state
+    ids = torch.randint(0, 300, (1, 24), device=DEVICE)
+    with torch.no_grad():
+        model(ids)
+    mlpfuse.unpatch(model)
+    layer = model.model.layers[0].mlp
+    assert type(layer.gate_proj) is nn.Linear
+    w = fp8.quantize_weight(before["model.layers.0.mlp.gate_proj.weight"]).dequantize()
+    assert torch.equal(layer.gate_proj.weight, w)
+
+
+def test_patch_fp8_keeps_what_it_cannot_quantize_with_why():
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=100)).eval()
+    report = mlpfuse.patch(gpt2, precision="fp8")
+    assert report.swapped and report.fp8_kept and "FP8 covers gated MLPs" in report.fp8_kept[0].reason
+    with pytest.raises(InputError, match="recompute"):
+        mlpfuse.patch(_tiny_llama(), precision="fp8", recompute=True)
