@@ -130,7 +130,9 @@ def test_analyze_of_the_walkthroughs_summary_says_what_to_pass(no_triton_walkthr
 @pytest.mark.slow
 def test_a_stopped_walkthrough_leaves_a_note_in_rounds_too(tmp_path):
     out = tmp_path / "w"
-    proc = subprocess.Popen([sys.executable, "-m", "mlpfuse", "walkthrough", "--device", "cpu", "--rounds", "2",
+    # Many rounds: the run must still be going when the signal comes, however late a busy machine lets this test
+    # read the child's first lines (two rounds once finished before it, exit 0).
+    proc = subprocess.Popen([sys.executable, "-m", "mlpfuse", "walkthrough", "--device", "cpu", "--rounds", "200",
                              "--steps", "3", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=cli_env(PYTHONUNBUFFERED=1))
     try:
