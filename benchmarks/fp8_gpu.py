@@ -138,7 +138,7 @@ def checks(out: dict):
     return res
 
 
-def bench(out: dict, dim: int, hidden: int, tokens: int, decode: list[int], rounds: int):
+def bench(out: dict, dim: int, hidden: int, tokens: int, decode: list[int], rounds: int, peers: bool = True):
     torch.manual_seed(0)
     bf = mlpfuse.GatedMLP(dim, hidden, "silu", device="cuda", dtype=torch.bfloat16)
     for p in bf.parameters():
@@ -148,7 +148,7 @@ def bench(out: dict, dim: int, hidden: int, tokens: int, decode: list[int], roun
     qws = [rowwise(w) for w in (wg, wu, wd)]
     compiled_chain = torch.compile(scaled_mm_chain)
     rows = {}
-    for m in [tokens] + decode:
+    for m in ([tokens] if tokens else []) + decode:
         x = torch.randn(m, dim, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             y64 = reference.gated_mlp(x.double(), wg.double(), wu.double(), wd.double(), "silu")
@@ -163,6 +163,8 @@ def bench(out: dict, dim: int, hidden: int, tokens: int, decode: list[int], roun
                 "fp8 _scaled_mm compile": lambda: compiled_chain(x, qws),
                 "fp8 mlpfuse": lambda: f8(x),
             }
+            if not peers:  # the `_scaled_mm` chains' rows (their compile is most of a short run's time)
+                del fns["fp8 _scaled_mm eager"], fns["fp8 _scaled_mm compile"]
             errs = {k: rel(fn(), y64) for k, fn in fns.items() if k != "fp8 GEMMs alone"}
             for fn in fns.values():  # warm: compile and autotune outside the timing
                 fn()
@@ -187,10 +189,11 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--dim", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=14336)
-    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--tokens", type=int, default=8192, help="the prefill row's tokens (0: none)")
     ap.add_argument("--decode", default="1,4,16,32,64")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--no-peers", action="store_true", help="leave out the _scaled_mm chains (eager, compiled)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -199,7 +202,7 @@ def main():
         for k, v in checks(out).items():
             print(k, v, flush=True)
     spin_up()
-    rows = bench(out, a.dim, a.hidden, a.tokens, [int(t) for t in a.decode.split(",")], a.rounds)
+    rows = bench(out, a.dim, a.hidden, a.tokens, [int(t) for t in a.decode.split(",")], a.rounds, not a.no_peers)
     with open(os.path.join(a.out, "fp8.json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
     print(f"\n{out['device']}  {a.dim}x{a.hidden} SwiGLU, GPU µs per call: median [min-max] of {a.rounds} interleaved "

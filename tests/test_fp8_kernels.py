@@ -141,3 +141,37 @@ def test_the_kernels_name_a_wrong_operand_in_one_line():
         kern.fp8_gemm(xq, xs[:, :1], wg.values, wg.scale_inv, activation=0, quant_out=True)
     with pytest.raises(InputError, match="at most 64 rows"):
         kern.fp8_weight_gemm(torch.zeros(65, 256, device=DEVICE), wg.values, wg.scale_inv, activation=0)
+
+
+@pytest.mark.parametrize("mode", [0, 2, 3])
+def test_the_decode_kernel_with_e4m3_weights_is_the_weight_only_recipe(mode):
+    """One launch (or two) for the whole MLP, h on chip: against the weight-only reference in float64 on the same
+    dequantized weights, within fp32 sums (K·2^-24 of Σ|x||w| per GEMM, through the GLU) and the cast of h."""
+    from mlpfuse.kernels import decode_mlp
+
+    x, (wg, wu, wd), (bg, bu, bd) = _case(8, 5, 256, 384, bias=True)
+    act = activations.get("silu")
+    args = (x, wg.values, wg.scale_inv, wu.values, wu.scale_inv, wd.values, wd.scale_inv, bg, bu, bd)
+    if mode == 2:
+        y = decode_mlp.decode_gated_mlp_fp8(*args, activation=act.id, deterministic=True)
+        assert torch.equal(y, decode_mlp.decode_gated_mlp_fp8(*args, activation=act.id, deterministic=True))
+    else:
+        key_policy = decode_mlp._POLICY
+        try:  # the mode the policy table gives 5 rows of this size, set for this test
+            decode_mlp._POLICY = {**key_policy, ("small", 16, False): mode}
+            decode_mlp._plans.clear()
+            y = decode_mlp.decode_gated_mlp_fp8(*args, activation=act.id)
+        finally:
+            decode_mlp._POLICY = key_policy
+            decode_mlp._plans.clear()
+    x64 = x.double()
+    dq = [w.dequantize(torch.float64) for w in (wg, wu, wd)]
+    g, u = x64 @ dq[0].T + bg.double(), x64 @ dq[1].T + bu.double()
+    h64 = act.forward(g) * u
+    eg = 270 * 2.0**-24 * (x64.abs() @ dq[0].abs().T + bg.double().abs())
+    eu = 270 * 2.0**-24 * (x64.abs() @ dq[1].abs().T + bu.double().abs())
+    eh = 1.2 * eg * (u.abs() + eu) + act.forward(g).abs() * eu + 2.0**-20 * (h64.abs() + 1e-30)
+    hb = h64.abs() + eh
+    ref = h64 @ dq[2].T + bd.double()
+    bound = eh @ dq[2].abs().T + 400 * 2.0**-24 * (hb @ dq[2].abs().T + bd.double().abs()) + 2.0**-24 * ref.abs()
+    assert bool(((y.double() - ref).abs() <= bound).all())

@@ -96,11 +96,14 @@ def _fence_gpu(like):
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_decode_mlp_kernel(
     x_ptr, wg_ptr, wu_ptr, wd_ptr, bg_ptr, bu_ptr, bd_ptr, out_ptr, acc_ptr, part_ptr, cnt_ptr, h_ptr, nw_ptr, eps,
+    sg_ptr, su_ptr, sd_ptr,
     M, D, H,
     stride_xm, stride_xd, stride_gh, stride_gd, stride_uh, stride_ud, stride_dd, stride_dh, stride_om, stride_od,
+    stride_sg, stride_su, stride_sd,
     ACT: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr, MODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr, FENCE: tl.constexpr, I64: tl.constexpr, NORM: tl.constexpr,
+    W8: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -138,8 +141,14 @@ def mlpfuse_decode_mlp_kernel(
                 xt = (xf * nw).to(xt.dtype)
             else:  # x · (1 + weight) (Gemma's)
                 xt = (xf * (1.0 + nw)).to(xt.dtype)
-        acc_g = tl.dot(wg, xt, acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(wu, xt, acc_u, input_precision=DOT_PRECISION)
+        if W8:  # e4m3 weights: widened exactly to x's dtype; BLOCK_H and BLOCK_D divide 128: one scale per tile
+            sg = tl.load(sg_ptr + (pid * BLOCK_H // 128) * stride_sg + d0 // 128)
+            su = tl.load(su_ptr + (pid * BLOCK_H // 128) * stride_su + d0 // 128)
+            acc_g += tl.dot(wg.to(xt.dtype), xt, input_precision=DOT_PRECISION) * sg
+            acc_u += tl.dot(wu.to(xt.dtype), xt, input_precision=DOT_PRECISION) * su
+        else:
+            acc_g = tl.dot(wg, xt, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(wu, xt, acc_u, input_precision=DOT_PRECISION)
     if NORM != 0:
         rstd = 1.0 / tl.sqrt_rn(sq / D + eps)
         acc_g = acc_g * rstd[None, :]
@@ -150,7 +159,7 @@ def mlpfuse_decode_mlp_kernel(
         acc_u += tl.load(bu_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)[:, None]
     # Rows past H saw zero weights, but 0·x is NaN where x holds an Inf: zero them, or phase 2 would spread the NaN
     # into every output through the (zero) weight columns past H.
-    h_t = tl.where(mask_h[:, None], act_fwd(acc_g, ACT) * acc_u, 0.0).to(wd_ptr.dtype.element_ty)
+    h_t = tl.where(mask_h[:, None], act_fwd(acc_g, ACT) * acc_u, 0.0).to(out_ptr.dtype.element_ty)
     if MODE == 4:  # split: hand h [M, H] to mlpfuse_decode_down_kernel
         tl.store(h_ptr + offs_m[None, :] * H + offs_h[:, None], h_t, mask=mask_h[:, None] & mask_m[None, :])
     else:
@@ -165,7 +174,11 @@ def mlpfuse_decode_mlp_kernel(
             mask_o = offs_o < D
             wd = tl.load(wd_ptr + offs_o[:, None] * stride_dd + offs_h[None, :] * stride_dh,
                          mask=mask_o[:, None] & mask_h[None, :], other=0.0)
-            y_t = tl.dot(wd, h_t, input_precision=DOT_PRECISION)  # [BLOCK_O, BLOCK_M]
+            if W8:  # BLOCK_O divides 128 too
+                sd = tl.load(sd_ptr + (c * BLOCK_O // 128) * stride_sd + pid * BLOCK_H // 128)
+                y_t = tl.dot(wd.to(h_t.dtype), h_t, input_precision=DOT_PRECISION) * sd
+            else:
+                y_t = tl.dot(wd, h_t, input_precision=DOT_PRECISION)  # [BLOCK_O, BLOCK_M]
             y_off = offs_m[None, :] * D + offs_o[:, None]
             y_mask = mask_o[:, None] & mask_m[None, :]
             if MODE == 2:
@@ -518,8 +531,10 @@ def _check_norm(x, weight, eps, kind):
         raise InputError(f"norm_eps: expected a non-negative number, got {eps!r}")
 
 
-def _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow_tf32, bucket, config, norm_kind):
+def _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow_tf32, bucket, config, norm_kind,
+          scales=None):
     d, h = x.shape[1], w_gate.shape[0]
+    w8 = scales is not None
     block_m = _block_m(bucket)
     cfg = config or default_config(d, h, bucket, x.element_size(), mode)
     block_h, block_d, block_o = cfg[:3]
@@ -530,7 +545,7 @@ def _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow
            or MAX_M * max(d, h) * (triton.cdiv(h, block_h) if mode == 2 else 1) > C.INT32_SPAN)
     consts = (activation, b_gate is not None, b_up is not None, b_down is not None, mode,
               "tf32" if (not fp32 or allow_tf32) else "ieee", block_m, block_h, block_d, block_o,
-              _FINAL_BLOCK, not _INTERPRET, i64, norm_kind)
+              _FINAL_BLOCK, not _INTERPRET, i64, norm_kind, w8)
     block_f = 256  # a constant, not a function of M: one compile serves every M
     down = {}
     if mode == 4:
@@ -539,7 +554,7 @@ def _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow
     block_p = 1 if mode == 3 else min(32, triton.next_power_of_2(triton.cdiv(h, block_h)))
     return _Plan(n_progs=triton.cdiv(h, block_h), cfg=cfg, consts=consts,
                  w_strides=(w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1), w_down.stride(0),
-                            w_down.stride(1), d, 1),
+                            w_down.stride(1), d, 1, *((s.stride(0) for s in scales) if w8 else (0, 0, 0))),
                  reduce_consts=(b_down is not None, block_p, block_f, mode == 3), **down)
 
 
@@ -624,6 +639,49 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
     return run_plan(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, norm_weight, norm_eps, out)
 
 
+def decode_gated_mlp_fp8(x, w_gate, s_gate, w_up, s_up, w_down, s_down, b_gate=None, b_up=None, b_down=None, *,
+                         activation: int, deterministic: bool = False, allow_tf32: bool = False,
+                         norm_weight=None, norm_eps: float = 0.0, norm_kind: int = NORM_NONE):
+    """`decode_gated_mlp` with weights in the FP8 recipe (mlpfuse.fp8): e4m3 values [H, D], [H, D], [D, H] and their
+    fp32 128×128 scales. Weight-only: each weight tile is widened exactly to x's dtype on chip and its block's scale
+    applied to the tile's partial sums; x, h and y stay in x's dtype. The atomic modes (0, 3), or the deterministic
+    partials (2): the split mode's down kernel takes K tiles wider than a scale block."""
+    if x.dim() != 2 or x.dtype not in _DTYPES:
+        raise InputError(f"x: expected a 2-D bfloat16, float16 or float32 tensor, got {x.dtype} {tuple(x.shape)}")
+    m, d = x.shape
+    if m > MAX_M:
+        raise InputError(f"x: the decode kernel takes at most {MAX_M} rows, got {m}")
+    h = w_gate.shape[0]
+    for name, w, s, shape in (("w_gate", w_gate, s_gate, (h, d)), ("w_up", w_up, s_up, (h, d)),
+                              ("w_down", w_down, s_down, (d, h))):
+        if w.dtype != torch.float8_e4m3fn or tuple(w.shape) != shape or w.device != x.device:
+            raise InputError(f"{name}: expected float8_e4m3fn values of shape {shape} on {x.device}")
+        groups = (-(-shape[0] // 128), -(-shape[1] // 128))
+        if s.dtype != torch.float32 or tuple(s.shape) != groups or s.stride(1) != 1 or s.device != x.device:
+            raise InputError(f"{name} scales: expected fp32 of shape {groups} on {x.device}")
+    for name, b, n in (("b_gate", b_gate, h), ("b_up", b_up, h), ("b_down", b_down, d)):
+        if b is not None and (tuple(b.shape) != (n,) or b.dtype != x.dtype or b.device != x.device):
+            raise InputError(f"{name}: expected a [{n}] tensor of dtype {x.dtype} on {x.device} or None")
+    _check_norm(x, norm_weight, norm_eps, norm_kind)
+    out = torch.empty((m, d), dtype=x.dtype, device=x.device)
+    if m == 0 or d == 0 or h == 0:
+        return out.zero_() if b_down is None else out.copy_(b_down.expand(m, d))
+    bucket = _bucket(m)
+    mode = 2 if deterministic else (_POLICY[(_size_class(d, h), bucket, False)] if bucket <= 16 else 3)
+    mode = 3 if mode == 4 else mode
+    scales = (s_gate, s_up, s_down)
+    key = ("fp8", _key(bucket, activation, mode, allow_tf32, None, x, w_gate, w_up, w_down, b_gate, b_up, b_down,
+                       norm_kind, norm_weight), *(_tensor_key(s) for s in scales))
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow_tf32,
+                                   bucket, None, norm_kind, scales)
+        if mode == 0:  # as in decode_gated_mlp: a captured call takes the atomic mode's two launches
+            plan.captured = _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, 3, allow_tf32, bucket,
+                                  None, norm_kind, scales)
+    return run_plan(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, norm_weight, norm_eps, out, scales)
+
+
 def held_plan(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, activation: int,
               deterministic: bool = False, allow_tf32: bool = True, norm_weight=None, norm_kind: int = NORM_NONE):
     """The plan an earlier `decode_gated_mlp` call made for exactly these arguments' layout (None if there is none,
@@ -652,9 +710,10 @@ def _key(bucket, activation, mode, allow_tf32, config, x, wg, wu, wd, bg, bu, bd
 
 
 def run_plan(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, norm_weight=None, norm_eps: float = 0.0,
-             out=None):
+             out=None, scales=None):
     """One call on a plan made for this layout (M >= 1, D and H > 0): the output, scratch, and the launches. x is
-    [M, D], or a contiguous [..., D] read as its rows (no view op; the output then has x's shape)."""
+    [M, D], or a contiguous [..., D] read as its rows (no view op; the output then has x's shape). `scales`: the
+    three weights' 128×128 scales, for a plan made for e4m3 weights (decode_gated_mlp_fp8)."""
     d = x.shape[-1]
     if x.dim() == 2:
         m = x.shape[0]
@@ -675,8 +734,8 @@ def run_plan(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, norm_weight=No
     bd = out if b_down is None else b_down  # `out` stands in for absent biases; never read
     _launch(plan, "", (n_progs, 1), (
         x, w_gate, w_up, w_down, out if b_gate is None else b_gate, out if b_up is None else b_up, bd, out, acc,
-        part, cnt, hbuf, out if norm_weight is None else norm_weight, float(norm_eps), m, d, h, sm, sd,
-        *plan.w_strides), stream)
+        part, cnt, hbuf, out if norm_weight is None else norm_weight, float(norm_eps),
+        *(scales if scales is not None else (out, out, out)), m, d, h, sm, sd, *plan.w_strides), stream)
     if mode == 4:
         _launch(plan, "down_", (plan.down_grid, 1), (hbuf, w_down, bd, out, m, d, h, plan.w_strides[4],
                                                      plan.w_strides[5], d, 1), stream)
