@@ -6,9 +6,9 @@
 W* are e4m3 values [out, in] and s* their fp32 128×128 block scales (mlpfuse.fp8). Two paths, chosen here by the
 number of tokens M:
 - M ≤ WEIGHT_ONLY_MAX_M (decode): weight-only — the weights are read once as e4m3 and widened in registers; x, h and
-  y stay in x's dtype: the gated MLP through the decode kernel (kernels.decode_mlp.decode_gated_mlp_fp8, h kept on
-  chip, one or two launches), a single projection through kernels.fp8_gemm.fp8_weight_gemm. At these sizes the step
-  is the weight bytes, which FP8 halves; quantizing x and h would add passes and error for nothing.
+  y stay in x's dtype (kernels.fp8_gemm.fp8_weight_gemm; DECODE_KERNEL below says which form the gated MLP takes).
+  At these sizes the step is the weight bytes, which FP8 halves; quantizing x and h would add passes and error for
+  nothing.
 - larger M: x quantized 1×128 (one pass), the gate+up GEMM in FP8 with the GLU and h's 1×128 quantization in its
   epilogue, the down GEMM in FP8 reading h and its scales (three launches; h crosses HBM once, as FP8).
 The "torch" backend computes the same two forms with PyTorch ops from the dequantized operands
@@ -36,6 +36,13 @@ from mlpfuse.ops._util import needs_grad, op_span, plain_eager, profiling
 
 # Tokens up to which the weight-only kernels run (their tiles keep every row; they take up to 64).
 WEIGHT_ONLY_MAX_M = 16
+
+# Which weight-only form the gated MLP takes at decode sizes: False, kernels.fp8_gemm's two weight-only GEMMs (h
+# through HBM; measured on an H200, docs/fp8.md); True, kernels.decode_mlp's kernel reading e4m3 weights (h on
+# chip, the bf16 decode kernel's tiles and reduction modes). The second is checked against the recipe through
+# Triton's interpreter (tests/test_fp8_kernels.py) but has not run on a GPU yet: it becomes the default once
+# benchmarks/fp8_gpu.py has measured it there.
+DECODE_KERNEL = False
 
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89) and Hopper (sm_90) onwards
 
@@ -102,9 +109,12 @@ def _gated_impl(x, wg, sg, wu, su, wd, sd, bg, bu, bd, activation: str, backend:
         return y.reshape(*x.shape[:-1], wd.shape[0])
     kern = _kernels()
     x2 = x2.contiguous()
-    if m <= WEIGHT_ONLY_MAX_M:  # the decode kernel with e4m3 weights: h stays on chip
+    if m <= WEIGHT_ONLY_MAX_M and DECODE_KERNEL:  # the decode kernel with e4m3 weights: h stays on chip
         y = dispatch.kernel("decode_mlp").decode_gated_mlp_fp8(x2, wg, sg, wu, su, wd, sd, bg, bu, bd,
                                                                 activation=act.id)
+    elif m <= WEIGHT_ONLY_MAX_M:
+        h = kern.fp8_weight_gemm(x2, wg, sg, wu, su, bg, bu, activation=act.id)
+        y = kern.fp8_weight_gemm(h, wd, sd, None, None, bd, activation=activations.IDENTITY)
     else:
         xq, xs = kern.quantize(x2)
         hq, hs = kern.fp8_gemm(xq, xs, wg, sg, wu, su, bg, bu, activation=act.id, quant_out=True)
