@@ -71,6 +71,9 @@ def register(subparsers) -> None:
     p.add_argument("--steps-from", choices=SOURCES, default=AUTO,
                    help="where steps come from: ProfilerStep#N spans, --label spans, or the whole trace as one window "
                         "(default auto: ProfilerStep#N spans, else the whole trace)")
+    p.add_argument("--map", metavar="MAP", help="the map of the CUDA graph the trace replays (written by "
+                   "mlpfuse.profile(..., modules=model, graph_map=PATH)): replayed kernels are attributed to modules "
+                   "through it (default: TRACE's name with .map.json, when that file exists)")
     p.add_argument("--json", action="store_true", help="print the analysis as JSON (schema in docs/profiler.md)")
     p.add_argument("--max-bytes", metavar="SIZE", help=_MAX_BYTES_HELP)
     p.add_argument("--html", metavar="FILE", help=_HTML_HELP)
@@ -182,7 +185,8 @@ def run_analyze(args) -> int:
                                  steps_from=args.steps_from)
         print(f"report: {printable(args.html)}", file=sys.stderr)
     else:
-        result = analyze(args.trace, label=args.label, max_bytes=args.max_bytes, steps_from=args.steps_from)
+        result = analyze(args.trace, label=args.label, max_bytes=args.max_bytes, steps_from=args.steps_from,
+                         graph_map=args.map)
     if args.json:
         _dump(result.to_dict())
     else:

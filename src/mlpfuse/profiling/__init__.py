@@ -13,7 +13,7 @@ from mlpfuse.profiling.diff import Diff, diff
 from mlpfuse.profiling.expect import Result as ExpectationResult
 from mlpfuse.profiling.ranks import RankAnalysis, analyze_ranks
 
-__all__ = ["profile", "analyze", "analyze_ranks", "diff", "Analysis", "Diff", "RankAnalysis", "ExpectationResult"]
+__all__ = ["profile", "record_graph_map", "analyze", "analyze_ranks", "diff", "Analysis", "Diff", "RankAnalysis", "ExpectationResult"]
 
 
 def profile(
@@ -30,6 +30,8 @@ def profile(
     expect: Iterable[str] | None = None,
     keep_trace: bool = False,
     threads: int | None = 1,
+    modules: Any = None,
+    graph_map: str | None = None,
     **kwargs: Any,
 ) -> Analysis:
     """Run `fn(*args, **kwargs)` under torch.profiler and return the analysis of the trace it wrote.
@@ -42,6 +44,11 @@ def profile(
     `threads`: torch's CPU intra-op threads while `fn` runs (default 1, as `mlpfuse walkthrough --threads`: threads
     competing for a few cores make CPU timings swing), restored afterwards; None leaves them as they are. A
     HostLoadWarning says when the machine is too busy to time.
+    `modules`: the model (an nn.Module) whose submodules' forwards are annotated while profiling, so that the
+    analysis gives GPU time per module path (`analysis.to_dict()["modules"]`).
+    `graph_map`: for an `fn` that replays a CUDA graph (torch.cuda.graph, `reduce-overhead`): the map file written
+    beforehand by `record_graph_map` from one eager run of the same computation; the replay's kernels are then
+    attributed to modules through it (profiling.modules says how, and what is never guessed).
     """
     from mlpfuse import _host
     from mlpfuse.errors import InputError
@@ -62,9 +69,32 @@ def profile(
     _host.warn_if_busy()
     with trace_file(trace_path, label, keep_trace) as (path, kept), _host.pinned_threads(threads):
         path = capture(fn, *args, steps=steps, wait=wait, warmup=warmup, active=active, label=label,
-                       record_shapes=record_shapes, with_stack=with_stack, trace_path=path, **kwargs)
-        result = analyze(path)
+                       record_shapes=record_shapes, with_stack=with_stack, trace_path=path, modules=modules, **kwargs)
+        result = analyze(path, graph_map=graph_map)
     if not kept:
         result.data["trace"] = None
     result.expectations = expect_mod.check(result, expectations, "expect") if expectations else []
     return result
+
+
+def record_graph_map(fn: Callable[..., Any], modules: Any, path: str, *args: Any, **kwargs: Any) -> int:
+    """Run `fn(*args, **kwargs)` once, eagerly, under the profiler with `modules`' forwards annotated, and write the
+    map of the kernels it launched, in order, with their module paths and ops, to `path` (JSON): what
+    `profile(..., graph_map=path)` and `mlpfuse analyze --map` attribute a CUDA-graph replay of the same computation
+    through. `fn` must launch what the graph replays: the eager form of the captured callable, warmed up (cuBLAS
+    and autotuning settled). Returns the number of kernels mapped."""
+    import tempfile
+
+    from mlpfuse.errors import InputError
+    from mlpfuse.profiling import modules as modules_mod
+    from mlpfuse.profiling.capture import capture
+    from mlpfuse.profiling.trace import load
+
+    if not callable(fn):
+        raise InputError(f"fn: expected a callable, got {type(fn).__name__}")
+    if modules is None:
+        raise InputError("modules: expected the model whose submodules the map names")
+    with tempfile.TemporaryDirectory(prefix="mlpfuse-map-") as folder:
+        trace_path = capture(fn, *args, steps=1, wait=0, warmup=0, active=1, label="map",
+                             trace_path=f"{folder}/map.json.gz", modules=modules, **kwargs)
+        return modules_mod.write_map(load(trace_path), path)

@@ -213,7 +213,8 @@ def _op_rows(ops: Columns, dur: np.ndarray, op_step: np.ndarray, self_us: list[f
 # ---------------------------------------------------------------- the analysis
 
 
-def analyze_trace(trace: Trace, label: str | None = None, steps_from: str = AUTO) -> "Analysis":
+def analyze_trace(trace: Trace, label: str | None = None, steps_from: str = AUTO,
+                  graph_map: str | None = None) -> "Analysis":
     cols = ops, runtime, gpu = columns(trace.cpu_ops), columns(trace.runtime), columns(trace.gpu)
     steps, source = find_steps(trace, label, steps_from, names=tuple(e.name for e in trace.annotations) + ops.name)
     whole = source.kind == WHOLE_TRACE
@@ -372,6 +373,11 @@ def analyze_trace(trace: Trace, label: str | None = None, steps_from: str = AUTO
         "repaired_events": dict(sorted(trace.repaired.items())),
         "unread_categories": dict(trace.unread),
     }
+    from mlpfuse.profiling import modules  # (it reads `link` from here)
+
+    view = modules.view_if_any(trace, links, graph_map, n_avg)
+    if view is not None:
+        data["modules"] = view
     return Analysis(data)
 
 
@@ -582,20 +588,22 @@ class Analysis:
 
 
 def analyze(source: Any, label: str | None = None, max_bytes: int | str | None = None,
-            steps_from: str = AUTO) -> Analysis:
+            steps_from: str = AUTO, graph_map: str | None = None) -> Analysis:
     """Analyse a trace path (.json / .json.gz), parsed trace JSON, a saved analysis JSON, or a Trace.
 
     Steps are `ProfilerStep#N` spans, else the whole trace as one window; `label` uses the spans of that name
     instead, and `steps_from` forces a source ("auto", "ProfilerStep", "label", "whole-trace").
     A file is read only if regular, and at most `max_bytes` (default $MLPFUSE_MAX_TRACE_BYTES, else 2 GiB) are
-    read or inflated from it."""
+    read or inflated from it. `graph_map`: the map file of the CUDA graph the trace replays
+    (profiling.modules.write_map); without it, one beside a trace path (profiling.modules.map_path) is used."""
     from mlpfuse.profiling.trace import no_gc
 
     with no_gc():
-        return _analyze(source, label, max_bytes, steps_from)
+        return _analyze(source, label, max_bytes, steps_from, graph_map)
 
 
-def _analyze(source: Any, label: str | None, max_bytes: int | str | None, steps_from: str) -> Analysis:
+def _analyze(source: Any, label: str | None, max_bytes: int | str | None, steps_from: str,
+             graph_map: str | None = None) -> Analysis:
     import os
 
     from mlpfuse.profiling import trace as trace_mod
@@ -603,7 +611,7 @@ def _analyze(source: Any, label: str | None, max_bytes: int | str | None, steps_
     if isinstance(source, Analysis):
         return source
     if isinstance(source, Trace):
-        return analyze_trace(source, label, steps_from)
+        return analyze_trace(source, label, steps_from, graph_map)
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         loaded = trace_mod.load_trace_or_json(path, max_bytes)
@@ -612,10 +620,15 @@ def _analyze(source: Any, label: str | None, max_bytes: int | str | None, steps_
                 raise InputError(f"{path}: a saved analysis; its steps were chosen when it was made (--label and "
                                  "--steps-from apply to traces)")
             return Analysis.from_dict(loaded, path)
-        return analyze_trace(loaded, label, steps_from)
+        if graph_map is None:
+            from mlpfuse.profiling.modules import map_path
+
+            beside = map_path(path)
+            graph_map = beside if os.path.isfile(beside) else None
+        return analyze_trace(loaded, label, steps_from, graph_map)
     if isinstance(source, (dict, list)):
         if isinstance(source, dict) and "schema" in source and "traceEvents" not in source:
             trace_mod.refuse_execution_trace(source, "<trace>")
             return Analysis.from_dict(source)
-        return analyze_trace(trace_mod.from_json(source), label, steps_from)
+        return analyze_trace(trace_mod.from_json(source), label, steps_from, graph_map)
     raise InputError(f"TRACE: expected a path, trace JSON or Analysis, got {type(source).__name__}")

@@ -240,6 +240,11 @@ def print_analysis(data: dict, console: Console | None = None) -> None:
     console.print(steps_line(data))
     for t in analysis_tables(data, console.width):
         console.print(t)
+    if data.get("modules"):
+        from mlpfuse.profiling.modules import render as render_modules
+
+        for line in render_modules(data["modules"]):
+            console.print(cell(line))
     console.print(verdict_line(data))
 
 

@@ -70,7 +70,12 @@ ANALYSIS = {
 }
 OPTIONAL = {"skipped_events": COUNTS, "repaired_events": COUNTS, "unread_categories": COUNTS, "steps_found": COUNT,
             "steps_left_out": [{"name": STR, "reason": STR}], "step_source_kind": STR, "step_label": STR_OR_NULL,
-            "step_source_reason": STR}
+            "step_source_reason": STR,
+            "modules": {"steps": COUNT, "kernel_us": NUM, "attributed_us": NUM, "attributed_share": NUM,
+                        "replays": NUM, "replay_idle_us": NUM, "map": STR_OR_NULL,
+                        "rows": [{"module": STR, "depth": NUM, "kernels": NUM, "gpu_us": NUM, "share": NUM}],
+                        "kinds": [{"module": STR, "depth": NUM, "kernels": NUM, "gpu_us": NUM, "share": NUM}],
+                        "unattributed": [{"reason": STR, "kernels": NUM, "gpu_us": NUM}]}}
 
 
 def _kind(v: Any) -> str:
