@@ -208,3 +208,20 @@ def test_profile_with_modules_annotates_every_submodule_by_path():
     outer = next(a for a in spans if a.name == P + "1" and a.ts <= inner.ts)
     assert outer.ts <= inner.ts and inner.end <= outer.end
     assert not model[0]._forward_pre_hooks and not model[0]._forward_hooks  # removed afterwards
+
+
+def test_profile_model_by_module_annotates_both_sides(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "llama"
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=256).save_pretrained(folder)
+    out = tmp_path / "o"
+    proc = run_cli("profile", "--model", folder, "--device", "cpu", "--by-module", "--json", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(proc.stdout)
+    for side in ("eager", "mlpfuse"):
+        assert "modules" in data[side]
+        t = trace_mod.load(out / f"model-{side}.pt.trace.json.gz")
+        assert P + "model.layers.0.mlp" in {a.name for a in t.annotations}
+    line = assert_one_error_line(run_cli("profile", "linear", "--by-module", "--out", tmp_path / "x"))
+    assert line == "mlpfuse: error: --by-module: applies with --model only"

@@ -33,7 +33,8 @@ def defaults(device: str) -> tuple[bool, str]:
 
 def profile_model(name: str, *, layers: int = 1, tiny: bool | None = None, tokens: str | None = None,
                   device: str | None = None, dtype: str | None = None, out: str | None = None, steps: int = 5,
-                  wait: int = 1, warmup: int = 1, active: int = 3, backend: str = "auto") -> ModelDiff:
+                  wait: int = 1, warmup: int = 1, active: int = 3, backend: str = "auto",
+                  by_module: bool = False) -> ModelDiff:
     from mlpfuse import workloads
     from mlpfuse.patching import patch
     from mlpfuse.bench import model_lab
@@ -71,5 +72,6 @@ def profile_model(name: str, *, layers: int = 1, tiny: bool | None = None, token
                 raise InputError(f"--model: mlpfuse.patch swapped nothing in {built.label}: {report.summary()}")
         path = os.path.join(out, f"model-{side}.pt.trace.json.gz") if out else None
         traces[side] = profile(forward, ids, steps=steps, wait=wait, warmup=warmup, active=active,
-                               label=f"model-{side}", trace_path=path, threads=None)  # the caller pins them
+                               label=f"model-{side}", trace_path=path, threads=None,  # the caller pins them
+                               modules=model if by_module else None)
     return ModelDiff(label, traces["eager"], traces["mlpfuse"], diff(traces["eager"], traces["mlpfuse"]), report)

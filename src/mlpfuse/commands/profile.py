@@ -119,6 +119,9 @@ def register(subparsers) -> None:
     model.add_argument("--tiny", action=argparse.BooleanOptionalAction, default=None,
                        help="toy widths (default on CPU; the published widths on CUDA)")
     model.add_argument("--tokens", help="BATCHxSEQ of the prompt (default 1x2048 on CUDA, 1x64 on CPU)")
+    model.add_argument("--by-module", action="store_true",
+                       help="also GPU time per module path (model.layers.*.mlp, ...), both sides; each module call "
+                            "then opens a profiler annotation, a few us of host time each (docs/profiler.md)")
     sizes = p.add_argument_group("sizes (defaults: walkthrough shapes on CUDA, small ones on CPU)")
     sizes.add_argument("--batch", type=int, help="rows of x (linear) or sequences (geglu-mlp)")
     sizes.add_argument("--in-dim", type=int, help="linear: input features")
@@ -249,7 +252,7 @@ def run_profile(args) -> int:
     if args.model is not None:
         return run_model_profile(args)
     for flag, given in (("--tiny", args.tiny is not None), ("--tokens", args.tokens is not None),
-                        ("--layers", args.layers != 1)):
+                        ("--layers", args.layers != 1), ("--by-module", args.by_module)):
         if given:
             raise InputError(f"{flag}: applies with --model only")
     if args.workload is None:
@@ -349,7 +352,8 @@ def run_model_profile(args) -> int:
     with _host.cli_run(args.threads):
         result = model_diff.profile_model(args.model, layers=args.layers, tiny=args.tiny, tokens=args.tokens,
                                           device=args.device, dtype=args.dtype, out=args.out, steps=args.steps,
-                                          wait=args.wait, warmup=args.warmup, active=args.active)
+                                          wait=args.wait, warmup=args.warmup, active=args.active,
+                                          by_module=args.by_module)
     data = {"model": result.label, "patch": result.report.to_dict(), "eager": result.before.to_dict(),
             "mlpfuse": result.after.to_dict(), "diff": result.diff.to_dict()}
     _write_json(os.path.join(args.out, "model-diff.json"), data)
