@@ -309,14 +309,15 @@ def profile_steps(rank, world, mesh, folder):
     return path
 
 
-def fsdp_tp_matches_single(rank, world, mesh, kind, bias, tokens=(2, 5)):
-    """FSDP2 over tensor parallelism (a 2-D mesh, here 1 × world: with 2 processes the data-parallel dimension has
-    one rank): FSDP gathers each rank's tensor-parallel shards, the block runs on them, and the gradients equal
-    the single-process block's."""
+def fsdp_tp_matches_single(rank, world, mesh, kind, bias, tokens=(2, 5), dp=1):
+    """FSDP2 over tensor parallelism on a 2-D mesh dp × (world / dp) (with 2 processes 1 × 2: the data-parallel
+    dimension has one rank; with 4, 2 × 2): FSDP gathers each rank's tensor-parallel shards, the block runs on them,
+    and the gradients equal the single-process block's. Every rank sees the same input, so FSDP's average of the
+    data-parallel ranks' gradients is the single process's gradient."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    mesh2 = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
     block = make(kind, bias, torch.float64, "torch")
     single = copy.deepcopy(block)
     tensor_parallel(block, mesh2["tp"])
@@ -332,6 +333,9 @@ def fsdp_tp_matches_single(rank, world, mesh, kind, bias, tokens=(2, 5)):
     tol = _tol(torch.float64)
     torch.testing.assert_close(y, ys.detach(), **tol)
     torch.testing.assert_close(xt.grad, xs.grad, **tol)
+    params, want_params = _params(block), _params(single)
+    for name in want_params:  # the gathered parameters are the single block's, in its layout
+        torch.testing.assert_close(params[name], want_params[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
     got, want = _grads(block), _grads(single)
     for name in want:
         param = dict(block.named_parameters())[name]
