@@ -50,10 +50,10 @@ def test_four_rank_fsdp2_equals_single_process(group, kind):
         assert {k.rstrip("_").lstrip("_") for k in c} == {"allgather_base", "reduce_scatter_base"}, c
 
 
-PACKED_2D = ("a packed gate_up projection (PackedColwiseParallel's _StridedShard(0, 2)) under FSDP2 with more than one "
-             "data-parallel rank: the block gives the right outputs and input gradients, but FSDP2 composes its own strided shard as "
-             "if the tensor-parallel placement were Shard(0), so the parameters' global view (full_tensor, "
-             "state_dict) comes out with rows permuted; docs/parallel.md")
+PACKED_2D = ("a packed gate_up projection (PackedColwiseParallel's _StridedShard(0, 2)) under FSDP2 with more than "
+             "one data-parallel rank: the block gives the right outputs and input gradients, but FSDP2 composes its "
+             "own strided shard as if the tensor-parallel placement were Shard(0), so the parameters' global view "
+             "(full_tensor, state_dict) comes out with rows permuted; docs/parallel.md")
 
 
 @pytest.mark.parametrize("kind", ("gated", pytest.param("packed", marks=pytest.mark.xfail(strict=True,
