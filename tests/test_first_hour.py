@@ -135,16 +135,18 @@ def test_a_stopped_walkthrough_leaves_a_note_in_rounds_too(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "mlpfuse", "walkthrough", "--device", "cpu", "--rounds", "200",
                              "--steps", "3", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=cli_env(PYTHONUNBUFFERED=1))
+    seen = []
     try:
         for line in proc.stdout:  # stopped once the first case of the first round has its trace in rounds/
+            seen.append(line)
             if ": step " in line:
                 break
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=300)
+        rest, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130
+    assert proc.returncode == 130, f"exit {proc.returncode}; stdout {''.join(seen)[-1500:]}{rest[-1500:]}; stderr {err[-3000:]}"
     assert (out / "INCOMPLETE.txt").exists()
     note = (out / "rounds" / "INCOMPLETE.txt").read_text()
     assert "the run did not finish and these traces are partial" in note
@@ -197,3 +199,17 @@ def test_on_an_80_column_terminal_short_columns_stay_whole_and_names_are_cut_apa
         assert cells[1] == k["family"] and cells[4] == ", ".join(k["ops"])  # whole, never "elemen…"
         assert cells[0] == k["name"] or (len(cells[0]) >= 20 and "…" in cells[0])
     assert len({row.split("│")[1] for row in rows}) == len(rows)  # two kernels never read alike
+
+
+def test_an_interrupt_wrapped_by_a_library_still_stops_the_walkthrough():
+    from mlpfuse.commands.walkthrough import _reraise_interrupt
+
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as inner:
+            raise RuntimeError("compile worker failed") from inner
+    except RuntimeError as wrapped:
+        with pytest.raises(KeyboardInterrupt):
+            _reraise_interrupt(wrapped)
+    _reraise_interrupt(ValueError("an ordinary failure"))  # recorded by the caller, nothing raised
