@@ -214,6 +214,21 @@ def _check_bias(name: str, b, n: int, like: torch.Tensor) -> None:
         raise InputError(f"{name}: expected a floating-point tensor of shape ({n},) on {like.device}")
 
 
+def _check_operands(w1, s1, w2, s2, b1, b2, k: int, like: torch.Tensor):
+    """Both GEMMs' weights and biases, checked: (N, gated, w2, s2), the second weight standing in for itself or, when
+    there is none, for the first (the kernel then never reads it)."""
+    _check_weight("w1", w1, s1, k, like)
+    n = w1.shape[0]
+    gated = w2 is not None
+    if gated:
+        _check_weight("w2", w2, s2, k, like, n)
+    else:
+        w2, s2 = w1, s1
+    _check_bias("b1", b1, n, like)
+    _check_bias("b2", b2, n, like)
+    return n, gated, w2, s2
+
+
 def quantize(x: torch.Tensor, block_m: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (unit inner stride) → (values e4m3 [M, K], scale_inv fp32 [M, ceil(K/128)]): fp8.quantize_activation
     in one pass."""
@@ -260,15 +275,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch
     if tuple(a_scale.shape) != (m, -(-k // GROUP)) or a_scale.dtype != fp8.SCALE_DTYPE or a_scale.stride(1) != 1:
         raise InputError(f"a_scale: expected fp32 scales of shape ({m}, {-(-k // GROUP)}), got {a_scale.dtype} "
                          f"{tuple(a_scale.shape)}")
-    _check_weight("w1", w1, s1, k, a)
-    n = w1.shape[0]
-    gated = w2 is not None
-    if gated:
-        _check_weight("w2", w2, s2, k, a, n)
-    else:
-        w2, s2 = w1, s1
-    _check_bias("b1", b1, n, a)
-    _check_bias("b2", b2, n, a)
+    n, gated, w2, s2 = _check_operands(w1, s1, w2, s2, b1, b2, k, a)
     if quant_out:
         out = torch.empty(m, n, device=a.device, dtype=fp8.DTYPE)
         sout = torch.empty(m, -(-n // GROUP), device=a.device, dtype=fp8.SCALE_DTYPE)
@@ -322,15 +329,7 @@ def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
     m, k = x.shape
     if m > WEIGHT_ONLY_MAX_M:
         raise InputError(f"x: the weight-only kernel takes at most {WEIGHT_ONLY_MAX_M} rows, got {m}")
-    _check_weight("w1", w1, s1, k, x)
-    n = w1.shape[0]
-    gated = w2 is not None
-    if gated:
-        _check_weight("w2", w2, s2, k, x, n)
-    else:
-        w2, s2 = w1, s1
-    _check_bias("b1", b1, n, x)
-    _check_bias("b2", b2, n, x)
+    n, gated, w2, s2 = _check_operands(w1, s1, w2, s2, b1, b2, k, x)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0 or n == 0:
         return out
