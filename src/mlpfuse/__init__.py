@@ -24,7 +24,7 @@ _EXPORTS = {
     "InputError": "mlpfuse.errors",
 }
 
-_SUBMODULES = ("ops", "activations", "parallel", "fp8")
+_SUBMODULES = ("ops", "activations", "parallel", "fp8", "profiling")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
