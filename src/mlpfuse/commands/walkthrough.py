@@ -76,18 +76,6 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _reraise_interrupt(exc: BaseException) -> None:
-    """A case's failure that is a Ctrl-C (or SIGTERM) underneath: a library (torch.compile's compile workers among
-    them) may wrap the KeyboardInterrupt in an exception of its own, and recording that as the case's failure would
-    let the run go on. The interrupt goes on up instead."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, KeyboardInterrupt):
-            raise exc
-        exc = exc.__cause__ or exc.__context__
-
-
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
@@ -136,7 +124,6 @@ def _build_cases(device, dtype, console, failed) -> dict:
         except InputError:
             raise
         except Exception as exc:  # noqa: BLE001 - recorded, and the walkthrough goes on
-            _reraise_interrupt(exc)
             failed[case] = _one_line(exc)
             console.print(f"[red]{case}: failed ({failed[case]})[/red]")
     return built
@@ -182,7 +169,6 @@ def _profile_rounds(args, built, staging, console, failed):
             except InputError:
                 raise
             except Exception as exc:  # e.g. torch.compile without a working C++ compiler: record it and go on
-                _reraise_interrupt(exc)
                 failed[case] = _one_line(exc)
                 rounds.drop(case)
                 console.print(f"[red]{case}: failed ({failed[case]})[/red]")
@@ -400,7 +386,6 @@ def _model_layer(device, dtype, out, console, failed):
     try:
         result = model_diff.profile_model(MODEL, device=device, dtype=dtype, out=out)
     except Exception as exc:  # noqa: BLE001 - the walkthrough goes on, as for the other cases
-        _reraise_interrupt(exc)
         failed[case] = _one_line(exc)
         console.print(Text(f"{case}: failed ({failed[case]})", style="red"))
         return None
