@@ -72,8 +72,8 @@ def register(subparsers) -> None:
                    help="where steps come from: ProfilerStep#N spans, --label spans, or the whole trace as one window "
                         "(default auto: ProfilerStep#N spans, else the whole trace)")
     p.add_argument("--map", metavar="MAP", help="the map of the CUDA graph the trace replays (written by "
-                   "mlpfuse.profile(..., modules=model, graph_map=PATH)): replayed kernels are attributed to modules "
-                   "through it (default: TRACE's name with .map.json, when that file exists)")
+                   "mlpfuse.profiling.record_graph_map): replayed kernels are attributed to modules through it "
+                   "(default: TRACE's name with .map.json, when that file exists)")
     p.add_argument("--json", action="store_true", help="print the analysis as JSON (schema in docs/profiler.md)")
     p.add_argument("--max-bytes", metavar="SIZE", help=_MAX_BYTES_HELP)
     p.add_argument("--html", metavar="FILE", help=_HTML_HELP)

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mlpfuse import activations
+from mlpfuse import activations, fp8
 from mlpfuse.activations import act_fwd
 from mlpfuse.errors import InputError
 from mlpfuse.kernels import _common as C
@@ -654,11 +654,11 @@ def decode_gated_mlp_fp8(x, w_gate, s_gate, w_up, s_up, w_down, s_down, b_gate=N
     h = w_gate.shape[0]
     for name, w, s, shape in (("w_gate", w_gate, s_gate, (h, d)), ("w_up", w_up, s_up, (h, d)),
                               ("w_down", w_down, s_down, (d, h))):
-        if w.dtype != torch.float8_e4m3fn or tuple(w.shape) != shape or w.device != x.device:
-            raise InputError(f"{name}: expected float8_e4m3fn values of shape {shape} on {x.device}")
-        groups = (-(-shape[0] // 128), -(-shape[1] // 128))
-        if s.dtype != torch.float32 or tuple(s.shape) != groups or s.stride(1) != 1 or s.device != x.device:
-            raise InputError(f"{name} scales: expected fp32 of shape {groups} on {x.device}")
+        if w.dtype != fp8.DTYPE or tuple(w.shape) != shape or w.device != x.device:
+            raise InputError(f"{name}: expected {fp8.DTYPE} values of shape {shape} on {x.device}")
+        groups = fp8.weight_scale_shape(*shape)
+        if s.dtype != fp8.SCALE_DTYPE or tuple(s.shape) != groups or s.stride(1) != 1 or s.device != x.device:
+            raise InputError(f"{name} scales: expected {fp8.SCALE_DTYPE} of shape {groups} on {x.device}")
     for name, b, n in (("b_gate", b_gate, h), ("b_up", b_up, h), ("b_down", b_down, d)):
         if b is not None and (tuple(b.shape) != (n,) or b.dtype != x.dtype or b.device != x.device):
             raise InputError(f"{name}: expected a [{n}] tensor of dtype {x.dtype} on {x.device} or None")

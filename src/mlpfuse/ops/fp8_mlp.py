@@ -14,7 +14,7 @@ number of tokens M:
 The "torch" backend computes the same two forms with PyTorch ops from the dequantized operands
 (reference.gated_mlp_fp8 and its weight-only counterpart): the CPU path, and the kernels' oracle.
 
-Inference only: a call that needs a gradient (autograd's rule, decided once in `_call`) is refused in one line.
+Inference only: a call that needs a gradient (autograd's rule, decided once in `_check_call`) is refused in one line.
 Plain eager calls run the kernels directly; torch.compile, export and graph capture see one custom op each
 (`mlpfuse::fp8_gated_mlp`, `mlpfuse::fp8_linear`), whose kernels are the same, so compiled output equals eager's bit
 for bit.
@@ -47,18 +47,16 @@ DECODE_KERNEL = False
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89) and Hopper (sm_90) onwards
 
 
-def _path(x: Tensor, backend: str) -> str:
-    """'triton' or 'torch' for this call: `auto` takes the kernels on a GPU with FP8 tensor cores and the reference
-    path on the CPU; an impossible request is one InputError line saying what is needed."""
-    backend = dispatch.resolve_backend(backend)
-    if x.is_cuda:
-        return _decide(x.device, backend, "")
-    return _decide(x.device, backend, os.environ.get("TRITON_INTERPRET", "0"))
+def _path(device: torch.device, backend: str) -> str:
+    """'triton' or 'torch' for a call on `device`: `auto` takes the kernels on a GPU with FP8 tensor cores and the
+    reference path on the CPU; an impossible request is one InputError line saying what is needed."""
+    interpret = "" if device.type == "cuda" else os.environ.get("TRITON_INTERPRET", "0")
+    return _decide(device, dispatch.resolve_backend(backend), interpret)
 
 
 def check_device(device: torch.device, backend: str = "") -> None:
     """Raise the one-line InputError a call on `device` with this backend would raise; None when FP8 runs there."""
-    _decide(device, dispatch.resolve_backend(backend), os.environ.get("TRITON_INTERPRET", "0"))
+    _path(device, backend)
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,7 +98,7 @@ def _gated_impl(x, wg, sg, wu, su, wd, sd, bg, bu, bd, activation: str, backend:
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if _path(x, backend) == "torch":
+    if _path(x.device, backend) == "torch":
         w = [_weight(v, s, x.dtype) for v, s in ((wg, sg), (wu, su), (wd, sd))]
         if m <= WEIGHT_ONLY_MAX_M:
             y = reference.gated_mlp_fp8_weight_only(x2, *w, act.name, bg, bu, bd)
@@ -128,7 +126,7 @@ def _linear_impl(x, w, s, b, activation: str, backend: str) -> Tensor:
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if _path(x, backend) == "torch":
+    if _path(x.device, backend) == "torch":
         weight = _weight(w, s, x.dtype)
         if m <= WEIGHT_ONLY_MAX_M:
             y = reference.linear_fp8_weight_only(x2, weight, b, act.name)
@@ -191,24 +189,23 @@ def fp8_gated_mlp(x: Tensor, gate_weight: Tensor, gate_scale: Tensor, up_weight:
     """y = down(act(gate(x))·up(x)), each weight as e4m3 values and fp32 128×128 scales (the fields of an
     fp8.Fp8Weight), any leading dimensions, y in x's dtype."""
     _check_call(x, gate_weight, (gate_bias, up_bias, down_bias))
-    args = (x, gate_weight, gate_scale, up_weight, up_scale, down_weight, down_scale, gate_bias, up_bias, down_bias,
-            activation, backend)
-    if not plain_eager(x):
-        return torch.ops.mlpfuse.fp8_gated_mlp(*args)
-    if profiling():
-        with op_span("mlpfuse::fp8_gated_mlp"):
-            return _gated_impl(*args)
-    return _gated_impl(*args)
+    return _run("fp8_gated_mlp", _gated_impl, (x, gate_weight, gate_scale, up_weight, up_scale, down_weight,
+                                               down_scale, gate_bias, up_bias, down_bias, activation, backend))
 
 
 def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Optional[Tensor] = None, activation: str = "identity",
                backend: str = "") -> Tensor:
     """act(x·Wᵀ + b), W as e4m3 values and fp32 128×128 scales, any leading dimensions, in x's dtype."""
     _check_call(x, weight, (bias,))
-    args = (x, weight, scale, bias, activation, backend)
-    if not plain_eager(x):
-        return torch.ops.mlpfuse.fp8_linear(*args)
+    return _run("fp8_linear", _linear_impl, (x, weight, scale, bias, activation, backend))
+
+
+def _run(op: str, impl, args: tuple) -> Tensor:
+    """Plain eager calls run `impl` directly (inside a `mlpfuse::<op>` span under the profiler); anything a graph
+    records goes through the registered op."""
+    if not plain_eager(args[0]):
+        return getattr(torch.ops.mlpfuse, op)(*args)
     if profiling():
-        with op_span("mlpfuse::fp8_linear"):
-            return _linear_impl(*args)
-    return _linear_impl(*args)
+        with op_span(f"mlpfuse::{op}"):
+            return impl(*args)
+    return impl(*args)

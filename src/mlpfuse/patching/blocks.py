@@ -119,16 +119,21 @@ class GatedBlock(PatchedBlock):
         fp8 = ", precision=fp8" if self.fused_precision == "fp8" else ""
         return super().extra_repr() + extra + (", recompute=True" if self.fused_recompute else "") + fp8
 
+    def fused_halves(self, t, rows: int):
+        """(gate part, up part) of a packed projection's tensor split after `rows` rows; (None, None) for None."""
+        if t is None:
+            return None, None
+        first, second = t[:rows], t[rows:]
+        return (second, first) if self.fused_gate_second else (first, second)
+
     def fp8_call(self, x: Tensor, children=None) -> Tensor:
         """The MLP on FP8 projections (modules.Fp8Linear): this block's, or `children` in its layout's order."""
         mods = children if children is not None else [self._modules[n] for n in self.fused_linears]
         d = mods[-1]
         if self.fused_packed:
             gu, n = mods[0], self.fused_hidden
-            w, s, b = gu.weight, gu.weight_scale_inv, gu.bias
-            halves = [(w[:n], s[: n // 128], None if b is None else b[:n]),
-                      (w[n:], s[n // 128:], None if b is None else b[n:])]
-            (wg, sg, bg), (wu, su, bu) = halves[::-1] if self.fused_gate_second else halves
+            (wg, wu), (sg, su) = self.fused_halves(gu.weight, n), self.fused_halves(gu.weight_scale_inv, n // 128)
+            bg, bu = self.fused_halves(gu.bias, n)
         else:
             g, u = mods[0], mods[1]
             wg, sg, bg, wu, su, bu = g.weight, g.weight_scale_inv, g.bias, u.weight, u.weight_scale_inv, u.bias

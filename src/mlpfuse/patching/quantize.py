@@ -90,11 +90,8 @@ def _verify(block, linears, fp8_children) -> tuple[Optional[float], Optional[str
     w = [m.weight.detach() for m in linears]
     b = [None if m.bias is None else m.bias.detach() for m in linears]
     if block.fused_packed:
-        n = block.fused_hidden
-        first, second = (w[0][:n], w[0][n:]), (None if b[0] is None else b[0][:n], None if b[0] is None else b[0][n:])
-        order = (1, 0) if block.fused_gate_second else (0, 1)
-        wg, wu, wd = first[order[0]], first[order[1]], w[1]
-        bg, bu, bd = second[order[0]], second[order[1]], b[1]
+        (wg, wu), (bg, bu) = block.fused_halves(w[0], block.fused_hidden), block.fused_halves(b[0], block.fused_hidden)
+        wd, bd = w[1], b[1]
     else:
         (wg, wu, wd), (bg, bu, bd) = w, b
     device, dtype = wg.device, wg.dtype

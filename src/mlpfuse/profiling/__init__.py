@@ -13,7 +13,8 @@ from mlpfuse.profiling.diff import Diff, diff
 from mlpfuse.profiling.expect import Result as ExpectationResult
 from mlpfuse.profiling.ranks import RankAnalysis, analyze_ranks
 
-__all__ = ["profile", "record_graph_map", "analyze", "analyze_ranks", "diff", "Analysis", "Diff", "RankAnalysis", "ExpectationResult"]
+__all__ = ["profile", "record_graph_map", "analyze", "analyze_ranks", "diff", "Analysis", "Diff", "RankAnalysis",
+           "ExpectationResult"]
 
 
 def profile(

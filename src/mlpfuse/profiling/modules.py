@@ -35,7 +35,7 @@ MAX_MAP_BYTES = 256 << 20
 MAX_MAP_KERNELS = 2_000_000
 MAX_FIELD_CHARS = 4096
 UNMATCHED = "the replay's kernel sequence differs from the map here (another graph, dynamic shapes or a conditional)"
-NO_MAP = "a graph replay without a map (mlpfuse.profiling.modules.write_map)"
+NO_MAP = "a graph replay without a map (mlpfuse.profiling.record_graph_map)"
 NO_ANNOTATION = "launched outside every module annotation"
 
 
