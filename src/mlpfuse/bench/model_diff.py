@@ -34,7 +34,10 @@ def defaults(device: str) -> tuple[bool, str]:
 def profile_model(name: str, *, layers: int = 1, tiny: bool | None = None, tokens: str | None = None,
                   device: str | None = None, dtype: str | None = None, out: str | None = None, steps: int = 5,
                   wait: int = 1, warmup: int = 1, active: int = 3, backend: str = "auto",
-                  by_module: bool = False) -> ModelDiff:
+                  by_module: bool = False, decode_step: bool = False) -> ModelDiff:
+    """`decode_step`: profile one decode step with a static cache after the prompt (bench.decode_step) instead of the
+    prompt's forward; on CUDA the step is captured in a CUDA graph and its replays are profiled, each side's kernels
+    attributed to modules through a map of its eager step (`<trace>.map.json` beside the trace)."""
     from mlpfuse import workloads
     from mlpfuse.patching import patch
     from mlpfuse.bench import model_lab
@@ -58,12 +61,17 @@ def profile_model(name: str, *, layers: int = 1, tiny: bool | None = None, token
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, built.vocab, (batch, seq), generator=gen).to(device)
     model, kind = built.model, built.kind
+    if decode_step and kind != models.CAUSAL:
+        raise InputError(f"--decode-step: needs a causal language model; {built.label} has no decode step")
+    token = torch.randint(3, built.vocab, (batch, 1), generator=gen).to(device)
 
     def forward(x):
         with torch.no_grad():
             return model_lab._forward_last(model, x, kind)
 
-    label = f"{built.label} {batch}x{seq} {str(torch_dtype).replace('torch.', '')}"
+    label = (f"{built.label} {batch}x{seq} {str(torch_dtype).replace('torch.', '')}"
+             + (" decode step" if decode_step else ""))
+    schedule = dict(steps=steps, wait=wait, warmup=warmup, active=active, threads=None)  # the caller pins threads
     traces = {}
     for side in ("eager", "mlpfuse"):
         if side == "mlpfuse":
@@ -71,7 +79,29 @@ def profile_model(name: str, *, layers: int = 1, tiny: bool | None = None, token
             if not report.changed:
                 raise InputError(f"--model: mlpfuse.patch swapped nothing in {built.label}: {report.summary()}")
         path = os.path.join(out, f"model-{side}.pt.trace.json.gz") if out else None
-        traces[side] = profile(forward, ids, steps=steps, wait=wait, warmup=warmup, active=active,
-                               label=f"model-{side}", trace_path=path, threads=None,  # the caller pins them
-                               modules=model if by_module else None)
+        if decode_step:
+            traces[side] = _profile_step(model, ids, token, path, torch.device(device), f"model-{side}", schedule)
+        else:
+            traces[side] = profile(forward, ids, label=f"model-{side}", trace_path=path,
+                                   modules=model if by_module else None, **schedule)
     return ModelDiff(label, traces["eager"], traces["mlpfuse"], diff(traces["eager"], traces["mlpfuse"]), report)
+
+
+def _profile_step(model, ids, token, path, device: torch.device, label: str, schedule: dict):
+    """One decode step's analysis by module: on CUDA its replays from a CUDA graph, attributed through the map of
+    the eager step written beside the trace; elsewhere the eager step with its modules annotated."""
+    import tempfile
+
+    from mlpfuse.bench import decode_step
+    from mlpfuse.profiling import modules, profile, record_graph_map
+
+    step = decode_step.inference(decode_step.StaticStep(model, ids, token))
+    if device.type != "cuda":
+        return profile(step, label=label, trace_path=path, modules=model, **schedule)
+    for _ in range(3):  # cuBLAS and autotuning settle before the map is taken
+        step()
+    with tempfile.TemporaryDirectory(prefix="mlpfuse-map-") as folder:
+        graph_map = modules.map_path(path) if path else os.path.join(folder, "step.map.json")
+        record_graph_map(step, model, graph_map)
+        replay, _ = decode_step.capture(step, device)
+        return profile(replay, label=label, trace_path=path, graph_map=graph_map, **schedule)

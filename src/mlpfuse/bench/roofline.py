@@ -18,11 +18,8 @@ of finite, positive, plausible peaks for this device is ignored with a note, mea
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
-import re
-import stat
 import statistics
 import sys
 import time
@@ -32,6 +29,7 @@ from pathlib import Path
 import torch
 
 from mlpfuse._cache import CACHE_ENV, cache_dir  # noqa: F401 (CACHE_ENV: part of this module's interface)
+from mlpfuse._peaks import BadCache, peaks_slug, read_peaks
 
 from mlpfuse._io import atomic_write_text
 from mlpfuse.bench.presets import DTYPES, Case
@@ -94,13 +92,7 @@ def device_name(device: torch.device) -> str:
 
 
 def device_slug(device: torch.device) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "-", device_name(device)).strip("-").lower()
-
-
-# Far above any device of today (an H200: ~1,000 dense bf16 TFLOP/s, 4,800 GB/s): a larger cached value is corrupt.
-MAX_TFLOPS = 1e5
-MAX_GBPS = 1e6
-_MAX_CACHE_BYTES = 1 << 16  # our file is ~1 KB; a bigger one is not ours
+    return peaks_slug(device_name(device))
 
 
 def cache_path(device: torch.device) -> Path:
@@ -167,52 +159,10 @@ def spin_up(device: torch.device, seconds: float = 0.3) -> None:
         torch.cuda.synchronize(device)
 
 
-class BadCache(Exception):
-    """Why a peaks cache file cannot be used (one line)."""
-
-
-def _rate(value, what: str, most: float) -> float:
-    # bool is an int to Python, and JSON's true is not a rate.
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadCache(f"{what} is {type(value).__name__}, not a number")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0 or value > most:
-        raise BadCache(f"{what} = {value!r} is not a plausible positive rate")
-    return value
-
-
 def _read_cache(path: Path, device: torch.device) -> Peaks:
     """The cached peaks at `path`, checked field by field; BadCache says what is wrong."""
-    try:
-        # Opened without blocking and checked before reading: a FIFO in its place would block a plain open, a
-        # device such as /dev/zero would never end.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with os.fdopen(fd, "rb") as fh:
-            info = os.fstat(fh.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise BadCache("not a regular file")
-            raw = fh.read(_MAX_CACHE_BYTES + 1)
-        if len(raw) > _MAX_CACHE_BYTES:
-            raise BadCache(f"more than {_MAX_CACHE_BYTES} bytes, larger than a peaks file")
-        data = json.loads(raw.decode("utf-8"))
-    except BadCache:
-        raise
-    except OSError as exc:
-        raise BadCache(f"unreadable ({exc.strerror or type(exc).__name__})") from None
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise BadCache(f"not valid JSON ({type(exc).__name__})") from None
-    if not isinstance(data, dict):
-        raise BadCache(f"a JSON {type(data).__name__}, not an object")
-    name, gemm, how = data.get("device"), data.get("gemm_tflops"), data.get("how", {})
-    if name != device_name(device):
-        raise BadCache(f"measured on {name!r}, not on {device_name(device)!r}")
-    if not isinstance(gemm, dict) or not all(isinstance(k, str) for k in gemm):
-        raise BadCache("gemm_tflops is not an object of dtype -> TFLOP/s")
-    tflops = {dt: _rate(v, f"gemm_tflops[{dt!r}]", MAX_TFLOPS) for dt, v in gemm.items()}
-    copy = _rate(data.get("copy_gbps"), "copy_gbps", MAX_GBPS)
-    if not isinstance(how, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in how.items()):
-        raise BadCache("how is not an object of strings")
-    return Peaks(name, tflops, copy, dict(how))
+    data = read_peaks(path, device_name(device))
+    return Peaks(data["device"], data["gemm_tflops"], data["copy_gbps"], data["how"])
 
 
 def _note(log, message: str) -> None:

@@ -122,6 +122,10 @@ def register(subparsers) -> None:
     model.add_argument("--by-module", action="store_true",
                        help="also GPU time per module path (model.layers.*.mlp, ...), both sides; each module call "
                             "then opens a profiler annotation, a few us of host time each (docs/profiler.md)")
+    model.add_argument("--decode-step", action="store_true",
+                       help="profile one decode step with a static cache after the prompt instead of the prompt's "
+                            "forward: on CUDA replayed from a CUDA graph, its kernels attributed to modules through "
+                            "a map of the eager step (implies --by-module)")
     sizes = p.add_argument_group("sizes (defaults: walkthrough shapes on CUDA, small ones on CPU)")
     sizes.add_argument("--batch", type=int, help="rows of x (linear) or sequences (geglu-mlp)")
     sizes.add_argument("--in-dim", type=int, help="linear: input features")
@@ -185,7 +189,7 @@ def run_analyze(args) -> int:
         from mlpfuse.report import analyze_to_html
 
         result = analyze_to_html(args.trace, args.html, label=args.label, max_bytes=args.max_bytes,
-                                 steps_from=args.steps_from)
+                                 steps_from=args.steps_from, graph_map=args.map)
         print(f"report: {printable(args.html)}", file=sys.stderr)
     else:
         result = analyze(args.trace, label=args.label, max_bytes=args.max_bytes, steps_from=args.steps_from,
@@ -252,7 +256,8 @@ def run_profile(args) -> int:
     if args.model is not None:
         return run_model_profile(args)
     for flag, given in (("--tiny", args.tiny is not None), ("--tokens", args.tokens is not None),
-                        ("--layers", args.layers != 1), ("--by-module", args.by_module)):
+                        ("--layers", args.layers != 1), ("--by-module", args.by_module),
+                        ("--decode-step", args.decode_step)):
         if given:
             raise InputError(f"{flag}: applies with --model only")
     if args.workload is None:
@@ -353,7 +358,8 @@ def run_model_profile(args) -> int:
         result = model_diff.profile_model(args.model, layers=args.layers, tiny=args.tiny, tokens=args.tokens,
                                           device=args.device, dtype=args.dtype, out=args.out, steps=args.steps,
                                           wait=args.wait, warmup=args.warmup, active=args.active,
-                                          by_module=args.by_module)
+                                          by_module=args.by_module or args.decode_step,
+                                          decode_step=args.decode_step)
     data = {"model": result.label, "patch": result.report.to_dict(), "eager": result.before.to_dict(),
             "mlpfuse": result.after.to_dict(), "diff": result.diff.to_dict()}
     _write_json(os.path.join(args.out, "model-diff.json"), data)

@@ -602,6 +602,16 @@ def analyze(source: Any, label: str | None = None, max_bytes: int | str | None =
         return _analyze(source, label, max_bytes, steps_from, graph_map)
 
 
+def _map_beside(trace_path: str | None) -> str | None:
+    """The graph map beside a trace file (profiling.modules.map_path), if there is one."""
+    import os
+
+    from mlpfuse.profiling.modules import map_path
+
+    beside = map_path(trace_path) if trace_path else None
+    return beside if beside and os.path.isfile(beside) else None
+
+
 def _analyze(source: Any, label: str | None, max_bytes: int | str | None, steps_from: str,
              graph_map: str | None = None) -> Analysis:
     import os
@@ -611,7 +621,7 @@ def _analyze(source: Any, label: str | None, max_bytes: int | str | None, steps_
     if isinstance(source, Analysis):
         return source
     if isinstance(source, Trace):
-        return analyze_trace(source, label, steps_from, graph_map)
+        return analyze_trace(source, label, steps_from, graph_map or _map_beside(source.path))
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         loaded = trace_mod.load_trace_or_json(path, max_bytes)
@@ -620,12 +630,7 @@ def _analyze(source: Any, label: str | None, max_bytes: int | str | None, steps_
                 raise InputError(f"{path}: a saved analysis; its steps were chosen when it was made (--label and "
                                  "--steps-from apply to traces)")
             return Analysis.from_dict(loaded, path)
-        if graph_map is None:
-            from mlpfuse.profiling.modules import map_path
-
-            beside = map_path(path)
-            graph_map = beside if os.path.isfile(beside) else None
-        return analyze_trace(loaded, label, steps_from, graph_map)
+        return analyze_trace(loaded, label, steps_from, graph_map or _map_beside(path))
     if isinstance(source, (dict, list)):
         if isinstance(source, dict) and "schema" in source and "traceEvents" not in source:
             trace_mod.refuse_execution_trace(source, "<trace>")

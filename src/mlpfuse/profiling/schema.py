@@ -74,8 +74,18 @@ OPTIONAL = {"skipped_events": COUNTS, "repaired_events": COUNTS, "unread_categor
             "modules": {"steps": COUNT, "kernel_us": NUM, "attributed_us": NUM, "attributed_share": NUM,
                         "replays": NUM, "replay_idle_us": NUM, "map": STR_OR_NULL,
                         "rows": [{"module": STR, "depth": NUM, "kernels": NUM, "gpu_us": NUM, "share": NUM}],
-                        "kinds": [{"module": STR, "depth": NUM, "kernels": NUM, "gpu_us": NUM, "share": NUM}],
-                        "unattributed": [{"reason": STR, "kernels": NUM, "gpu_us": NUM}]}}
+                        "kinds": [{"module": STR, "depth": NUM, "kernels": NUM, "gpu_us": NUM, "share": NUM,
+                                   "ops": Maybe([{"op": STR, "gpu_us": NUM}])}],
+                        "unattributed": [{"reason": STR, "kernels": NUM, "gpu_us": NUM}],
+                        "busy_us": Maybe(NUM), "between": Maybe({"kernels": NUM, "gpu_us": NUM}),
+                        "roofline": Maybe({"rows": [{
+                            "module": STR, "op": STR, "kernel": STR, "inputs": STR, "dtypes": Maybe([STR]), "kind": STR,
+                            "calls": NUM,
+                            "us_per_call": NUM, "bytes": NUM, "flops": NUM,
+                            **{k: NUM_OR_NULL for k in ("gbps", "tflops", "of_bandwidth", "of_compute")}}],
+                            "costed_share": NUM, "bytes_per_step": NUM, "floor_us_per_step": NUM_OR_NULL}),
+                        "fusions": Maybe([{"module": STR, "runs": NUM, "kernels": NUM, "gpu_us": NUM, "bytes": NUM,
+                                           "bytes_saved": NUM, "ops": [STR], "mlpfuse": STR}])}}
 
 
 def _kind(v: Any) -> str:

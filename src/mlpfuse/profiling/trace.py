@@ -101,6 +101,13 @@ class Trace:
     repaired: dict[str, int] = field(default_factory=dict)  # fix -> events kept with a field fixed or dropped
     skipped_steps: int = 0  # ProfilerStep# spans among the skipped
     unread: dict[str, int] = field(default_factory=dict)  # category -> events not read (python_function, ...)
+    # (ts, tid, pid, name) of a CPU op -> its inputs' (dims, dtypes), where the trace recorded shapes and they pass
+    # op_inputs' checks (read by the roofline: profiling/costs.py)
+    op_inputs: dict = field(default_factory=dict)
+
+    def inputs_of(self, op: Event):
+        """(dims, dtypes) of a CPU op's inputs as the trace recorded them (record_shapes), or None."""
+        return self.op_inputs.get((op.ts, op.tid, op.pid, op.name))
 
     @property
     def devices(self) -> list[str]:
@@ -310,6 +317,26 @@ MAX_ID = (1 << 63) - 1
 MAX_NAME_CHARS = 16384  # longer names are cut, keeping a hash of the whole so distinct names stay distinct
 MAX_DEVICES = 256
 MAX_UNREAD_CATEGORIES = 32  # distinct unread categories counted (a hostile trace may invent millions)
+MAX_INPUTS = 64  # an op's recorded inputs kept for the roofline; an op with more keeps none
+MAX_DIMS = 8
+MAX_DIM = 1 << 48
+MAX_TYPE_CHARS = 64
+
+
+def op_inputs(dims, types):
+    """A CPU op's recorded "Input Dims" and "Input type" as (tuple of dims tuples, tuple of dtype strings), or None
+    when they are not lists of that shape (untrusted: at most MAX_INPUTS inputs of MAX_DIMS non-negative ints each,
+    short strings)."""
+    if type(dims) is not list or type(types) is not list or len(dims) != len(types) or len(dims) > MAX_INPUTS:
+        return None
+    out = []
+    for d in dims:
+        if type(d) is not list or len(d) > MAX_DIMS or not all(type(v) is int and 0 <= v <= MAX_DIM for v in d):
+            return None
+        out.append(tuple(d))
+    if not all(type(t) is str and len(t) <= MAX_TYPE_CHARS for t in types):
+        return None
+    return tuple(out), tuple(types)
 _SURROGATES = re.compile("[\ud800-\udfff]")
 
 DUPLICATE = "duplicate event"
@@ -392,6 +419,7 @@ class Extracted:
     repaired: Counter  # what was fixed -> events kept after a fix
     skipped_steps: int  # ProfilerStep# spans among the skipped
     unread: Counter  # category -> complete events of a category the analyses do not read
+    inputs: dict  # (ts, tid, pid, name) of a CPU op -> op_inputs(...)
 
 
 def _extract(events: list) -> Extracted:
@@ -407,6 +435,7 @@ def _extract(events: list) -> Extracted:
     skipped: Counter = Counter()
     repaired: Counter = Counter()
     unread: Counter = Counter()
+    inputs: dict = {}
     complete = skipped_steps = 0
     max_time, max_id = MAX_TIME_US, MAX_ID
     fields = _FIELDS
@@ -451,11 +480,15 @@ def _extract(events: list) -> Extracted:
                 corr = _id(corr, "correlation", repaired)
             if ext is not None and (type(ext) is not int or not 0 <= ext <= max_id):
                 ext = _id(ext, "External id", repaired)
+            if norm == CPU_OP and "Input Dims" in args:
+                shapes = op_inputs(args["Input Dims"], args.get("Input type"))
+                if shapes is not None:
+                    inputs[(ts, tid, pid, name)] = shapes
         elif args is not None:
             repaired["args not an object (ids ignored)"] += 1
         append((same_name(name, name), norm, tid, ts, dur, corr, ext, pid))
     rows = _dedupe(_clean_names(rows, repaired), skipped)
-    return Extracted(rows, complete, skipped, repaired, skipped_steps, unread)
+    return Extracted(rows, complete, skipped, repaired, skipped_steps, unread, inputs)
 
 
 def _clean_names(rows: list[Row], repaired: Counter) -> list[Row]:
@@ -548,7 +581,8 @@ def _build(ex: Extracted, n_events: int, metadata: dict, path: str) -> Trace:
     for cat, count in ex.unread.items():
         unread[clean_name(cat[:200])] += count
     trace = Trace(path=path, metadata=metadata, n_events=n_events, skipped=dict(ex.skipped),
-                  repaired=dict(ex.repaired), skipped_steps=ex.skipped_steps, unread=dict(unread.most_common()))
+                  repaired=dict(ex.repaired), skipped_steps=ex.skipped_steps, unread=dict(unread.most_common()),
+                  op_inputs=ex.inputs)
     buckets = {CPU_OP: trace.cpu_ops, ANNOTATION: trace.annotations, RUNTIME: trace.runtime, KERNEL: trace.gpu,
                MEMSET: trace.gpu, MEMCPY: trace.gpu, PYTHON: trace.python}
     # Made here, in a pass of their own, rather than in `_extract`'s loop: then the events lie densely in memory,

@@ -12,10 +12,10 @@ import datetime as _dt
 import os
 import re
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mlpfuse.errors import InputError
-from mlpfuse.report import flame, page, steps, tables, timeline
+from mlpfuse.report import flame, modules, page, steps, tables, timeline
 from mlpfuse.report.markup import esc, plural, us
 
 # Bytes the page's parts may take together (the page stays under 5 MB with its fixed parts): each part that would
@@ -115,7 +115,11 @@ def _pictures(v: Variant, trace, budget: Budget) -> str:
         if not trace.gpu:
             head += ('<p class="missing">No GPU events in this trace (a CPU run, or CUDA activity tracing was '
                      "off): the timeline shows the CPU side only.</p>")
-        svg = timeline.timeline_svg(view, tables.decoded_by_name(data))
+        module_of = None
+        if isinstance(data.get("modules"), dict):
+            from mlpfuse.profiling.modules import kernel_modules
+            module_of = kernel_modules(trace, data["modules"].get("map"))
+        svg = timeline.timeline_svg(view, tables.decoded_by_name(data), module_of)
         return (head + page.legend(bool(trace.gpu), bool(trace.runtime)) + f'<figure><div class="scroll">{svg}</div>'
                 f"<figcaption>{timeline.caption(view)}</figcaption></figure>")
 
@@ -156,6 +160,9 @@ def _variant_section(v: Variant, report_path: str, budget: Budget) -> str:
         out.append(f'<p class="missing">{esc(why, 1000)}</p>')
     else:
         out.append(_pictures(v, trace, budget))
+    if isinstance(data.get("modules"), dict):
+        out.append(budget.take(page.section(f"{v.name}: modules", lambda: modules.section(data["modules"])),
+                               f"{v.name}: the module view"))
     out.append(budget.take(page.section(f"{v.name}: tables", lambda: (
         "<h3>Per step</h3>" + tables.per_step_table(data) + "<h3>GPU kernels</h3>" + tables.kernel_table(data)
         + "<h3>CPU ops</h3>" + tables.op_table(data) + tables.zero_kernel_table(data)

@@ -20,7 +20,7 @@ def _name(path: str) -> str:
 
 
 def load_variant(source: str | os.PathLike, label: str | None = None, max_bytes=None, name: str | None = None,
-                 steps_from: str | None = None):
+                 steps_from: str | None = None, graph_map: str | None = None):
     """(Analysis, Variant) for a trace file or a saved analysis JSON."""
     from mlpfuse.profiling.analysis import Analysis, analyze
     from mlpfuse.profiling.steps import AUTO
@@ -32,18 +32,19 @@ def load_variant(source: str | os.PathLike, label: str | None = None, max_bytes=
         if isinstance(loaded, dict):
             result = Analysis.from_dict(loaded, path)
             return result, Variant(name or _name(path), result.to_dict(), no_trace=f"This page was {_SAVED}.")
-        result = analyze(loaded, label=label, steps_from=steps_from or AUTO)
+        result = analyze(loaded, label=label, steps_from=steps_from or AUTO, graph_map=graph_map)
     return result, Variant(name or _name(path), result.to_dict(), trace_path=path, trace=loaded)
 
 
-def analyze_to_html(source, html_path, label: str | None = None, max_bytes=None, steps_from: str | None = None):
+def analyze_to_html(source, html_path, label: str | None = None, max_bytes=None, steps_from: str | None = None,
+                    graph_map: str | None = None):
     """Analyse one trace and write its page; returns the Analysis (the CLI prints it as usual)."""
     from mlpfuse.profiling.trace import no_gc
 
     check_target(html_path)
     # The page is built with the trace's million objects still alive: a collection then would walk them all.
     with no_gc():
-        result, variant = load_variant(source, label, max_bytes, steps_from=steps_from)
+        result, variant = load_variant(source, label, max_bytes, steps_from=steps_from, graph_map=graph_map)
         write(html_path, f"mlpfuse analysis: {variant.name}", [variant])
     return result
 

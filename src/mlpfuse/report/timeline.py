@@ -67,8 +67,10 @@ def _when(e: Event, t0: float) -> str:
     return f"{us(e.dur)} µs at +{us(e.ts - t0)} µs"
 
 
-def timeline_svg(view: StepEvents, decoded: dict[str, str]) -> str:
-    """`decoded`: kernel name -> a short decoded description for tooltips (from the analysis's kernel table)."""
+def timeline_svg(view: StepEvents, decoded: dict[str, str], module_of: dict | None = None) -> str:
+    """`decoded`: kernel name -> a short decoded description for tooltips (from the analysis's kernel table).
+    `module_of`: (ts, pid, tid, name) of a kernel -> its module path (profiling.modules.kernel_modules): each GPU
+    stream then gets a thin row under it, each kernel's span coloured by its module kind (report.modules.colour)."""
     t0, t1 = view.span.ts, view.window_end
     busiest = max(len(view.gpu), len(view.runtime), sum(1 for _, d in view.ops if d == 0), 1)
     width = min(max(MIN_WIDTH, busiest * PX_PER_EVENT), MAX_WIDTH)
@@ -115,6 +117,7 @@ def timeline_svg(view: StepEvents, decoded: dict[str, str]) -> str:
     for e in view.gpu_other:
         other_by_stream.setdefault((str(e.pid), str(e.tid)), []).append(e)
     links: list[str] = []
+    seen_kinds: dict[str, str] = {}
     for key, events in streams.items():
         labels.append(f'<text class="lane" x="4" y="{y + 14:.1f}">GPU {esc(key[0], 12)} · stream '
                       f'{esc(key[1], 12)}</text>')
@@ -134,7 +137,18 @@ def timeline_svg(view: StepEvents, decoded: dict[str, str]) -> str:
                 lx, ly = launch_at[e.correlation]
                 links.append(f'<line class="link" data-correlation="{e.correlation}" x1="{lx:.2f}" y1="{ly:.1f}" '
                              f'x2="{x:.2f}" y2="{y:.1f}"/>')
-        y += ROW + 4 + GAP
+        y += ROW + 4
+        if module_of:
+            y = _module_row(cv, events, module_of, y + 2, labels, t0, seen_kinds)
+        y += GAP
+    if seen_kinds:
+        x = LEFT
+        for key, fill in sorted(seen_kinds.items()):
+            cv.parts.append(f'<rect class="module-key" x="{x:.1f}" y="{y:.1f}" width="10" height="10" '
+                            f'style="fill:{fill}"/><text class="lane" x="{x + 14:.1f}" y="{y + 9:.1f}">'
+                            f'{esc(key, 60)}</text>')
+            x += 24 + CHAR_PX * min(len(key), 60)
+        y += ROW
     height = y + 4
 
     axis = _axis(cv, t0, t1, width, height)
@@ -151,6 +165,22 @@ def timeline_svg(view: StepEvents, decoded: dict[str, str]) -> str:
         f"<title>Timeline of {esc(view.span.name, 200)}</title>"
         + axis + marks + "".join(links) + "".join(cv.parts) + "".join(labels) + "</svg>"
     )
+
+
+def _module_row(cv: _Canvas, events: list[Event], module_of: dict, y: float, labels: list[str], t0: float,
+                seen: dict[str, str]) -> float:
+    """A thin row of the stream's kernels coloured by module kind; returns the y below it."""
+    from mlpfuse.report.modules import colour, colour_key
+
+    labels.append(f'<text class="lane" x="4" y="{y + 8:.1f}">module</text>')
+    for e in events:
+        key = colour_key(module_of.get((e.ts, e.pid, e.tid, e.name)))
+        if key is None:
+            continue
+        fill = seen.setdefault(key, colour(key))
+        cv.rect(e, y, 8, "module", f"{esc(key, TITLE_CHARS)} — {esc(e.name, 200)}, {_when(e, t0)}", "",
+                f' style="fill:{fill}"')
+    return y + 10
 
 
 def _short(name: str) -> str:
