@@ -694,6 +694,43 @@ def test_eager_training_overwrites_saved_preact_and_a_second_backward_recomputes
 
 @needs_triton
 @pytest.mark.parametrize("path", [dispatch.GATED, dispatch.SPLIT])
+def test_eager_training_under_saved_tensor_hooks_saves_g_and_u_through_them(monkeypatch, path):
+    # Activation checkpointing and offloading manage what a backward keeps through saved-tensor hooks: g and u must
+    # pass through them (kept on ctx, a checkpointed layer's g and u would live from its forward to its backward),
+    # and a checkpointed block's gradients are still the fp64 ones.
+    from torch.utils.checkpoint import checkpoint
+
+    backend = _fused_training_backend(monkeypatch, path)
+    ts = gated_inputs((9, 2), 12, 20, torch.float32, False, seed=5)
+    leaves = [t.clone().requires_grad_() if t is not None else None for t in ts]
+    x64, wg64, wu64, wd64 = [t.detach().double().requires_grad_() for t in leaves[:4]]
+    g64, u64 = F.linear(x64, wg64), F.linear(x64, wu64)
+    want = F.linear(F.silu(g64) * u64, wd64)
+    dy = seeded_like(want, 3)
+    want.backward(dy)
+
+    def block(*args):
+        return ops.gated_mlp(args[0], *args[1:4], "silu", *leaves[4:], backend=backend)
+
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = block(*leaves[:4])
+    assert type(y.grad_fn).__name__ == "_EagerTrainingBackward" and y.grad_fn.held is None
+    kept = [t for t in packed if t.shape == (18, 20)]
+    assert len(kept) == 2
+    assert rel(kept[0], g64.detach().reshape(18, 20)) < TOL[torch.float32]
+    assert rel(kept[1], u64.detach().reshape(18, 20)) < TOL[torch.float32]
+    y.backward(dy.float().to(DEVICE))
+    hooked = [t.grad.clone() for t in leaves[:4]]
+    for t in leaves[:4]:
+        t.grad = None
+    checkpoint(block, *leaves[:4], use_reentrant=False).backward(dy.float().to(DEVICE))
+    for got, again, t64 in zip(hooked, [t.grad for t in leaves[:4]], (x64, wg64, wu64, wd64)):
+        assert rel(got, t64.grad) < TOL[torch.float32] and rel(again, t64.grad) < TOL[torch.float32]
+
+
+@needs_triton
+@pytest.mark.parametrize("path", [dispatch.GATED, dispatch.SPLIT])
 def test_eager_training_backward_releases_h_and_du_after_their_last_reader(monkeypatch, path):
     # The backward's peak is set by what is still alive during its last GEMMs: h (rebuilt over dh) must be gone once
     # dWd = dyᵀ·h ran, du once dWu ran (calls past MERGED_DW_MAX_M tokens; shorter ones: the next test). The real

@@ -105,3 +105,33 @@ def autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
 def cast_all(tensors: List[Optional[Tensor]], dtype: torch.dtype) -> List[Optional[Tensor]]:
     """Tensors in dtype, as autocast would cast nn.Linear's inputs (differentiable, so fp32 masters get grads)."""
     return [t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors]
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are installed (activation checkpointing, offloading to the CPU,
+    torch.autograd.graph.saved_tensors_hooks)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
+
+
+def hold(ctx, saved: tuple, g: Optional[Tensor], u: Optional[Tensor]) -> None:
+    """Keep what a training forward's backward reads: `saved` through save_for_backward, and g and u. Those two go on
+    ctx plainly (the fused backward writes dg and du over them and frees each as soon as its last reader ran;
+    save_for_backward would hold them to the node's end) — except under saved-tensor hooks, which must see every
+    tensor a backward keeps: a checkpointed layer would otherwise hold its g and u from its forward to its
+    backward (measured: FSDP2 + activation checkpointing, 8 Llama-3-8B layers, 4×2048 tokens per rank, 3.5 GiB more
+    peak than without mlpfuse). There they are saved with the rest."""
+    ctx.hooked = g is not None and _saved_tensor_hooks_active()
+    ctx.held = None if g is None or ctx.hooked else [g, u]
+    ctx.save_for_backward(*saved, *((g, u) if ctx.hooked else ()))
+
+
+def take_held(ctx) -> tuple[tuple, Optional[List[Tensor]]]:
+    """(the saved tensors, [g, u] as `hold` kept them), unpacked once (a checkpoint allows one unpack); [g, u] only
+    the first time, None when there were none or a backward already took them (the caller then recomputes them).
+    Saved through hooks, they come back from the hooks (recomputed by a checkpoint)."""
+    saved = ctx.saved_tensors
+    if ctx.hooked:
+        return saved[:-2], list(saved[-2:])
+    held, ctx.held = ctx.held, None
+    return saved, held

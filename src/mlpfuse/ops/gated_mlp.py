@@ -33,7 +33,8 @@ from mlpfuse.kernels.pairs import stacked
 from mlpfuse.ops.norm import rms_norm
 from mlpfuse.errors import InputError
 from mlpfuse.ops._util import (
-    autocast_dtype, cast_all, leading, linear2d, needs_grad, nothing, op_span, plain_eager, profiling, rows, unrows,
+    autocast_dtype, cast_all, hold, leading, linear2d, needs_grad, nothing, op_span, plain_eager, profiling, rows,
+    take_held, unrows,
 )
 
 
@@ -401,9 +402,10 @@ def _(dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, g, u, h, a
     )
 
 
-def _backward(ctx, dy, h, g, u, impl=None):
-    """Gradients for autograd; `impl` None runs the registered backward op (what compile and export record)."""
-    x, wg, wu, wd, bg, bu, bd = ctx.saved_tensors[:7]
+def _backward(ctx, dy, h, g, u, impl=None, saved=None):
+    """Gradients for autograd; `impl` None runs the registered backward op (what compile and export record).
+    `saved`: ctx's saved tensors when the caller unpacked them already."""
+    x, wg, wu, wd, bg, bu, bd = (saved if saved is not None else ctx.saved_tensors)[:7]
     need = ctx.needs_input_grad
     need_dw = need[1] or need[2] or need[3]
     grads = (impl or torch.ops.mlpfuse.gated_mlp_backward)(
@@ -449,7 +451,8 @@ class _EagerTraining(torch.autograd.Function):
     g and u are kept in a plain list on ctx, not through save_for_backward (which would hold them until the node
     finished): the first backward takes them, writes dg and du over them and releases each as soon as its last
     reader ran (`_triton_backward`); a later backward through the same graph (retain_graph=True) finds none and
-    recomputes them from x. h is not kept: the backward rebuilds it over dh, so the step's activations are g and u
+    recomputes them from x. Under saved-tensor hooks (activation checkpointing) they are saved like the rest
+    (`_util.hold`). h is not kept: the backward rebuilds it over dh, so the step's activations are g and u
     alone, as with Liger and compile.
 
     `entry`: the module call plan's entry (None for a direct op call); on the SPLIT path it holds the GLU pass's and
@@ -465,8 +468,7 @@ class _EagerTraining(torch.autograd.Function):
         # extras: path, entry, save
         ctx.activation, ctx.backend, ctx.extra_inputs, ctx.path = activation, backend, 3, path
         ctx.entry = entry if path == dispatch.SPLIT else None
-        ctx.held = None if g is None else [g, u]
-        ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd)
+        hold(ctx, (x, wg, wu, wd, bg, bu, bd), g, u)
         return y
 
     @staticmethod
@@ -478,20 +480,20 @@ class _EagerTraining(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dy):
-        held, ctx.held = ctx.held, None
+        saved, held = take_held(ctx)
         if held is None or ctx.path not in (dispatch.GATED, dispatch.SPLIT):
             ctx.recompute = held is None
             empty = nothing(dy)
             return _backward(ctx, dy, empty, empty, empty,
-                             impl=lambda *args: _gradients(args, held, ctx.path))
-        x, wg, wu, wd, bg, bu, bd = ctx.saved_tensors
+                             impl=lambda *args: _gradients(args, held, ctx.path), saved=saved)
+        x, wg, wu, wd, bg, bu, bd = saved[:7]
         need = ctx.needs_input_grad
         bias_grads = (bg is not None and need[4], bu is not None and need[5], bd is not None and need[6])
         if dy.dtype != x.dtype:
             dy = dy.to(x.dtype)
         grads = _triton_backward(rows(dy), rows(x), wg, wu, wd, held, None, activations.get(ctx.activation).id,
                                  need[0], need[1] or need[2] or need[3], bias_grads, True, ctx.entry)
-        del held
+        held = None  # the buffers go as soon as the gradients are out
         dx = grads[0]
         if dx is not None and x.dim() != 2:
             dx = dx.reshape(x.shape)

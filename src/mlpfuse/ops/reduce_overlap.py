@@ -23,7 +23,7 @@ from torch import Tensor
 
 from mlpfuse import activations
 from mlpfuse.ops import _checks, dispatch, pair_reduce
-from mlpfuse.ops._util import autocast_dtype, plain_eager, rows, unrows
+from mlpfuse.ops._util import autocast_dtype, hold, plain_eager, rows, take_held, unrows
 from mlpfuse.ops.gated_mlp import hidden, hidden_gradients
 
 # A projection carrying this attribute (True) is row-parallel with a replicated output: its output hook only
@@ -121,14 +121,13 @@ class _Overlapped(torch.autograd.Function):
         h, g, u = hidden(x2, wg, wu, bg, bu, activations.get(activation), path, True)
         y = _down_all_reduce(h, wd, group, n)
         ctx.activation, ctx.path, ctx.group = activation, path, group
-        ctx.held = [g, u]
-        ctx.save_for_backward(x, wg, wu, wd, bg, bu)
+        hold(ctx, (x, wg, wu, wd, bg, bu), g, u)
         return unrows(y, x)
 
     @staticmethod
     def backward(ctx, dy):
-        x, wg, wu, wd, bg, bu = ctx.saved_tensors
-        held, ctx.held = ctx.held, None
+        saved, held = take_held(ctx)
+        x, wg, wu, wd, bg, bu = saved[:6]
         x2 = rows(x)
         if held is None:  # a second backward through the graph (retain_graph=True): the first consumed g and u
             held = list(hidden(x2, wg, wu, bg, bu, activations.get(ctx.activation), ctx.path, True)[1:])
