@@ -38,10 +38,12 @@ from mlpfuse.ops._util import needs_grad, op_span, plain_eager, profiling
 WEIGHT_ONLY_MAX_M = 16
 
 # Which weight-only form the gated MLP takes at decode sizes: False, kernels.fp8_gemm's two weight-only GEMMs (h
-# through HBM; measured on an H200, docs/fp8.md); True, kernels.decode_mlp's kernel reading e4m3 weights (h on
-# chip, the bf16 decode kernel's tiles and reduction modes). The second is checked against the recipe through
-# Triton's interpreter (tests/test_fp8_kernels.py) but has not run on a GPU yet: it becomes the default once
-# benchmarks/fp8_gpu.py has measured it there.
+# through HBM); True, kernels.decode_mlp's kernel reading e4m3 weights (h on chip, the bf16 decode kernel's tiles and
+# reduction modes). Measured on an H200 at 4096×14336, graph replays (benchmarks/fp8_decode_gpu.py, results in
+# benchmarks/results/nvidia-h200/fp8-second/fp8_decode.json): the kernel 111.8 µs against 121.1 at 1 token, 112.7
+# against 120.3 at 16, the same error (4.6e-2 against float64). It stays off: its atomic reduction modes sum in
+# an order that differs between an eager call and a captured or compiled one (measured: compiled != eager, graph !=
+# eager at 16 tokens), and the FP8 path promises compiled output bit for bit equal to eager's.
 DECODE_KERNEL = False
 
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89) and Hopper (sm_90) onwards
