@@ -330,8 +330,8 @@ def _roofline(trace: trace_mod.Trace, kernels: list[_Kernel], peaks: dict | None
         rate = costs.roofline(c, us / n / 1e6, peaks, costs.DTYPE_KEYS.get(dtype))
         rows.append({"module": module, "op": op, "kernel": max(names, key=len), "kernels_per_call": len(names),
                      "inputs": " ".join("x".join(map(str, d)) for d, t in zip(*inputs) if t in costs.ELEMENT_BYTES),
-                     "dtype": dtype, "dtypes": [t for t in inputs[1] if t in costs.ELEMENT_BYTES], "kind": c.kind, "calls": n / steps, "us_per_call": us / n, "flops": c.flops,
-                     "bytes": c.bytes, **rate})
+                     "dtype": dtype, "dtypes": [t for t in inputs[1] if t in costs.ELEMENT_BYTES], "kind": c.kind,
+                     "calls": n / steps, "us_per_call": us / n, "flops": c.flops, "bytes": c.bytes, **rate})
     rows.sort(key=lambda r: -r["calls"] * r["us_per_call"])
     kernel_us = sum(trace.gpu[k.g].dur for k in kernels)
     bw = (peaks or {}).get("copy_gbps")
@@ -342,8 +342,6 @@ def _roofline(trace: trace_mod.Trace, kernels: list[_Kernel], peaks: dict | None
 
 
 FUSE_MIN = 3  # consecutive memory-bound kernels of one module worth fusing
-
-
 MLP_NORMS = ("post_attention_layernorm", "pre_feedforward_layernorm", "ffn_norm")  # the norms that feed an MLP
 
 
@@ -363,7 +361,7 @@ def _fusions(trace: trace_mod.Trace, kernels: list[_Kernel], steps: int) -> list
     pass's bytes once. Grouped by module kind, per step."""
     by_stream: dict = defaultdict(list)
     for k in kernels:
-        by_stream[trace.gpu[k.g].tid].append(k)
+        by_stream[(trace.gpu[k.g].pid, trace.gpu[k.g].tid)].append(k)
     found: dict = {}
 
     def close(run):
