@@ -344,6 +344,28 @@ def fsdp_tp_matches_single(rank, world, mesh, kind, bias, tokens=(2, 5), dp=1):
     return _counts(comms)
 
 
+def packed_state_dict_on_2d_mesh(rank, world, mesh, dp):
+    """A packed block under FSDP2 over tensor parallelism: its state_dict refused with one InputError when the
+    data-parallel dimension has more than one rank (the global view PyTorch would save is permuted), saved as the
+    single block's otherwise. Returns the refusal's message or None."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh2 = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+    block = make("packed", True, torch.float64, "torch")
+    single = copy.deepcopy(block)
+    tensor_parallel(block, mesh2["tp"])
+    fully_shard(block, mesh=mesh2["dp"])
+    try:
+        saved = block.state_dict()
+    except InputError as exc:
+        return str(exc)
+    for name, want in single.state_dict().items():
+        got = saved[name].full_tensor() if isinstance(saved[name], DTensor) else saved[name]
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    return None
+
+
 # ---------------------------------------------------------------- models patched with mlpfuse.patch
 
 

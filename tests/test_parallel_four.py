@@ -62,6 +62,16 @@ def test_fsdp2_over_tensor_parallel_on_a_two_by_two_mesh(group, kind):
     group.run(CASES, "fsdp_tp_matches_single", kind=kind, bias=True, dp=2)
 
 
+@pytest.mark.parametrize("dp", (1, 2))
+def test_a_packed_block_s_checkpoint_is_refused_where_pytorch_would_permute_it(group, dp):
+    messages = group.run(CASES, "packed_state_dict_on_2d_mesh", dp=dp)
+    if dp == 1:  # 1 x 4: the tensor-parallel shard alone, saved in the single block's order
+        assert messages == [None] * WORLD
+    else:
+        assert all(m.startswith("state_dict: gate_up_proj.weight is a packed gate_up projection sharded by FSDP2")
+                   for m in messages), messages
+
+
 def test_a_patched_model_on_four_ranks(group):
     counts = group.run(CASES, "patched_matches_single", family="llama", bias=False, backend="torch",
                        dtype="float64")

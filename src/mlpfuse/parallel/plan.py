@@ -37,6 +37,21 @@ class PackedColwiseParallel(ColwiseParallel):
         for key, param in list(module.named_parameters(recurse=False)):
             shard = distribute_tensor(param, device_mesh, list(PACKED), src_data_rank=self.src_data_rank)
             module.register_parameter(key, nn.Parameter(shard, requires_grad=param.requires_grad))
+        module.register_state_dict_post_hook(_refuse_resharded_packed)
+
+
+def _refuse_resharded_packed(module: nn.Module, state_dict, prefix: str, local_metadata) -> None:
+    """A packed projection sharded again on a second mesh dimension (FSDP2 over tensor parallelism with more than one
+    data-parallel rank) computes right, but PyTorch composes the two shards as if the tensor-parallel one were a
+    plain Shard(0): the global view (full_tensor, state_dict) comes out with rows permuted. A checkpoint of it
+    would be silently wrong, so it is refused (docs/parallel.md)."""
+    for key, param in module.named_parameters(recurse=False):
+        mesh = param.device_mesh if isinstance(param, DTensor) else None
+        if mesh is not None and mesh.ndim > 1 and mesh.size(0) > 1:
+            raise InputError(f"state_dict: {prefix}{key} is a packed gate_up projection sharded by FSDP2 over tensor "
+                             f"parallelism ({mesh.size(0)} data-parallel ranks); PyTorch would save its rows "
+                             "permuted. Save from a 1 x N mesh or an unsharded copy, or use separate gate and up "
+                             "projections (docs/parallel.md)")
 
 
 class ReducedRowwiseParallel(RowwiseParallel):
