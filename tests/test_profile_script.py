@@ -213,3 +213,21 @@ def test_profile_api_warns_on_a_busy_machine(monkeypatch):
     monkeypatch.setattr(_host, "busy", lambda load=None, cores=None: "this machine is busy (test)")
     with pytest.warns(_host.HostLoadWarning, match="busy"):
         mlpfuse.profile(_step_recording_threads([]), steps=2, wait=0, warmup=0, active=2)
+
+
+def test_a_script_s_graph_map_goes_to_the_analysis_and_a_bad_one_is_one_line(tmp_path, train):
+    from mlpfuse.profiling import modules
+
+    good = tmp_path / "step.map.json"
+    good.write_text(json.dumps({"format": modules.MAP_FORMAT, "version": 2,
+                                "kernels": [{"name": "k", "module": "0", "op": "aten::mm", "call": 0}]}))
+    proc, _ = _profile(tmp_path, "--json", "--map", good, "--", "python", "train.py", "--epochs", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["modules"]["map"] == str(good)
+    bad = tmp_path / "bad.map.json"
+    bad.write_text("{}")
+    line = assert_one_error_line(run_cli("profile", "--out", tmp_path / "o2", "--map", bad, "--", "python",
+                                         "train.py", "--epochs", "1", cwd=tmp_path))
+    assert "not an mlpfuse graph map" in line
+    line = assert_one_error_line(run_cli("profile", "linear", "--map", good, "--out", tmp_path / "w"))
+    assert line == "mlpfuse: error: --map: applies to a script (mlpfuse profile -- python SCRIPT.py ARGS)"

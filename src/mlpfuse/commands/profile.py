@@ -113,6 +113,9 @@ def register(subparsers) -> None:
     p.add_argument("--step-fn", metavar="NAME",
                    help="script: a step ends each time the function NAME, defined at top level in the script, "
                         "returns (instead of at each optimizer step)")
+    p.add_argument("--map", metavar="MAP",
+                   help="script: the map of the CUDA graph your script replays, written by it with "
+                        "mlpfuse.profiling.record_graph_map: the replays' kernels are attributed to modules")
     model = p.add_argument_group("a model's layer before and after mlpfuse.patch (needs transformers)")
     model.add_argument("--model", help="llama3-8b, gemma2-2b, qwen3-4b, gpt2, bert-base, or a local model folder")
     model.add_argument("--layers", type=int, default=1, help="decoder layers to build (default 1)")
@@ -248,8 +251,9 @@ def run_profile(args) -> int:
         from mlpfuse.commands.profile_script import run_script_profile
 
         return run_script_profile(args, words)
-    if args.step_fn is not None:
-        raise InputError("--step-fn: applies to a script (mlpfuse profile -- python SCRIPT.py ARGS)")
+    for flag, given in (("--step-fn", args.step_fn is not None), ("--map", args.map is not None)):
+        if given:
+            raise InputError(f"{flag}: applies to a script (mlpfuse profile -- python SCRIPT.py ARGS)")
     args.workload = words[0] if words else None
     if args.steps is None:
         args.steps = DEFAULT_STEPS

@@ -52,7 +52,7 @@ def run_script_profile(args, words: list[str]) -> int:
 
     from mlpfuse.profiling.analysis import analyze
 
-    result = analyze(run.trace_path)
+    result = analyze(run.trace_path, graph_map=args.map)
     data = result.to_dict()
     note = None
     if run.recorded < args.active:
