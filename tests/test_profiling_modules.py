@@ -437,3 +437,27 @@ def test_a_real_decode_step_replayed_from_a_graph_is_attributed_through_its_eage
     gemm = {r["module"]: r for r in view["roofline"]["rows"]}["model.layers.*.mlp.down_proj"]
     assert gemm["inputs"] == "1x14336 14336x4096" and gemm["kind"] == "gemm"
     assert gemm["bytes"] == 2 * (14336 + 14336 * 4096 + 4096)
+
+
+@pytest.mark.parametrize("op, dims, types, flops, nbytes", [
+    ("aten::addmm", [[256], [8, 64], [64, 256]], [BF16] * 3, 2 * 8 * 64 * 256, 2 * (256 + 8 * 64 + 64 * 256 + 8 * 256)),
+    ("aten::bmm", [[4, 8, 16], [4, 16, 32]], [F32] * 2, 2 * 4 * 8 * 16 * 32, 4 * 4 * (8 * 16 + 16 * 32 + 8 * 32)),
+    ("aten::fill_", [[8, 64], []], [BF16, "Scalar"], 0, 2 * 8 * 64),
+    ("aten::_softmax", [[8, 64], [], []], [F32, "Scalar", "Scalar"], 8 * 64, 2 * 4 * 8 * 64),
+    ("aten::native_layer_norm", [[8, 64], [], [64], [64], []], [BF16, "ScalarList", BF16, BF16, "Scalar"],
+     5 * 8 * 64, 2 * (2 * 8 * 64 + 2 * 64)),
+    ("aten::copy_", [[8, 64], [8, 64], []], [F32, BF16, "Scalar"], 0, 4 * 8 * 64 + 2 * 8 * 64),
+])
+def test_the_cost_of_each_op_kind_against_its_arithmetic(op, dims, types, flops, nbytes):
+    from mlpfuse.profiling import costs
+
+    c = costs.cost(op, dims, types)
+    assert (c.flops, c.bytes) == (flops, nbytes)
+
+
+def test_ops_the_costs_do_not_know_are_not_costed():
+    from mlpfuse.profiling import costs
+
+    assert costs.cost("aten::_to_copy", [[8, 64]], [BF16]) is None  # the output dtype is not recorded
+    assert costs.cost("aten::add", [[8, 64], [7, 64]], [BF16, BF16]) is None  # shapes that do not broadcast
+    assert costs.cost("aten::mul", [[8, 64]], ["c10::ComplexFloat"]) is None

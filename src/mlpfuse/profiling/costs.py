@@ -8,8 +8,10 @@ Counted as the fewest bytes the op must read and write (each input once, the out
                bytes: the inputs and the output (the first operand's dtype)
     attention  flash / memory-efficient / cuDNN SDPA, q [B,H,Lq,D], k [B,Hk,Lk,D], v [B,Hk,Lk,Dv]:
                2·B·H·Lq·Lk·(D + Dv) FLOPs (no causal discount: the flag is not recorded); bytes q, k, v and the output
-    elementwise unary and binary ops (in place too), copy_: the inputs and the broadcast output, one FLOP an element
-    reduction  mean / sum / amax / ...: the input (the output is smaller by the reduced dims: left out)
+    elementwise unary and binary ops (in place too), copy_: the inputs and the broadcast output, one FLOP an element;
+               fill_ / zero_: the output alone
+    reduction  mean / sum / amax / ...: the input (the output is smaller by the reduced dims: left out); softmax:
+               the input and an output of its size
     norm       layer_norm / rms_norm: x read and written, the weight (and bias) read
 Anything else (an op not listed, a list input, a dtype not known): None — the kernel is timed, not costed.
 """
@@ -28,10 +30,11 @@ GEMM, ATTENTION, ELEMENTWISE, REDUCTION, NORM = "gemm", "attention", "elementwis
 MEMORY_KINDS = (ELEMENTWISE, REDUCTION, NORM)  # the small, memory-bound kernels a fusion removes passes of
 
 _UNARY = {"silu", "gelu", "relu", "sigmoid", "tanh", "neg", "rsqrt", "sqrt", "exp", "log", "abs", "reciprocal", "sin",
-          "cos", "erf", "clone", "fill", "zero"}
-_BINARY = {"add", "sub", "mul", "div", "pow", "maximum", "minimum", "where", "copy", "mul_scalar"}
-_REDUCE = {"mean", "sum", "amax", "amin", "max", "min", "var", "norm", "linalg_vector_norm", "softmax", "_softmax",
-           "log_softmax", "_log_softmax"}
+          "cos", "erf", "clone"}
+_BINARY = {"add", "sub", "mul", "div", "pow", "maximum", "minimum", "copy"}
+_FILL = {"fill", "zero"}  # writes only
+_REDUCE = {"mean", "sum", "amax", "amin", "max", "min", "var", "norm", "linalg_vector_norm"}
+_SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax"}  # a reduction that writes its input's size
 _ATTENTION = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
               "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
               "_cudnn_attention_forward"}
@@ -128,9 +131,12 @@ def cost(op: str, dims, dtypes) -> Cost | None:
             return Cost(0.0, float(sum(n * s for n, s in tensors)), ELEMENTWISE)
         out_bytes = out * max(tensors, key=lambda t: t[0])[1]
         return Cost(float(out), float(sum(n * s for n, s in tensors) + out_bytes), ELEMENTWISE)
-    if base in _REDUCE:
+    if base in _FILL:
         n, s = tensors[0]
-        return Cost(float(n), float(n * s), REDUCTION)
+        return Cost(0.0, float(n * s), ELEMENTWISE)
+    if base in _REDUCE or base in _SOFTMAX:
+        n, s = tensors[0]
+        return Cost(float(n), float(n * s * (2 if base in _SOFTMAX else 1)), REDUCTION)
     if base in ("layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"):
         n, s = tensors[0]
         return Cost(5.0 * n, float(2 * n * s + sum(m * t for m, t in tensors[1:])), NORM)

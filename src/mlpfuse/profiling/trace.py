@@ -337,6 +337,8 @@ def op_inputs(dims, types):
     if not all(type(t) is str and len(t) <= MAX_TYPE_CHARS for t in types):
         return None
     return tuple(out), tuple(types)
+
+
 _SURROGATES = re.compile("[\ud800-\udfff]")
 
 DUPLICATE = "duplicate event"

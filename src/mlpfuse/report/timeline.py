@@ -141,13 +141,16 @@ def timeline_svg(view: StepEvents, decoded: dict[str, str], module_of: dict | No
         if module_of:
             y = _module_row(cv, events, module_of, y + 2, labels, t0, seen_kinds)
         y += GAP
-    if seen_kinds:
+    if seen_kinds:  # the colour key, wrapped to the picture's width
         x = LEFT
         for key, fill in sorted(seen_kinds.items()):
+            step = 24 + CHAR_PX * min(len(key), 60)
+            if x + step > width and x > LEFT:
+                x, y = LEFT, y + ROW
             cv.parts.append(f'<rect class="module-key" x="{x:.1f}" y="{y:.1f}" width="10" height="10" '
                             f'style="fill:{fill}"/><text class="lane" x="{x + 14:.1f}" y="{y + 9:.1f}">'
                             f'{esc(key, 60)}</text>')
-            x += 24 + CHAR_PX * min(len(key), 60)
+            x += step
         y += ROW
     height = y + 4
 
