@@ -171,3 +171,59 @@ def test_patch_fp8_keeps_what_it_cannot_quantize_with_why():
     assert report.swapped and report.fp8_kept and "FP8 covers gated MLPs" in report.fp8_kept[0].reason
     with pytest.raises(InputError, match="recompute"):
         mlpfuse.patch(_tiny_llama(), precision="fp8", recompute=True)
+
+
+def _finegrained_llama(block_size=(128, 128)):
+    """A tiny Llama whose MLP projections are transformers' FineGrainedFP8 linears holding the recipe's values and
+    scales (a checkpoint quantized that way), and the float64 dequantized weights they stand for."""
+    from transformers.integrations.finegrained_fp8 import FP8Linear
+
+    model = _tiny_llama()
+    dequantized = {}
+    for i, layer in enumerate(model.model.layers):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            lin = getattr(layer.mlp, name)
+            q = fp8.quantize_weight(lin.weight.detach())
+            f = FP8Linear(lin.in_features, lin.out_features, block_size=block_size).to(DEVICE)
+            f.weight.data, f.weight_scale_inv.data = q.values, q.scale_inv if block_size else q.scale_inv[0, 0]
+            setattr(layer.mlp, name, f)
+            dequantized[(i, name)] = q.dequantize(torch.float64)
+    return model, dequantized
+
+
+def test_patch_fp8_runs_a_finegrained_fp8_checkpoint_as_it_is():
+    pytest.importorskip("transformers")
+    model, dequantized = _finegrained_llama()
+    fp8_linears = {n: m for n, m in model.named_modules() if type(m).__name__ == "FP8Linear"}
+    report = mlpfuse.patch(model)  # in its own dtype it cannot run: left, saying what can
+    assert not report.swapped and "patch(model, precision='fp8')" in report.left[0].reason
+    report = mlpfuse.patch(model, precision="fp8")
+    assert [(s.precision, s.fp8_checkpoint) for s in report.swapped] == [("fp8", True)] * 2
+    assert "the checkpoint's FP8 weights as they are" in report.summary()
+    mlp = model.model.layers[1].mlp
+    assert isinstance(mlp.gate_proj, Fp8Linear)
+    held = mlp.fused_source.gate_proj
+    assert held is fp8_linears["model.layers.1.mlp.gate_proj"]  # the module it replaced keeps the checkpoint's
+    assert mlp.gate_proj.weight.data_ptr() == held.weight.data_ptr()  # the same values: nothing quantized or copied
+    x = torch.randn(5, 256, device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = mlp(x).double()
+    g, u, d = (dequantized[(1, n)] for n in ("gate_proj", "up_proj", "down_proj"))
+    y64 = reference.gated_mlp(x.double(), g, u, d, "silu")  # the MLP the checkpoint's weights stand for
+    assert float((y - y64).norm() / y64.norm()) < 2 * fp8.UNIT_ROUNDOFF
+    mlpfuse.unpatch(model)
+    assert model.model.layers[1].mlp.gate_proj is held  # unpatch gives back the checkpoint's own modules
+
+
+def test_a_finegrained_fp8_checkpoint_outside_the_recipe_is_left_with_why():
+    pytest.importorskip("transformers")
+    model, _ = _finegrained_llama(block_size=None)  # one scale per tensor
+    report = mlpfuse.patch(model, precision="fp8")
+    assert not report.swapped and "block size None, mlpfuse runs 128×128 blocks" in report.left[0].reason
+    model, _ = _finegrained_llama()
+    proj = model.model.layers[0].mlp.up_proj
+    proj.weight_scale_inv = nn.Parameter(proj.weight_scale_inv.detach()[:, :1].clone())  # scales of another shape
+    report = mlpfuse.patch(model, precision="fp8")
+    assert [s.path for s in report.swapped] == ["model.layers.1.mlp"]
+    assert report.left[0].path == "model.layers.0.mlp" and "up_proj.weight_scale_inv" in report.left[0].reason
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"  # put back as it was

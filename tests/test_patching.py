@@ -318,7 +318,7 @@ def test_report_dict_and_folded_paths():
     assert d["swapped"][0] == {"path": "layers.0", "source": "LlamaMLP", "layout": "gated",
                                "family": "swiglu/geglu", "activation": "silu", "matched": "name",
                                "roles": "gate=gate_proj up=up_proj down=down_proj", "precision": "",
-                               "fp8_error": None}
+                               "fp8_error": None, "fp8_checkpoint": False}
     assert ("layers.{0..3}  LlamaMLP -> gated (silu, by name: gate=gate_proj up=up_proj down=down_proj)  [4x]"
             in report.summary())
     assert fold_paths(["a.1.b", "a.3.b", "a.4.b"]) == "a.{1,3,4}.b"

@@ -677,6 +677,22 @@ class Fp8Linear(nn.Module):
         return m
 
     @classmethod
+    def from_fp8(cls, weight: Tensor, scale_inv: Tensor, bias: Optional[Tensor] = None,
+                 dtype: torch.dtype = torch.bfloat16, activation: Optional[str] = None, backend: Optional[str] = None,
+                 prefix: str = "") -> "Fp8Linear":
+        """Over values and scales already in the recipe (a FineGrainedFP8 checkpoint's FP8Linear): the same tensors,
+        nothing quantized (e8m0 scales widened to fp32); checked as a checkpoint is (fp8.Fp8Weight.from_state_dict:
+        one InputError naming `prefix` + the tensor). `dtype`: what the module computes and dequantizes in."""
+        w = fp8.Fp8Weight.from_state_dict({prefix + fp8.WEIGHT_KEY: weight.detach(),
+                                           prefix + fp8.SCALE_KEY: scale_inv.detach()}, prefix, dtype=dtype)
+        m = cls(w.shape[1], w.shape[0], bias=False, device="meta", dtype=dtype, activation=activation,
+                backend=backend)
+        m.weight, m.weight_scale_inv = w.values, w.scale_inv
+        if bias is not None:
+            m.bias = nn.Parameter(bias.detach(), requires_grad=False)
+        return m
+
+    @classmethod
     def from_linear(cls, linear: nn.Module, activation: Optional[str] = None,
                     backend: Optional[str] = None) -> "Fp8Linear":
         """An Fp8Linear from an nn.Linear-like module (its weight quantized, its bias kept)."""

@@ -10,6 +10,7 @@ is active now.
 
 from __future__ import annotations
 
+import contextvars
 import math
 from typing import Optional
 
@@ -17,11 +18,34 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrize
 
+from mlpfuse import fp8
 from mlpfuse.modules import activation_name
 from mlpfuse.patching import table
 from mlpfuse.patching.structure import NAME, Match
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+# Set by patch(precision="fp8") while it walks the model: transformers' FineGrainedFP8 projections (FP8Linear) are
+# then projections of a block, whose weights patching.quantize adopts as they are.
+FP8_CHECKPOINTS = contextvars.ContextVar("mlpfuse_fp8_checkpoints", default=False)
+
+
+def is_fp8_checkpoint(child) -> bool:
+    """transformers' FineGrainedFP8 linear (fp8.TRANSFORMERS_CLASS, by name: transformers need not be imported)."""
+    cls = type(child)
+    return f"{cls.__module__}.{cls.__qualname__}" == fp8.TRANSFORMERS_CLASS
+
+
+def fp8_checkpoint_problem(child) -> Optional[str]:
+    """None when a FineGrainedFP8 linear is in mlpfuse's recipe (e4m3 values, one scale per 128×128 block, dynamic
+    activation scales): its values and scales then run as they are; else why not."""
+    if tuple(getattr(child, "block_size", None) or ()) != (128, 128):
+        return f"FP8 with block size {getattr(child, 'block_size', None)}, mlpfuse runs 128×128 blocks"
+    if getattr(child, "activation_scheme", "dynamic") != "dynamic":
+        return f"FP8 with {child.activation_scheme} activation scales, mlpfuse computes them per call"
+    w = child._parameters.get("weight")
+    if w is None or type(w) not in (nn.Parameter, torch.Tensor) or w.is_meta:
+        return "its FP8 weight is missing, not loaded yet or a tensor subclass"
+    return None
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _STATE_HOOK_DICTS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                      "_load_state_dict_post_hooks")
@@ -162,9 +186,14 @@ def _projection_problem(name: str, child, transposed: bool) -> Optional[str]:
             return f"{name} is {type(child).__name__}, not transformers' Conv1D"
         if tuple(child.weight.shape) != (getattr(child, "nx", None), getattr(child, "nf", None)):
             return f"{name}'s weight is not the Conv1D [nx, nf] layout"
+    elif is_fp8_checkpoint(child) and FP8_CHECKPOINTS.get():
+        reason = fp8_checkpoint_problem(child)
+        if reason:
+            return f"{name}: {reason}"
     elif type(child) is not nn.Linear:
-        return (f"{name} is {type(child).__name__}, not a plain nn.Linear (quantized and adapter layers keep their "
-                f"forward)")
+        hint = (" (a FineGrainedFP8 checkpoint: patch(model, precision='fp8') runs its FP8 weights as they are)"
+                if is_fp8_checkpoint(child) else " (quantized and adapter layers keep their forward)")
+        return f"{name} is {type(child).__name__}, not a plain nn.Linear{hint}"
     hooked = _hooks(child)
     if hooked:
         return f"hooks on {name} ({hooked})"
@@ -176,7 +205,8 @@ def _projection_problem(name: str, child, transposed: bool) -> Optional[str]:
 def _weights_problem(names: tuple[str, ...], linears: list[nn.Module]) -> Optional[str]:
     first = None
     for name, lin in zip(names, linears):
-        for kind in ("weight", "bias"):
+        adopted = is_fp8_checkpoint(lin) and FP8_CHECKPOINTS.get()  # its weight checked by fp8_checkpoint_problem
+        for kind in ("weight", "bias")[adopted:]:
             t = lin._parameters.get(kind)
             if t is None:
                 if kind == "weight":

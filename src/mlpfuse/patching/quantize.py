@@ -26,7 +26,7 @@ from mlpfuse import reference
 from mlpfuse.errors import InputError
 from mlpfuse.modules import Fp8Linear, _sharded
 from mlpfuse.ops import fp8_mlp
-from mlpfuse.patching import blocks
+from mlpfuse.patching import blocks, checks
 from mlpfuse.patching.report import Left
 
 ROWS = (fp8_mlp.WEIGHT_ONLY_MAX_M // 2, 2 * fp8_mlp.WEIGHT_ONLY_MAX_M + 1)  # one decode size, one prefill size
@@ -34,20 +34,77 @@ _OUT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32
 
 
 def quantize_blocks(model: nn.Module, report) -> None:
-    """Quantize every gated block `report` swapped in `model`; record what was quantized and what was kept, why."""
+    """Quantize every gated block `report` swapped in `model`; record what was quantized and what was kept, why.
+    A block over a FineGrainedFP8 checkpoint's projections (transformers' FP8Linear) adopts their values and scales
+    as they are; one that cannot run them is put back, with why, as it cannot run in another dtype."""
+    adopted_failed = []
     for i, swapped in enumerate(report.swapped):
         block = model.get_submodule(swapped.path)
+        source = block.fused_source
+        if any(checks.is_fp8_checkpoint(source._modules.get(n)) for n in getattr(block, "fused_linears", ())):
+            error, reason = _adopt(block, _compute_dtype(model))
+            if reason is None:
+                report.swapped[i] = dataclasses.replace(swapped, precision="fp8", fp8_error=error,
+                                                        fp8_checkpoint=True)
+            else:
+                adopted_failed.append((i, reason))
+            continue
         if not isinstance(block, blocks.GatedBlock):
-            report.fp8_kept.append(Left(swapped.path, type(block.fused_source).__name__,
+            report.fp8_kept.append(Left(swapped.path, type(source).__name__,
                                         f"a {block.fused_layout} block: FP8 covers gated MLPs"))
             continue
         if block.fused_precision == "fp8":
             continue
         error, reason = _quantize(block)
         if reason is not None:
-            report.fp8_kept.append(Left(swapped.path, type(block.fused_source).__name__, reason))
+            report.fp8_kept.append(Left(swapped.path, type(source).__name__, reason))
         else:
             report.swapped[i] = dataclasses.replace(swapped, precision="fp8", fp8_error=error)
+    for i, reason in reversed(adopted_failed):
+        swapped = report.swapped.pop(i)
+        parent, _, name = swapped.path.rpartition(".")
+        holder = model.get_submodule(parent) if parent else model
+        holder._modules[name] = holder._modules[name].fused_source
+        report.left.append(Left(swapped.path, swapped.source, reason))
+
+
+def _compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a FineGrainedFP8 model computes in: its high-precision parameters' (norms, embeddings)."""
+    return next((p.dtype for p in model.parameters() if p.dtype in _OUT_ROUNDOFF), torch.bfloat16)
+
+
+def _adopt(block, dtype: torch.dtype) -> tuple[Optional[float], Optional[str]]:
+    """A FineGrainedFP8 block's projections as modules.Fp8Linear over the same values and scales (nothing quantized,
+    nothing copied but e8m0 scales widened), checked against the recipe in float64 on the dequantized weights; the
+    module it replaced keeps its FP8Linear children, which `unpatch` gives back."""
+    if not isinstance(block, blocks.GatedBlock):
+        return None, f"a FineGrainedFP8 {block.fused_layout} block: FP8 covers gated MLPs"
+    if block.fused_in_scale != 1.0 or block.fused_out_scale != 1.0:
+        return None, "gate or down multipliers (scaled inputs): not in the FP8 path"
+    mods = block._modules
+    names = block.fused_linears
+    sources = [mods[n] for n in names]
+    if not all(checks.is_fp8_checkpoint(m) for m in sources):
+        return None, "some of its projections are FineGrainedFP8 and some are not"
+    if block.fused_packed and block.fused_hidden % 128:
+        return None, (f"a packed gate_up projection whose halves ({block.fused_hidden} rows) are not a whole number "
+                      f"of 128-row scale blocks")
+    try:
+        fp8_mlp.check_device(sources[0].weight.device, block.fused_backend)
+        children = [Fp8Linear.from_fp8(m.weight, m.weight_scale_inv, m.bias, dtype, prefix=f"{n}.")
+                    for n, m in zip(names, sources)]
+    except InputError as exc:
+        return None, str(exc)
+    with torch.no_grad():
+        weights = [c.fp8_weight().dequantize(torch.float64) for c in children]
+        biases = [None if c.bias is None else c.bias.detach() for c in children]
+        error, reason = _verify(block, weights, biases, dtype, children)
+    if reason is not None:
+        return None, reason
+    for name, child in zip(names, children):
+        mods[name] = child
+    block.fused_precision = "fp8"
+    return error, None
 
 
 def _quantize(block: blocks.GatedBlock) -> tuple[Optional[float], Optional[str]]:
@@ -74,7 +131,8 @@ def _quantize(block: blocks.GatedBlock) -> tuple[Optional[float], Optional[str]]
         return None, str(exc)
     with torch.no_grad():
         fp8_children = [Fp8Linear.from_linear(m) for m in linears]
-        error, reason = _verify(block, linears, fp8_children)
+        error, reason = _verify(block, [m.weight.detach() for m in linears],
+                                [None if m.bias is None else m.bias.detach() for m in linears], dtype, fp8_children)
     if reason is not None:
         return None, reason
     source = block.fused_source
@@ -86,15 +144,15 @@ def _quantize(block: blocks.GatedBlock) -> tuple[Optional[float], Optional[str]]
     return error, None
 
 
-def _verify(block, linears, fp8_children) -> tuple[Optional[float], Optional[str]]:
-    w = [m.weight.detach() for m in linears]
-    b = [None if m.bias is None else m.bias.detach() for m in linears]
+def _verify(block, w: list, b: list, dtype: torch.dtype, fp8_children) -> tuple[Optional[float], Optional[str]]:
+    """The block on `fp8_children` against the float64 MLP of the high-precision weights `w` and biases `b` (in the
+    block's layout), inputs in `dtype`: (error, None), or (None, why) where it exceeds the recipe's bound."""
     if block.fused_packed:
         (wg, wu), (bg, bu) = block.fused_halves(w[0], block.fused_hidden), block.fused_halves(b[0], block.fused_hidden)
         wd, bd = w[1], b[1]
     else:
         (wg, wu, wd), (bg, bu, bd) = w, b
-    device, dtype = wg.device, wg.dtype
+    device = wg.device
     gen = torch.Generator(device=device) if device.type == "cuda" else torch.Generator()
     gen.manual_seed(0)
     accumulation = reference.FP8_MMA_ACCUMULATION if device.type == "cuda" else reference.FP32_ACCUMULATION

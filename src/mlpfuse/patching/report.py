@@ -18,6 +18,7 @@ class Swapped:
     roles: str = ""  # which child plays which part ("gate=w1 up=w3 down=w2")
     precision: str = ""  # "fp8" when patch(precision="fp8") quantized the block's projections
     fp8_error: Optional[float] = None  # its measured ‖Δy‖/‖y‖ against float64 (mlpfuse.patching.quantize)
+    fp8_checkpoint: bool = False  # its FP8 weights are a FineGrainedFP8 checkpoint's, run as they are
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,8 @@ class PatchReport:
         groups: dict[tuple, list[str]] = {}
         for s in self.swapped:
             how = f"by {s.matched}" + (f": {s.roles}" if s.roles else "")
-            what = ", ".join(part for part in (s.activation, how, s.precision) if part)  # post-norm: no activation
+            precision = s.precision + (", the checkpoint's FP8 weights as they are" if s.fp8_checkpoint else "")
+            what = ", ".join(part for part in (s.activation, how, precision) if part)  # post-norm: no activation
             more = f", {extra[s.path]}" if extra and s.path in extra else ""
             groups.setdefault(("swapped", f"{s.source} -> {s.layout} ({what}){more}"), []).append(s.path)
         for item in self.left:

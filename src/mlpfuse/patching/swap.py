@@ -56,7 +56,11 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
         report.left.append(Left("", type(model).__name__, "the model itself is an MLP block: patch the model "
                                 "that holds it, or use mlpfuse.GatedMLP / MLP.from_module"))
     else:
-        _walk(model, "", report, backend_name, verify, {}, getattr(model, "config", None), recompute=recompute)
+        token = checks.FP8_CHECKPOINTS.set(precision == "fp8")
+        try:
+            _walk(model, "", report, backend_name, verify, {}, getattr(model, "config", None), recompute=recompute)
+        finally:
+            checks.FP8_CHECKPOINTS.reset(token)
         if precision == "fp8":
             quantize.quantize_blocks(model, report)
         if fuse_norms:
@@ -138,6 +142,10 @@ def decide(module: nn.Module, backend: str, verify: bool, verdicts: dict, config
         return None, None, reading
     if named is not None and named_reason is None and not verify:
         return named, None, reading  # the table's word, unchecked, as asked
+    if family is not None and any(checks.is_fp8_checkpoint(module._modules.get(n)) for n in family.linears):
+        # A FineGrainedFP8 block: its own forward needs transformers' FP8 kernels, so it is checked against the
+        # recipe in float64 once its weights are adopted (patching.quantize), on the table's reading alone.
+        return (named, None, reading) if named_reason is None else (None, named_reason, reading)
     reason = checks.module_problem(module)
     if reason is not None:
         return None, reason, reading
