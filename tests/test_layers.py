@@ -21,7 +21,7 @@ PACKAGE = SRC / "mlpfuse"
 # everything under it ("mlpfuse.ops" covers mlpfuse.ops.dispatch); the longest matching name wins.
 LAYERS = (
     ("base", ("mlpfuse.errors", "mlpfuse._io", "mlpfuse._cache", "mlpfuse._console", "mlpfuse._host",
-              "mlpfuse._outputs", "mlpfuse.activations", "mlpfuse.fp8", "mlpfuse.reference")),
+              "mlpfuse._outputs", "mlpfuse._peaks", "mlpfuse.activations", "mlpfuse.fp8", "mlpfuse.reference")),
     ("kernels", ("mlpfuse.kernels", "mlpfuse.csrc")),
     ("ops", ("mlpfuse.ops",)),
     ("modules", ("mlpfuse.modules",)),
