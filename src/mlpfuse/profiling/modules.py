@@ -364,27 +364,30 @@ def _fusions(trace: trace_mod.Trace, kernels: list[_Kernel], steps: int) -> list
         by_stream[(trace.gpu[k.g].pid, trace.gpu[k.g].tid)].append(k)
     found: dict = {}
 
-    def close(run):
+    def close(run):  # run: (kernel, its cost) pairs, every cost memory-bound
         if len(run) < FUSE_MIN:
             return
-        moved = [c.bytes for c in (costs.cost(k.op, *(k.inputs or (None, None))) for k in run) if c]
-        f = found.setdefault(_fold(run[0].module), [0, 0, 0.0, 0.0, 0.0, Counter()])
+        moved = [c.bytes for _, c in run]
+        f = found.setdefault(_fold(run[0][0].module), [0, 0, 0.0, 0.0, 0.0, Counter()])
         f[0] += 1
         f[1] += len(run)
-        f[2] += sum(trace.gpu[k.g].dur for k in run)
+        f[2] += sum(trace.gpu[k.g].dur for k, _ in run)
         f[3] += sum(moved)
-        f[4] += sum(moved) - max(moved, default=0.0)
-        f[5].update(k.op for k in run)
+        f[4] += sum(moved) - max(moved)
+        f[5].update(k.op for k, _ in run)
 
     for stream in by_stream.values():
-        run: list[_Kernel] = []
+        run: list = []
         for k in stream:
             c = costs.cost(k.op, *(k.inputs or (None, None))) if k.module is not None else None
-            if c is not None and c.kind in costs.MEMORY_KINDS and (not run or run[-1].module == k.module):
-                run.append(k)
-                continue
-            close(run)
-            run = [k] if c is not None and c.kind in costs.MEMORY_KINDS else []
+            if c is None or c.kind not in costs.MEMORY_KINDS:
+                close(run)
+                run = []
+            elif run and run[-1][0].module != k.module:
+                close(run)
+                run = [(k, c)]
+            else:
+                run.append((k, c))
         close(run)
     out = [{"module": module, "runs": n / steps, "kernels": kn / steps, "gpu_us": us / steps,
             "bytes": moved / steps, "bytes_saved": saved / steps,
