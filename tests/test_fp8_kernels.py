@@ -83,6 +83,33 @@ def test_gated_gemm_quantizes_h_in_its_epilogue_within_one_rounding(act, bias):
     assert bool(((hd - h).abs() <= U * h.abs() + SUB * sh + slack * (1 + U)).all())
 
 
+def test_the_gated_gemm_keeps_rows_whose_block_scales_lie_far_apart():
+    """Each K block's sum is promoted with its own scales: a subnormal block after a large one, the other order, a
+    zero block (scale 1), subnormal blocks before a normal one and large rows all come out as the float64 sum of
+    the same quantized operands; a NaN spoils its own row only."""
+    x, (wg, wu, _), _ = _case(8, 20, 512, 128)
+    x[0, :128] *= 1e3
+    x[0, 128:] *= 1e-38  # blocks 1–3 of row 0 subnormal after a block ~1e3
+    x[1, :128] *= 1e-30  # the other order (~1e-30)
+    x[2, 256:384] = 0.0  # a zero block (scale 1)
+    x[3, :384] *= 2.0**-130  # subnormal blocks in fp32, then a normal one
+    x[4] *= 1e15  # large everywhere (g·u ~1e30)
+    x[5, 300] = float("nan")
+    kern = _k()
+    xq, xs = kern.quantize(x)
+    z = kern.fp8_gemm(xq, xs, wg.values, wg.scale_inv, wu.values, wu.scale_inv, activation=activations.IDENTITY,
+                      quant_out=False, out_dtype=torch.float32).double()
+    xd = fp8.dequantize_activation(xq, xs, torch.float64)
+    g, u = (xd @ w.dequantize(torch.float64).T for w in (wg, wu))
+    sg, su = ((xd.abs() @ w.dequantize(torch.float64).abs().T) for w in (wg, wu))
+    eps = ACC or 520 * 2.0**-24  # fp32 sums of 512 terms and four promotions
+    bound = eps * (sg * (u.abs() + eps * su) + g.abs() * su) + 2.0**-24 * (g * u).abs() + 2.0**-149
+    ok = torch.arange(20) != 5
+    assert bool(z[5].isnan().all()) and not bool(z[ok].isnan().any())
+    assert bool(((z[ok] - (g * u)[ok]).abs() <= bound[ok]).all())
+    assert bool((z[0].abs() > 0).any()) and bool((z[1].abs() > 0).any())
+
+
 def test_down_gemm_is_the_dequantized_product_to_fp32_rounding():
     x, (_, _, wd), (_, _, bd) = _case(3, 40, 200, 384, bias=True)
     kern = _k()
@@ -175,3 +202,38 @@ def test_the_decode_kernel_with_e4m3_weights_is_the_weight_only_recipe(mode):
     ref = h64 @ dq[2].T + bd.double()
     bound = eh @ dq[2].abs().T + 400 * 2.0**-24 * (hb @ dq[2].abs().T + bd.double().abs()) + 2.0**-24 * ref.abs()
     assert bool(((y.double() - ref).abs() <= bound).all())
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="launch plans are kept for CUDA tensors only")
+def test_a_planned_call_equals_the_full_path_and_serves_only_its_layout(monkeypatch):
+    """A repeated call with the same layout goes straight to the compiled kernel (its plan); its result is bit for
+    bit the full path's (plans off: Triton's own launch), for every wrapper, with and without biases, and another
+    layout (rows, a strided x, other weights) gets a plan of its own."""
+    from mlpfuse.kernels import _common as C
+
+    kern = _k()
+    kern._plans.clear()
+    x, (wg, wu, wd), (bg, bu, bd) = _case(9, 300, 256, 384, bias=True, dtype=torch.bfloat16)
+    wide = torch.randn(300, 512, generator=torch.Generator().manual_seed(10)).to(DEVICE, torch.bfloat16)
+
+    def calls(x):
+        xq, xs = kern.quantize(x)
+        hq, hs = kern.fp8_gemm(xq, xs, wg.values, wg.scale_inv, wu.values, wu.scale_inv, bg, bu,
+                               activation=activations.get("silu").id, quant_out=True)
+        y = kern.fp8_gemm(hq, hs, wd.values, wd.scale_inv, None, None, bd, activation=activations.IDENTITY,
+                          quant_out=False, out_dtype=torch.bfloat16)
+        d = kern.fp8_weight_gemm(x[:5], wg.values, wg.scale_inv, wu.values, wu.scale_inv,
+                                 activation=activations.get("silu").id)
+        return xq, xs, hq, hs, y, d
+
+    first = calls(x)
+    assert len(kern._plans) == 4
+    again = calls(x.clone())  # same layout, another address: the plans
+    assert len(kern._plans) == 4
+    calls(wide[:, :256])  # a strided x: plans of its own
+    assert len(kern._plans) == 6  # quantize and the weight-only kernel; hq and the GEMMs' layouts are the same
+    monkeypatch.setattr(C, "DIRECT_LAUNCH", False)
+    full = calls(x)
+    for a, b, c in zip(first, again, full):
+        assert _same_bits_or_both_nan(a, c) and _same_bits_or_both_nan(b, c)
+    kern._plans.clear()

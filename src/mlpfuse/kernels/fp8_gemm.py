@@ -3,7 +3,7 @@
 
     quantize          x [M, K] → xq [M, K] e4m3, sx [M, K/128]                   (one pass, when x has no producer)
     fp8_gemm          z = Σ_b sx[:, b]·sw[:, b] · (xq_b · wq_bᵀ)   per 128-wide K block b, fp32 accumulators;
-                      GATED: a second weight (up) in the same K loop, z = act(g)·u;  else z = act(g)
+                      GATED: a second weight (up), its K loop after the gate's, z = act(g)·u;  else z = act(g)
                       epilogue: biases (fp32), then either z in the output dtype, or z quantized again (QUANT_OUT):
                       a BN = 128 tile is exactly one scale group per row, so its row amax is known on chip and
                       the next GEMM's operand (hq, sh) leaves it already in FP8 — no pass of its own over h
@@ -12,8 +12,11 @@
                       x's dtype (the bytes are the weights; quantizing x would only add a pass and error)
 
 The K step is 128 (the scale group), so each step's tensor-core sum is one block's, scaled by one activation scale
-per row and one weight scale per column and added to the accumulator: the per-K-block scaling of the recipe, with the
-products of e4m3 values exact in the fp32 accumulation.
+per row and the tile's one weight scale (BN divides 128) and added to the fp32 accumulator: the per-K-block scaling
+of the recipe, each block's sum promoted out of the tensor cores' narrower accumulation (reference.py). Accumulating
+in place instead (the accumulator rescaled by the ratio of consecutive blocks' scales before each MMA) was measured
+and dropped: no faster than the gated kernel's two loops, and 14× the error (2.6e-3 against 1.9e-4 of the float64
+sum at 512×4096×14336), the whole K summed at the tensor cores' precision.
 
 Rounding to e4m3 is round-to-nearest-even. On the GPU that is the hardware conversion; Triton's interpreter (the CPU
 tests) converts out-of-range, tie and NaN values wrongly, so there the rounding is done in fp32 arithmetic first
@@ -79,6 +82,28 @@ def mlpfuse_fp8_quantize_kernel(x, q, s, M, K, sxm, sqm, ssm, BM: tl.constexpr, 
     tl.store(s + rm * ssm + b, scale, mask=rm < M)
 
 
+@triton.jit
+def _k_sum(a, sa, w, ws, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam, s_w, TMA: tl.constexpr,
+           BM: tl.constexpr, BN: tl.constexpr):
+    """Σ_b sa[:, b]·ws[b]·(a_b·w_bᵀ) over the K blocks b of one weight: each block's tensor-core sum promoted to
+    the fp32 accumulator with its row scales and the tile's one weight scale (ws: the tile's row of weight scales;
+    BN divides 128, so a tile's columns share one weight block per K block)."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for ki in range(tl.cdiv(K, 128)):
+        k0 = ki * 128
+        if TMA:  # out-of-range rows and columns come back as zeros
+            at = a.load([off_m, k0])
+            wt = w.load([off_n, k0])
+        else:
+            rk = k0 + tl.arange(0, 128)
+            kmask = rk[None, :] < K
+            at = tl.load(a + rm[:, None] * s_am + rk[None, :], mask=mmask[:, None] & kmask, other=0.0)
+            wt = tl.load(w + rn[:, None] * s_w + rk[None, :], mask=nmask[:, None] & kmask, other=0.0)
+        sx = tl.load(sa + rm * s_sam + ki, mask=mmask, other=1.0)
+        acc += tl.dot(at, wt.T) * (sx * tl.load(ws + ki))[:, None]
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_fp8_gemm_kernel(
     a, sa, w1, s1, w2, s2, b1, b2, out, sout,
@@ -87,10 +112,8 @@ def mlpfuse_fp8_gemm_kernel(
     TMA: tl.constexpr, EMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
     I64: tl.constexpr,
 ):
-    BK: tl.constexpr = 128
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
-    k_tiles = tl.cdiv(K, BK)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)):
         pid_m, pid_n = tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BM
@@ -102,36 +125,20 @@ def mlpfuse_fp8_gemm_kernel(
             rn = rn.to(tl.int64)
         mmask = rm < M
         nmask = rn < N
-        acc1 = tl.zeros((BM, BN), dtype=tl.float32)
-        acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(k_tiles):
-            k0 = ki * BK
-            if TMA:  # out-of-range rows and columns come back as zeros
-                at = a.load([off_m, k0])
-                wt1 = w1.load([off_n, k0])
-            else:
-                rk = k0 + tl.arange(0, BK)
-                kmask = rk[None, :] < K
-                at = tl.load(a + rm[:, None] * s_am + rk[None, :], mask=mmask[:, None] & kmask, other=0.0)
-                wt1 = tl.load(w1 + rn[:, None] * s_w1 + rk[None, :], mask=nmask[:, None] & kmask, other=0.0)
-            sx = tl.load(sa + rm * s_sam + ki, mask=mmask, other=0.0)
-            sw1 = tl.load(s1 + (rn // 128) * s_s1 + ki, mask=nmask, other=0.0)
-            acc1 += tl.dot(at, wt1.T) * (sx[:, None] * sw1[None, :])
-            if GATED:
-                if TMA:
-                    wt2 = w2.load([off_n, k0])
-                else:
-                    wt2 = tl.load(w2 + rn[:, None] * s_w2 + rk[None, :], mask=nmask[:, None] & kmask, other=0.0)
-                sw2 = tl.load(s2 + (rn // 128) * s_s2 + ki, mask=nmask, other=0.0)
-                acc2 += tl.dot(at, wt2.T) * (sx[:, None] * sw2[None, :])
+        # One weight's K loop at a time (gate's, its activation held, then up's): one accumulator and one block
+        # product live at once, so 128×128 tiles fit in registers; x's tile is read once per loop, as by one
+        # GEMM over both weights' columns.
+        acc = _k_sum(a, sa, w1, s1 + (off_n // 128) * s_s1, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam, s_w1,
+                     TMA, BM, BN)
         if HAS_B1:
-            acc1 += tl.load(b1 + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(b1 + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        z = act_fwd(acc, ACT)
         if GATED:
+            acc = _k_sum(a, sa, w2, s2 + (off_n // 128) * s_s2, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam,
+                         s_w2, TMA, BM, BN)
             if HAS_B2:
-                acc2 += tl.load(b2 + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-            z = act_fwd(acc1, ACT) * acc2
-        else:
-            z = act_fwd(acc1, ACT)
+                acc += tl.load(b2 + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            z = z * acc
         mask = mmask[:, None] & nmask[None, :]
         if QUANT_OUT:  # BN == 128: this tile's columns are one scale group; columns past N must not raise amax
             values, scale = _quantize_rows(tl.where(nmask[None, :], z, 0.0), EMULATE)
@@ -188,6 +195,65 @@ _quantize_launch = C.Launcher(mlpfuse_fp8_quantize_kernel)
 _gemm_launch = C.Launcher(mlpfuse_fp8_gemm_kernel)
 _weight_launch = C.Launcher(mlpfuse_fp8_weight_gemm_kernel)
 
+# Launch plans (see gated_gemm._Plan): a wrapper's checks, configuration and launch arguments decided once per
+# layout of its arguments, later calls with the same layout going straight to the compiled kernel's C launcher.
+# The key holds every property the checks and decisions read (weights by address: their descriptors point there),
+# so a hit skips only work whose outcome is already known. Off under the interpreter and for non-CUDA tensors.
+_plans: dict = {}
+
+
+def _layout(t) -> tuple | None:
+    """The properties of an optional tensor argument a plan depends on (the address itself for weights: `_fixed`)."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15)
+
+
+def _fixed(t) -> tuple | None:
+    return None if t is None else (t.data_ptr(), *_layout(t))
+
+
+def _plan_key(kind: str, acts, weights, *flags):
+    """A plan's key: `acts` by layout (their addresses change per call), `weights` by address too; None for
+    arguments that are not CUDA tensors (the full path checks and names them)."""
+    if C.INTERPRET or not C.DIRECT_LAUNCH:
+        return None
+    try:
+        if not acts[0].is_cuda:
+            return None
+        return (kind, *[_layout(t) for t in acts], *[_fixed(t) for t in weights], *flags)
+    except (AttributeError, TypeError):
+        return None
+
+
+class _GemmPlan:
+    """fp8_gemm's decisions for one layout: output shapes, grid, flat launch arguments of the weights (their TMA maps
+    encoded once), a's maps per address (C.Maps), the integers and constexprs. Holds no tensor."""
+
+    __slots__ = ("raw", "device", "grid", "out_shape", "out_dtype", "sout_shape", "a_maps", "w_flat", "tail",
+                 "quant_out")
+
+    def run(self, a, a_scale):
+        if C.launch_hooks_set():
+            return None  # a profiler's launch hook: the full path launches through Triton
+        out = torch.empty(self.out_shape, device=a.device, dtype=self.out_dtype)
+        sout = torch.empty(self.sout_shape, device=a.device, dtype=fp8.SCALE_DTYPE) if self.quant_out else a_scale
+        ap = a.data_ptr()
+        self.raw(self.grid, torch._C._cuda_getCurrentRawStream(self.device),
+                 (*(self.a_maps(ap) if self.a_maps is not None else (ap,)), a_scale.data_ptr(), *self.w_flat,
+                  out.data_ptr(), sout.data_ptr(), *self.tail))
+        return (out, sout) if self.quant_out else out
+
+
+def _pointer_plan(launcher, key, grid, ints, consts, warps, stages, device, plan_key):
+    """Keep a C.PointerPlan for a kernel whose arguments are plain pointers, once its compiled form exists."""
+    if plan_key is None:
+        return
+    plan = C.PointerPlan(launcher, key, grid, ints, consts, warps, stages, device)
+    plan.raw = launcher.raw(key, plan.index)
+    if plan.raw is not None:
+        C.keep_plan(_plans, plan_key, plan)
+
 
 def _check_act(x: torch.Tensor, name: str = "x") -> None:
     if x.dim() != 2 or x.stride(-1) != 1:
@@ -232,6 +298,13 @@ def _check_operands(w1, s1, w2, s2, b1, b2, k: int, like: torch.Tensor):
 def quantize(x: torch.Tensor, block_m: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (unit inner stride) → (values e4m3 [M, K], scale_inv fp32 [M, ceil(K/128)]): fp8.quantize_activation
     in one pass."""
+    plan_key = _plan_key("quantize", (x,), (), block_m)
+    plan = _plans.get(plan_key) if plan_key is not None else None
+    if plan is not None:
+        q = torch.empty(x.shape, device=x.device, dtype=fp8.DTYPE)
+        s = torch.empty(x.shape[0], -(-x.shape[1] // GROUP), device=x.device, dtype=fp8.SCALE_DTYPE)
+        plan.launch((x, q, s))
+        return q, s
     _check_act(x)
     m, k = x.shape
     q = torch.empty(m, k, device=x.device, dtype=fp8.DTYPE)
@@ -241,23 +314,23 @@ def quantize(x: torch.Tensor, block_m: int = 32) -> tuple[torch.Tensor, torch.Te
     bm = 16 if C.INTERPRET else block_m
     i64 = C.needs_i64(x, q)
     key = (x.dtype, bm, i64, C.align16(x), k % 16 == 0, x.stride(0) % 16 == 0)
-    _quantize_launch(key, (triton.cdiv(m, bm), s.shape[1]), (x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0)),
-                     (bm, _EMULATE, i64), num_warps=4, num_stages=1)
+    grid, ints, consts = (triton.cdiv(m, bm), s.shape[1]), (m, k, x.stride(0), q.stride(0), s.stride(0)), (bm, _EMULATE,
+                                                                                                        i64)
+    _quantize_launch(key, grid, (x, q, s, *ints), consts, num_warps=4, num_stages=1)
+    _pointer_plan(_quantize_launch, key, grid, ints, consts, 4, 1, x.device, plan_key)
     return q, s
 
 
 def _gemm_config(m: int, n: int, quant_out: bool, gated: bool) -> tuple[int, int, int, int, int]:
-    """(BM, BN, GROUP_M, num_warps, num_stages). The output tile is one scale group wide when the output is quantized;
-    the interpreter runs small tiles (each program is emulated). From `benchmarks/fp8_tune.py` on an H200
-    (benchmarks/results/nvidia-h200/fp8-tune): the gated kernel's two accumulators spill at 128-row tiles (7.1 ms
-    vs 3.5 ms at 8192×4096×14336), so it keeps 64 rows; the down GEMM takes 128×128 tiles from 512 rows (1.39 ms at
-    8192 tokens; 64×128: 1.61–1.93) and 64×64 below (52 µs at 64 tokens; 64×128: 65–75)."""
+    """(BM, BN, GROUP_M, num_warps, num_stages). BN divides 128 (a tile's columns share one weight scale per K block)
+    and is 128 when the output is quantized (one scale group); the interpreter runs small tiles (each program is
+    emulated). From `benchmarks/fp8_tune.py --gemm-only` on an H200 (benchmarks/results/nvidia-h200/fp8-prefill):
+    128×128 tiles, 4 stages: the gated kernel 2.23 ms at 8192×4096×14336 (862 TFLOP/s), the down GEMM 1.02 ms (942);
+    the down GEMM takes 64×64 tiles below 512 rows (52 µs at 64 tokens; 64×128: 65–75)."""
     if C.INTERPRET:
         return 16, 128, 2, 4, 1
-    if gated:
-        return 64, 128, 8, 8, 3
-    if m >= 512:
-        return 128, 128, 8, 8, 3
+    if gated or m >= 512:
+        return 128, 128, 8, 8, 4
     return 64, 128 if quant_out else 64, 8, 4, 4
 
 
@@ -268,6 +341,12 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch
     """z = act(a·W1ᵀ + b1) [· (a·W2ᵀ + b2) when w2 is given], a [M, K] e4m3 with 1×128 scales, each weight e4m3
     [N, K] with its 128×128 scales; returns z in `out_dtype`, or (values, scale_inv) of z quantized 1×128 when
     `quant_out`."""
+    plan_key = _plan_key("gemm", (a, a_scale), (w1, s1, w2, s2, b1, b2), activation, quant_out, out_dtype)
+    plan = _plans.get(plan_key) if plan_key is not None else None
+    if plan is not None:
+        done = plan.run(a, a_scale)
+        if done is not None:
+            return done
     _check_act(a, "a")
     if a.dtype != fp8.DTYPE:
         raise InputError(f"a: expected {fp8.DTYPE} values, got {a.dtype}")
@@ -302,7 +381,32 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch
             m, n, k, a.stride(0), a_scale.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0),
             out.stride(0), sout.stride(0))
     _gemm_launch(key, grid, args, consts, num_warps=warps, num_stages=stages)
+    if plan_key is not None:
+        _keep_gemm_plan(plan_key, key, grid, args, consts, use_tma, quant_out, out, sout, (a, w1, s1, w2, s2, b1, b2))
     return (out, sout) if quant_out else out
+
+
+def _keep_gemm_plan(plan_key, key, grid, args, consts, use_tma: bool, quant_out: bool, out, sout, tensors) -> None:
+    """Keep fp8_gemm's plan for this layout (`args` as launched, `tensors` the arguments behind them)."""
+    device = C.device_index(out.device)
+    raw = _gemm_launch.raw(key, device)
+    if raw is None:
+        return
+    a, w1, s1, w2, s2, b1, b2 = tensors
+    aa, wa1, wa2 = args[0], args[2], args[4]
+
+    def flat(i, t, d):  # argument i: a descriptor's encoded map, or a pointer
+        return raw.encode(i, t.data_ptr(), d.shape, d.strides) if use_tma else (t.data_ptr(),)
+
+    plan = _GemmPlan()
+    plan.raw, plan.device, plan.grid, plan.quant_out = raw, device, grid, quant_out
+    plan.out_shape, plan.out_dtype = tuple(out.shape), out.dtype
+    plan.sout_shape = tuple(sout.shape)
+    plan.a_maps = C.Maps(raw, 0, aa.shape, aa.strides) if use_tma else None
+    plan.w_flat = (*flat(2, w1, wa1), s1.data_ptr(), *flat(4, w2, wa2), s2.data_ptr(),
+                   0 if b1 is None else b1.data_ptr(), 0 if b2 is None else b2.data_ptr())
+    plan.tail = (*args[10:], *consts)
+    C.keep_plan(_plans, plan_key, plan)
 
 
 def _weight_config(m: int, n: int, gated: bool) -> tuple[int, int, int, int]:
@@ -325,6 +429,14 @@ def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
                     s2: torch.Tensor | None = None, b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                     *, activation: int, allow_tf32: bool = False) -> torch.Tensor:
     """z = act(x·W1ᵀ + b1) [· (x·W2ᵀ + b2)] for x [M ≤ 64, K] in bf16/fp16/fp32, the weights read as e4m3."""
+    plan_key = _plan_key("weight", (x,), (w1, s1, w2, s2, b1, b2), activation, allow_tf32)
+    plan = _plans.get(plan_key) if plan_key is not None else None
+    if plan is not None:
+        out = torch.empty(x.shape[0], plan.ints[1], device=x.device, dtype=x.dtype)
+        w2 = w1 if w2 is None else w2
+        s2 = s1 if s2 is None else s2
+        plan.launch((x, w1, s1, w2, s2, x if b1 is None else b1, x if b2 is None else b2, out))
+        return out
     _check_act(x)
     m, k = x.shape
     if m > WEIGHT_ONLY_MAX_M:
@@ -340,7 +452,9 @@ def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
     key = (consts, x.dtype, n, k, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0), out.stride(0),
            C.align16(x), C.align16(out), C.align16(w1), C.align16(s1), C.align16(w2), C.align16(s2),
            b1 is None or (b1.dtype, C.align16(b1)), b2 is None or (b2.dtype, C.align16(b2)), warps, stages)
-    args = (x, w1, s1, w2, s2, x if b1 is None else b1, x if b2 is None else b2, out,
-            m, n, k, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0), out.stride(0))
-    _weight_launch(key, (triton.cdiv(n, block_n),), args, consts, num_warps=warps, num_stages=stages)
+    ints = (m, n, k, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0), out.stride(0))
+    grid = (triton.cdiv(n, block_n),)
+    _weight_launch(key, grid, (x, w1, s1, w2, s2, x if b1 is None else b1, x if b2 is None else b2, out, *ints),
+                   consts, num_warps=warps, num_stages=stages)
+    _pointer_plan(_weight_launch, key, grid, ints, consts, warps, stages, x.device, plan_key)
     return out
