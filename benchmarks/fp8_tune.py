@@ -61,6 +61,7 @@ def gemm_tune(d: int, h: int, sizes) -> None:
               flush=True)
         for cand in GEMM_CANDIDATES:
             K._gemm_config = lambda mm, nn, q, gated, cand=cand: (cand[0], 128 if q else cand[1], *cand[2:])
+            K._plans.clear()
             row = []
             for name, fn in (("gated", lambda: K.fp8_gemm(xq, xs, w["g"].values, w["g"].scale_inv, w["u"].values,
                                                           w["u"].scale_inv, activation=3, quant_out=True)),
@@ -85,6 +86,7 @@ def gemm_tune(d: int, h: int, sizes) -> None:
                 row.append(f"rel err {float((z - ref).norm() / ref.norm()):.2e}")
             print(f"  m={m:5d} {cand}: " + " | ".join(row), flush=True)
     K._gemm_config = orig
+    K._plans.clear()
 
 
 def main():
@@ -92,21 +94,30 @@ def main():
     ap.add_argument("--dim", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=14336)
     ap.add_argument("--gemm-only", action="store_true", help="only the FP8 GEMM candidates at prefill sizes")
+    ap.add_argument("--weight-only", action="store_true", help="only the weight-only (decode) candidates")
     a = ap.parse_args()
     d, h = a.dim, a.hidden
     if a.gemm_only:
         gemm_tune(d, h, (8192, 2048, 512))
         return
+    weight_tune(d, h)
+    if not a.weight_only:
+        gemm_tune(d, h, (8192, 2048, 512, 64))
+
+
+def weight_tune(d: int, h: int) -> None:
     torch.manual_seed(0)
     w = {n: fp8.quantize_weight(torch.randn(*s, device="cuda", dtype=torch.bfloat16) * 0.02)
          for n, s in (("g", (h, d)), ("u", (h, d)), ("d", (d, h)))}
-    orig_w, orig_g = K._weight_config, K._gemm_config
-    print("weight-only (gate+up gated | down), µs and GB/s of weight bytes")
+    orig_w = K._weight_config
+    print("weight-only (gate+up gated | down), µs and GB/s of weight bytes", flush=True)
     for m in (1, 16):
         x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
         hx = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
-        for bn, warps, stages in itertools.product((16, 32, 64, 128), (4, 8), (3, 4, 6)):
-            K._weight_config = lambda mm, nn, gated, bn=bn, warps=warps, stages=stages: (bn, max(16, mm), warps, stages)
+        for bn, warps, splits, kb, stages in itertools.product((64, 128), (4, 8), (1, 2, 4, 8, 16), (1,), (3,)):
+            K._weight_config = lambda mm, nn, kk, gated, sms, c=(bn, warps, stages, kb, splits): (
+                c[0], max(16, mm), *c[1:])
+            K._plans.clear()
             try:
                 t1 = triton.testing.do_bench(lambda: K.fp8_weight_gemm(x, w["g"].values, w["g"].scale_inv,
                                                                        w["u"].values, w["u"].scale_inv,
@@ -114,13 +125,12 @@ def main():
                 t2 = triton.testing.do_bench(lambda: K.fp8_weight_gemm(hx, w["d"].values, w["d"].scale_inv,
                                                                        activation=0), warmup=10, rep=50) * 1e3
             except Exception as e:  # noqa: BLE001 - a candidate that does not compile is reported and skipped
-                print(f"  m={m} bn={bn} w={warps} s={stages}: {type(e).__name__}")
+                print(f"  m={m} bn={bn} w={warps} kb={kb} splits={splits} s={stages}: {type(e).__name__} {str(e)[:80]}")
                 continue
-            print(f"  m={m:3d} bn={bn:3d} w={warps} s={stages}: gated {t1:7.1f} ({2 * h * d / t1 / 1e3:5.0f} GB/s)"
-                  f" | down {t2:7.1f} ({h * d / t2 / 1e3:5.0f} GB/s)", flush=True)
+            print(f"  m={m:3d} bn={bn:3d} w={warps} kb={kb} splits={splits:2d} s={stages}: gated {t1:7.1f} "
+                  f"({2 * h * d / t1 / 1e3:5.0f} GB/s) | down {t2:7.1f} ({h * d / t2 / 1e3:5.0f} GB/s)", flush=True)
     K._weight_config = orig_w
-    gemm_tune(d, h, (8192, 2048, 512, 64))
-    K._gemm_config = orig_g
+    K._plans.clear()
 
 
 if __name__ == "__main__":

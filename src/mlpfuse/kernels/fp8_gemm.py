@@ -150,13 +150,16 @@ def mlpfuse_fp8_gemm_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_fp8_weight_gemm_kernel(
-    x, w1, s1, w2, s2, b1, b2, out,
-    M, N, K, s_xm, s_w1, s_s1, s_w2, s_s2, s_om,
+    x, w1, s1, w2, s2, b1, b2, out, part,
+    M, N, K, K_PER, s_xm, s_w1, s_s1, s_w2, s_s2, s_om,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, I64: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KB: tl.constexpr, SPLIT: tl.constexpr, I64: tl.constexpr,
 ):
     """Weight-only: outᵀ [BLOCK_N, M] = Wq[slice] · xᵀ, the weight the MMA's left operand ("swap AB") so that a tiny M
-    is the MMA's narrow side. BLOCK_N divides 128, so the program's rows share one row of weight scales."""
+    is the MMA's narrow side. BLOCK_N divides 128, so the program's rows share one row of weight scales. Each step
+    reads KB scale blocks of K (more bytes in flight per program). With SPLIT, program (n, s) sums the K range
+    [s·K_PER, (s+1)·K_PER) and writes its fp32 partial sums to part [splits, 2, M, N] (the second weight's at 1);
+    mlpfuse_fp8_split_reduce_kernel adds them in a fixed order and applies the epilogue."""
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -169,31 +172,71 @@ def mlpfuse_fp8_weight_gemm_kernel(
     mmask = rm < M
     srow = (pid * BLOCK_N) // 128
     dt = x.dtype.element_ty
+    k_lo = tl.program_id(1) * K_PER
+    k_hi = tl.minimum(K, k_lo + K_PER)
     acc1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, 128):
-        rk = k0 + rk0
-        kmask = rk < K
-        xt = tl.load(x + rm[None, :] * s_xm + rk[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
-        wt = tl.load(w1 + rn[:, None] * s_w1 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        acc1 += tl.dot(wt.to(dt), xt, input_precision=DOT_PREC) * tl.load(s1 + srow * s_s1 + k0 // 128)
+    for k0 in range(k_lo, k_hi, 128 * KB):
+        for j in tl.static_range(KB):
+            rk = k0 + j * 128 + rk0
+            kmask = rk < k_hi
+            kb = k0 // 128 + j
+            xt = tl.load(x + rm[None, :] * s_xm + rk[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
+            wt = tl.load(w1 + rn[:, None] * s_w1 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            sc1 = tl.load(s1 + srow * s_s1 + kb, mask=kb * 128 < k_hi, other=0.0)
+            acc1 += tl.dot(wt.to(dt), xt, input_precision=DOT_PREC) * sc1
+            if GATED:
+                wt2 = tl.load(w2 + rn[:, None] * s_w2 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+                sc2 = tl.load(s2 + srow * s_s2 + kb, mask=kb * 128 < k_hi, other=0.0)
+                acc2 += tl.dot(wt2.to(dt), xt, input_precision=DOT_PREC) * sc2
+    mask = nmask[:, None] & mmask[None, :]
+    if SPLIT:
+        at = (tl.program_id(1) * 2 * M + rm[None, :]) * N + rn[:, None]
+        tl.store(part + at, acc1, mask=mask)
         if GATED:
-            wt2 = tl.load(w2 + rn[:, None] * s_w2 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            acc2 += tl.dot(wt2.to(dt), xt, input_precision=DOT_PREC) * tl.load(s2 + srow * s_s2 + k0 // 128)
+            tl.store(part + at + M * N, acc2, mask=mask)
+    else:
+        if HAS_B1:
+            acc1 += tl.load(b1 + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        if GATED:
+            if HAS_B2:
+                acc2 += tl.load(b2 + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
+            z = act_fwd(acc1, ACT) * acc2
+        else:
+            z = act_fwd(acc1, ACT)
+        tl.store(out + rm[None, :] * s_om + rn[:, None], z.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def mlpfuse_fp8_split_reduce_kernel(part, b1, b2, out, M, N, SPLITS, s_om, ACT: tl.constexpr, GATED: tl.constexpr,
+                                    HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, BLOCK: tl.constexpr,
+                                    I64: tl.constexpr):
+    """The weight-only kernel's split sums added in split order (deterministic), then its epilogue."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if I64:
+        offs = offs.to(tl.int64)
+    mask = offs < M * N
+    n = offs % N
+    acc1 = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK,), dtype=tl.float32)
+    for sp in range(SPLITS):
+        acc1 += tl.load(part + sp * 2 * M * N + offs, mask=mask, other=0.0)
+        if GATED:
+            acc2 += tl.load(part + (sp * 2 + 1) * M * N + offs, mask=mask, other=0.0)
     if HAS_B1:
-        acc1 += tl.load(b1 + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
+        acc1 += tl.load(b1 + n, mask=mask, other=0.0).to(tl.float32)
+    z = act_fwd(acc1, ACT)
     if GATED:
         if HAS_B2:
-            acc2 += tl.load(b2 + rn, mask=nmask, other=0.0).to(tl.float32)[:, None]
-        z = act_fwd(acc1, ACT) * acc2
-    else:
-        z = act_fwd(acc1, ACT)
-    tl.store(out + rm[None, :] * s_om + rn[:, None], z.to(out.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
+            acc2 += tl.load(b2 + n, mask=mask, other=0.0).to(tl.float32)
+        z = z * acc2
+    tl.store(out + (offs // N) * s_om + n, z.to(out.dtype.element_ty), mask=mask)
 
 
 _quantize_launch = C.Launcher(mlpfuse_fp8_quantize_kernel)
 _gemm_launch = C.Launcher(mlpfuse_fp8_gemm_kernel)
 _weight_launch = C.Launcher(mlpfuse_fp8_weight_gemm_kernel)
+_reduce_launch = C.Launcher(mlpfuse_fp8_split_reduce_kernel)
 
 # Launch plans (see gated_gemm._Plan): a wrapper's checks, configuration and launch arguments decided once per
 # layout of its arguments, later calls with the same layout going straight to the compiled kernel's C launcher.
@@ -245,14 +288,11 @@ class _GemmPlan:
         return (out, sout) if self.quant_out else out
 
 
-def _pointer_plan(launcher, key, grid, ints, consts, warps, stages, device, plan_key):
-    """Keep a C.PointerPlan for a kernel whose arguments are plain pointers, once its compiled form exists."""
-    if plan_key is None:
-        return
+def _pointer_launch(launcher, key, grid, ints, consts, warps, stages, device):
+    """A C.PointerPlan for a kernel whose arguments are plain pointers, once its compiled form exists; else None."""
     plan = C.PointerPlan(launcher, key, grid, ints, consts, warps, stages, device)
-    plan.raw = launcher.raw(key, plan.index)
-    if plan.raw is not None:
-        C.keep_plan(_plans, plan_key, plan)
+    plan.raw = launcher.raw(key, plan.index) if device.type == "cuda" else None
+    return plan if plan.raw is not None else None
 
 
 def _check_act(x: torch.Tensor, name: str = "x") -> None:
@@ -317,7 +357,9 @@ def quantize(x: torch.Tensor, block_m: int = 32) -> tuple[torch.Tensor, torch.Te
     grid, ints, consts = (triton.cdiv(m, bm), s.shape[1]), (m, k, x.stride(0), q.stride(0), s.stride(0)), (bm, _EMULATE,
                                                                                                         i64)
     _quantize_launch(key, grid, (x, q, s, *ints), consts, num_warps=4, num_stages=1)
-    _pointer_plan(_quantize_launch, key, grid, ints, consts, 4, 1, x.device, plan_key)
+    plan = _pointer_launch(_quantize_launch, key, grid, ints, consts, 4, 1, x.device) if plan_key else None
+    if plan is not None:
+        C.keep_plan(_plans, plan_key, plan)
     return q, s
 
 
@@ -409,20 +451,40 @@ def _keep_gemm_plan(plan_key, key, grid, args, consts, use_tma: bool, quant_out:
     C.keep_plan(_plans, plan_key, plan)
 
 
-def _weight_config(m: int, n: int, gated: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_M, num_warps, num_stages) for the weight-only kernel: narrow row slices so that a few thousand
-    output rows still spread over every SM. From `benchmarks/fp8_tune.py` on an H200 at 1 and 16 rows × 4096×14336:
-    gate+up 64-row slices, 4 warps, 3 stages (60 µs; 32 rows: 95; 128 rows: 77–95); down 32-row slices, 4 stages
-    (68 µs; 64 rows: 83–85)."""
+def _weight_config(m: int, n: int, k: int, gated: bool, sms: int) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_M, num_warps, num_stages, KB, SPLITS) for the weight-only kernel: 64-row slices, 4 warps, one
+    scale block per step, and K split into up to 8 parts (a power of two) where the slices alone would leave SMs
+    idle. From `benchmarks/fp8_tune.py --weight-only` on an H200 at 1 and 16 rows × 4096×14336
+    (benchmarks/results/nvidia-h200/fp8-prefill/5-, 6-weight-only-*.txt): gate+up 60 µs (224 slices; split 4 ways
+    60, 2 ways 65; 32- and 128-row slices 84–117; two or four blocks per step 76–110); down 33.5 µs split 8 ways
+    (64 slices), 85 unsplit."""
     block_m = max(16, triton.next_power_of_2(m))
     if C.INTERPRET:
-        return 32, block_m, 4, 1
-    if gated:
-        return 64, block_m, 4, 3
-    return 32, block_m, 4, 4
+        return 32, block_m, 4, 1, 2, 2
+    slices = triton.cdiv(n, 64)
+    splits = 1 if slices >= sms else min(8, triton.next_power_of_2(4 * sms // slices + 1) // 2, triton.cdiv(k, 128))
+    return 64, block_m, 4, 3, 1, max(1, splits)
 
 
 WEIGHT_ONLY_MAX_M = 64  # the weight-only kernel's largest M (its tiles keep M whole)
+_REDUCE_BLOCK = 1024
+
+
+class _WeightPlan:
+    """fp8_weight_gemm's launches for one layout (C.PointerPlan each: the kernel, and the split reduction when K is
+    split), the output's and the partial sums' shapes. Holds no tensor."""
+
+    __slots__ = ("main", "reduce", "out_cols", "part_shape")
+
+    def run(self, x, w1, s1, w2, s2, b1, b2):
+        out = torch.empty(x.shape[0], self.out_cols, device=x.device, dtype=x.dtype)
+        part = torch.empty(self.part_shape, device=x.device, dtype=torch.float32) if self.reduce else out
+        w2, s2 = (w1, s1) if w2 is None else (w2, s2)
+        b1, b2 = x if b1 is None else b1, x if b2 is None else b2
+        self.main.launch((x, w1, s1, w2, s2, b1, b2, out, part))
+        if self.reduce is not None:
+            self.reduce.launch((part, b1, b2, out))
+        return out
 
 
 def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor | None = None,
@@ -432,11 +494,7 @@ def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
     plan_key = _plan_key("weight", (x,), (w1, s1, w2, s2, b1, b2), activation, allow_tf32)
     plan = _plans.get(plan_key) if plan_key is not None else None
     if plan is not None:
-        out = torch.empty(x.shape[0], plan.ints[1], device=x.device, dtype=x.dtype)
-        w2 = w1 if w2 is None else w2
-        s2 = s1 if s2 is None else s2
-        plan.launch((x, w1, s1, w2, s2, x if b1 is None else b1, x if b2 is None else b2, out))
-        return out
+        return plan.run(x, w1, s1, w2, s2, b1, b2)
     _check_act(x)
     m, k = x.shape
     if m > WEIGHT_ONLY_MAX_M:
@@ -445,16 +503,34 @@ def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0 or n == 0:
         return out
-    block_n, block_m, warps, stages = _weight_config(m, n, gated)
-    i64 = C.needs_i64(x, out, w1, w2)
+    block_n, block_m, warps, stages, kb, splits = _weight_config(m, n, k, gated, C.num_sms(x.device))
+    step = 128 * kb
+    k_per = -(-k // (splits * step)) * step  # a whole number of steps per split
+    splits = -(-k // k_per) if k else 1
+    part = torch.empty(splits, 2, m, n, device=x.device, dtype=torch.float32) if splits > 1 else out
+    bb1, bb2 = x if b1 is None else b1, x if b2 is None else b2
+    i64 = C.needs_i64(x, out, w1, w2, part)
     consts = (activation, gated, b1 is not None, b2 is not None, C.dot_precision(x.dtype, allow_tf32), block_n,
-              block_m, i64)
-    key = (consts, x.dtype, n, k, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0), out.stride(0),
-           C.align16(x), C.align16(out), C.align16(w1), C.align16(s1), C.align16(w2), C.align16(s2),
-           b1 is None or (b1.dtype, C.align16(b1)), b2 is None or (b2.dtype, C.align16(b2)), warps, stages)
-    ints = (m, n, k, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0), out.stride(0))
-    grid = (triton.cdiv(n, block_n),)
-    _weight_launch(key, grid, (x, w1, s1, w2, s2, x if b1 is None else b1, x if b2 is None else b2, out, *ints),
-                   consts, num_warps=warps, num_stages=stages)
-    _pointer_plan(_weight_launch, key, grid, ints, consts, warps, stages, x.device, plan_key)
+              block_m, kb, splits > 1, i64)
+    key = (consts, x.dtype, n, k, k_per, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0),
+           out.stride(0), C.align16(x), C.align16(out), C.align16(w1), C.align16(s1), C.align16(w2), C.align16(s2),
+           C.align16(part), b1 is None or (b1.dtype, C.align16(b1)), b2 is None or (b2.dtype, C.align16(b2)), warps,
+           stages)
+    ints = (m, n, k, k_per, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0), out.stride(0))
+    grid = (triton.cdiv(n, block_n), splits)
+    _weight_launch(key, grid, (x, w1, s1, w2, s2, bb1, bb2, out, part, *ints), consts, num_warps=warps,
+                   num_stages=stages)
+    reduce = None
+    if splits > 1:
+        r_consts = (activation, gated, b1 is not None, b2 is not None, _REDUCE_BLOCK, i64)
+        r_key = (r_consts, x.dtype, n, out.stride(0), C.align16(out), b1 is None or (b1.dtype, C.align16(b1)),
+                 b2 is None or (b2.dtype, C.align16(b2)))
+        r_grid, r_ints = (triton.cdiv(m * n, _REDUCE_BLOCK),), (m, n, splits, out.stride(0))
+        _reduce_launch(r_key, r_grid, (part, bb1, bb2, out, *r_ints), r_consts, num_warps=4, num_stages=1)
+        reduce = _pointer_launch(_reduce_launch, r_key, r_grid, r_ints, r_consts, 4, 1, x.device)
+    main = _pointer_launch(_weight_launch, key, grid, ints, consts, warps, stages, x.device)
+    if plan_key is not None and main is not None and (splits == 1 or reduce is not None):
+        plan = _WeightPlan()
+        plan.main, plan.reduce, plan.out_cols, plan.part_shape = main, reduce, n, tuple(part.shape)
+        C.keep_plan(_plans, plan_key, plan)
     return out
