@@ -27,6 +27,8 @@ def _private_cache(tmp_path, monkeypatch):
         (["--mode", "backward"], "--mode: unknown value 'backward'"),
         (["--device", "tpu"], "--device: expected auto, cpu, cuda or cuda:N"),
         (["--rounds", "0"], "--rounds: expected an integer >= 1"),
+        (["--precision", "fp4"], "--precision: expected fp8 (or leave it out), got 'fp4'"),
+        (["--model", "llama3-8b", "--tiny", "--precision", "int8"], "--precision: expected fp8 (or leave it out)"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(flags, expected, capsys, tmp_path):
@@ -107,3 +109,16 @@ def test_list_names_every_variant(capsys):
     out = capsys.readouterr().out
     for name in ("blog", "decode", "eager-cudagraph", "mlpfuse-triton", "liger", "swiglu"):
         assert name in out
+
+
+def test_precision_fp8_runs_bf16_and_fp8_rows_with_their_errors(tmp_path):
+    """--precision fp8 without --variants: bf16's rows and the FP8 ones; on the CPU the FP8 block runs the recipe's
+    reference path with FP8's error, and the CUDA-only rows are skipped with why."""
+    assert main(["bench", "--precision", "fp8", "--tokens", "16", "--dim", "128", "--hidden", "256", "--workload",
+                 "swiglu", "--rounds", "1", "--target-ms", "1", "--no-plots", "--out", str(tmp_path / "o")]) == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "o" / "results.json").read_text())["rows"]}
+    assert list(rows) == ["eager", "compile", "eager-cudagraph", "mlpfuse", "mlpfuse-cudagraph", "fp8-gemms-alone",
+                          "fp8-scaled-mm-compile", "torchao-fp8", "mlpfuse-fp8", "mlpfuse-fp8-cudagraph"]
+    assert rows["mlpfuse-fp8"]["status"] == "ok" and 1e-2 < rows["mlpfuse-fp8"]["max_rel_error"] < 0.12
+    assert rows["eager"]["max_rel_error"] < 1e-5
+    assert all(rows[v]["status"] == "skipped" for v in ("fp8-gemms-alone", "torchao-fp8", "mlpfuse-fp8-cudagraph"))

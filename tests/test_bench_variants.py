@@ -170,3 +170,37 @@ def test_mlpfuse_variants_time_the_drop_in_module_over_the_problems_own_weights(
     assert calls and set(calls) == {cls}
     if mode == "fwd+bwd":  # gradients of the problem's own tensors: the module holds them, not copies
         assert set(row["errors"]) == {"y", "dx", *(f"d{k}" for k in make_problem(case, CPU).params)}
+
+
+def _fp8_swapped_build(problem):
+    """The FP8 block with gate and up weights swapped: a bug the FP8 tolerance must still catch."""
+    from mlpfuse import modules
+
+    p = problem.params
+    lin = lambda w: torch.nn.Linear(w.shape[1], w.shape[0], bias=False).requires_grad_(False)  # noqa: E731
+    g, u, d = lin(p["up_weight"]), lin(p["gate_weight"]), lin(p["down_weight"])
+    for m, w in ((g, p["up_weight"]), (u, p["gate_weight"]), (d, p["down_weight"])):
+        m.weight.copy_(w.detach())
+    return as_step(modules.GatedMLP.from_linears(g, u, d, problem.case.activation).to_fp8(), problem)
+
+
+def test_fp8_rows_are_checked_at_the_fp8_tolerance_and_still_catch_a_swapped_operand():
+    """mlpfuse-fp8 on the CPU (the recipe's reference path): its error is FP8's (far above fp32's tolerance, under
+    FP8's), the same block with gate and up swapped is flagged, and the CUDA-only FP8 rows say why they skip."""
+    case = Case("swiglu", "silu", 32, 256, 512, "fp32", "fwd")
+    names = ["eager", "mlpfuse-fp8", "fp8-gemms-alone", "fp8-scaled-mm-compile", "torchao-fp8"]
+    rows = _run([case], [VARIANTS[n] for n in names] + [Variant("fp8-swapped", _fp8_swapped_build, fp8=True)])
+    fp8, eager = rows[(case.label, "mlpfuse-fp8")], rows[(case.label, "eager")]
+    assert eager["status"] == "ok" and eager["tolerance"] == 5e-3
+    assert fp8["status"] == "ok" and fp8["tolerance"] == 0.12 and 5e-3 < fp8["max_rel_error"] < 0.12
+    assert rows[(case.label, "fp8-swapped")]["status"] == "wrong"
+    for name in names[2:]:
+        assert rows[(case.label, name)]["status"] == "skipped" and "CUDA" in rows[(case.label, name)]["error"]
+
+
+def test_fp8_rows_skip_training_and_two_layer_mlps():
+    rows = _run([Case("swiglu", "silu", 8, 128, 256, "fp32", "fwd+bwd"), Case("mlp", "gelu", 8, 128, 256, "fp32",
+                                                                             "fwd")], [VARIANTS["mlpfuse-fp8"]])
+    reasons = sorted(r["error"] for r in rows.values())
+    assert all(r["status"] == "skipped" for r in rows.values())
+    assert "inference only" in reasons[0] + reasons[1] and "gated MLP" in reasons[0] + reasons[1]

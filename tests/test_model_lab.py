@@ -437,3 +437,22 @@ def test_a_replay_keeps_the_captured_step_alive():
     del replay
     gc.collect()
     assert alive() is None
+
+
+def test_precision_fp8_adds_the_fp8_patched_model_for_inference_and_skips_training(tmp_path):
+    """--precision fp8: the lab's FP8 rows are mlpfuse.patch(model, precision='fp8') (every MLP swapped, logits off
+    fp32's by FP8's error, not bf16's), eager and compiled; training skips them with why."""
+    code, data, out = run_lab(tmp_path, "--model", "llama3-8b", "--mode", "prefill,train", "--precision", "fp8",
+                              "--variants", "eager,mlpfuse,mlpfuse-fp8,mlpfuse-fp8-compile", "--compile-backend",
+                              "eager")
+    assert code == 0
+    rows = rows_by(data)
+    for v in ("mlpfuse-fp8", "mlpfuse-fp8-compile"):
+        pre, train = rows[("prefill", v)], rows[("train", v)]
+        assert pre["status"] == "ok" and pre["patched"] == 2, pre["error"]
+        assert 1e-4 < pre["rel_err"] < 0.12 and rows[("prefill", "mlpfuse")]["rel_err"] < 1e-5
+        assert train["status"] == "skipped" and "inference only" in train["error"]
+    assert "--precision fp8" in data["meta"]["command"]
+    from mlpfuse.bench import model_lab
+
+    assert model_lab.parse_variants(None, "fp8") == list(model_lab.FP8_VARIANTS)

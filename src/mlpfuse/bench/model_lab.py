@@ -10,6 +10,9 @@ Variants, each on its own copy of the model's module tree sharing one set of wei
     mlpfuse-recompute, mlpfuse-recompute-compile
                       mlpfuse.patch(model, recompute=True) (training keeps only each MLP's input; the backward
                       recomputes the pre-activations), eager and compiled; asked for by name, not in the default set
+    mlpfuse-fp8, mlpfuse-fp8-compile
+                      mlpfuse.patch(model, precision="fp8") (each swapped gated MLP in the FP8 recipe; inference
+                      modes only), eager and compiled; by name, or with --precision fp8
     compile-checkpoint
                       train mode: the model's own activation checkpointing (transformers'
                       gradient_checkpointing_enable, every decoder layer recomputed in the backward), then as
@@ -48,7 +51,9 @@ from mlpfuse.errors import InputError
 MODES = ("prefill", "decode", "decode-step", "train")
 GENERATES = ("decode", "decode-step")  # modes a masked LM cannot run
 DEFAULT_VARIANTS = ("eager", "compile", "liger", "mlpfuse", "mlpfuse-compile")
-VARIANTS = (*DEFAULT_VARIANTS, "mlpfuse-recompute", "mlpfuse-recompute-compile", "compile-checkpoint")
+VARIANTS = (*DEFAULT_VARIANTS, "mlpfuse-recompute", "mlpfuse-recompute-compile", "compile-checkpoint", "mlpfuse-fp8",
+            "mlpfuse-fp8-compile")
+FP8_VARIANTS = ("eager", "compile", "mlpfuse", "mlpfuse-compile", "mlpfuse-fp8", "mlpfuse-fp8-compile")
 _MODE_ALIASES = {"fwd": "prefill", "forward": "prefill", "generate": "decode", "fwd+bwd": "train",
                  "step": "decode-step"}
 
@@ -90,8 +95,12 @@ def parse_modes(text: str | None) -> list[str]:
     return out
 
 
-def parse_variants(text: str | None) -> list[str]:
-    names = [n.strip().lower() for n in (text or "").split(",") if n.strip()] or list(DEFAULT_VARIANTS)
+def parse_variants(text: str | None, precision: str | None = None) -> list[str]:
+    """Comma list of the lab's variants (or 'all'); without a list, --precision fp8 picks FP8_VARIANTS."""
+    if precision not in (None, "fp8"):
+        raise InputError(f"--precision: expected fp8 (or leave it out), got {precision!r}")
+    default = FP8_VARIANTS if precision == "fp8" else DEFAULT_VARIANTS
+    names = [n.strip().lower() for n in (text or "").split(",") if n.strip()] or list(default)
     if names == ["all"]:
         names = list(VARIANTS)
     for n in names:
@@ -212,7 +221,8 @@ def prepare(variant: str, built: models.Built, case: LabCase, ids: torch.Tensor,
     if variant.startswith("mlpfuse"):
         from mlpfuse.patching import patch
 
-        report = patch(module, backend=settings.backend, recompute="recompute" in variant)
+        report = patch(module, backend=settings.backend, recompute="recompute" in variant,
+                       precision="fp8" if "fp8" in variant else None)
         if not report.changed:  # timed all the same: what a user who patches this model runs is eager's model
             reasons = "; ".join(sorted({item.reason for item in report.left})) or "no MLP block mlpfuse recognises"
             note = f"mlpfuse.patch swapped nothing, so this is the unpatched model: {reasons}"
@@ -478,6 +488,8 @@ def _skip_reason(variant: str, built: models.Built, case: LabCase, device: torch
         return f"a {built.kind} LM does not generate"
     if variant == "compile-checkpoint" and case.mode != "train":
         return "activation checkpointing changes training only"
+    if "fp8" in variant and case.mode == "train":
+        return "precision='fp8' is inference only"
     if variant == "liger":
         missing = liger_missing(device)
         if missing:

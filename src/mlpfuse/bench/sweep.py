@@ -21,7 +21,7 @@ import torch
 
 from mlpfuse.bench import roofline, timing
 from mlpfuse.bench.presets import Case
-from mlpfuse.bench.variants import TOLERANCE, Problem, Variant, check, make_problem, reference
+from mlpfuse.bench.variants import Problem, Variant, check, make_problem, reference
 
 
 @dataclass
@@ -50,7 +50,7 @@ def _empty_row(case: Case, variant: Variant) -> dict:
         "error": None,
         "max_rel_error": None,
         "errors": None,
-        "tolerance": TOLERANCE[case.dtype],
+        "tolerance": variant.tolerance(case),
         "gpu_us": None,
         "gpu_spread_pct": None,
         "wall_us": None,
@@ -197,9 +197,9 @@ def _run_case(state: _Case, variants, settings: Settings, peaks, progress) -> No
             row["errors"] = errors
             row["max_rel_error"] = max(errors.values()) if errors else None
             row["resident_mb"] = (_mem(device) - before) / 2**20 if cuda else None
-            if errors is not None and not row["max_rel_error"] <= TOLERANCE[case.dtype]:
+            if errors is not None and not row["max_rel_error"] <= v.tolerance(case):
                 worst = max(errors, key=errors.get)
-                state.fail(v.name, "wrong", f"{worst} rel. error {errors[worst]:.3g} > {TOLERANCE[case.dtype]:g}")
+                state.fail(v.name, "wrong", f"{worst} rel. error {errors[worst]:.3g} > {v.tolerance(case):g}")
                 progress(1, case.label)
                 continue
             for _ in range(settings.warmup):

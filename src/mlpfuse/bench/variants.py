@@ -28,6 +28,10 @@ Step = Callable[[], "torch.Tensor | tuple[torch.Tensor, ...]"]
 # inputs and every stored intermediate to bf16 costs a few 1e-3; a real bug (wrong activation, swapped operands,
 # a missed tile) costs 1e-1 or more.
 TOLERANCE = {"bf16": 3e-2, "fp16": 1e-2, "fp32": 5e-3}
+# FP8 variants round x, the weights and h to e4m3 (unit roundoff 2^-4): measured 6.3–6.6e-2 for every FP8 form at
+# 4096×14336 (mlpfuse's recipe and the rowwise peers alike, docs/fp8.md); a wrong activation or operand costs more
+# than twice that.
+FP8_TOLERANCE = 0.12
 
 
 @dataclass
@@ -213,6 +217,10 @@ class Variant:
     skip: Callable[[Case], str | None] = field(default=lambda case: None)  # a reason this case is not applicable
     missing: Callable[[], str | None] = field(default=lambda: None)  # a reason it cannot run here at all
     floor: bool = False  # a yardstick that computes something else (its output is not checked): GEMMs alone
+    fp8: bool = False  # rounds to FP8: checked against FP8_TOLERANCE instead of its dtype's
+
+    def tolerance(self, case: Case) -> float:
+        return FP8_TOLERANCE if self.fp8 else TOLERANCE[case.dtype]
 
 
 def _build_eager(problem: Problem) -> Step:
@@ -327,6 +335,90 @@ def _mlpfuse_builder(backend: str) -> Callable[[Problem], Step]:
     return build
 
 
+def _fp8_missing() -> str | None:
+    """Why the CUDA FP8 variants cannot run here (they need FP8 tensor cores: compute capability 8.9+)."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU with FP8 tensor cores"
+    cap = torch.cuda.get_device_capability()
+    if cap < (8, 9):
+        return f"needs FP8 tensor cores (compute capability 8.9+), this GPU has {cap[0]}.{cap[1]}"
+    return None
+
+
+def _fp8_skip(case: Case) -> str | None:
+    if case.kind != "gated":
+        return "FP8 rows cover the gated MLP"
+    if case.mode == "fwd+bwd":
+        return "FP8 here is inference only (forward)"
+    return None
+
+
+def _rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, fp32 scale per row): the rowwise FP8 the peers run."""
+    s = (t.float().abs().amax(-1, keepdim=True) / 448.0).clamp_min(1e-12)
+    return (t.float() / s).to(torch.float8_e4m3fn), s
+
+
+def _scaled_mm(xq, xs, wq, ws, dtype):
+    return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=dtype)
+
+
+def _build_fp8_gemms_alone(problem: Problem) -> Step:
+    """cuBLAS's rowwise FP8 GEMMs of the block with operands quantized beforehand: the FP8 floor."""
+    p, x, dt = problem.params, problem.x.detach(), problem.x.dtype
+    act = activations.get(problem.case.activation).forward
+    g, u, d = (_rowwise(p[k].detach()) for k in ("gate_weight", "up_weight", "down_weight"))
+    xq, xs = _rowwise(x)
+    hq, hs = _rowwise(act(x @ p["gate_weight"].detach().T) * (x @ p["up_weight"].detach().T))
+
+    def step():
+        _scaled_mm(xq, xs, *u, dt)
+        _scaled_mm(xq, xs, *g, dt)
+        return _scaled_mm(hq, hs, *d, dt)
+
+    return step
+
+
+def _build_fp8_chain_compiled(problem: Problem) -> Step:
+    """The rowwise FP8 chain with its quantization ops (amax, scale, cast) around cuBLAS's FP8 GEMMs, compiled."""
+    p, dt = problem.params, problem.x.dtype
+    act = activations.get(problem.case.activation).forward
+    g, u, d = (_rowwise(p[k].detach()) for k in ("gate_weight", "up_weight", "down_weight"))
+
+    def chain(x):
+        xq, xs = _rowwise(x)
+        h = act(_scaled_mm(xq, xs, *g, dt)) * _scaled_mm(xq, xs, *u, dt)
+        hq, hs = _rowwise(h)
+        return _scaled_mm(hq, hs, *d, dt)
+
+    return as_step(torch.compile(chain, dynamic=False), problem)
+
+
+def _torchao_missing() -> str | None:
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao not installed (pip install torchao)"
+    return _fp8_missing()
+
+
+def _build_torchao_fp8(problem: Problem) -> Step:
+    """torchao's float8 (dynamic activations, rowwise scales) on copies of the block's projections, compiled."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    copies = {k: nn.Parameter(v.detach().clone(), requires_grad=False) for k, v in problem.params.items()}
+    module = EagerGatedMLP(copies, activations.get(problem.case.activation).forward)
+    quantize_(module, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    return as_step(torch.compile(module, dynamic=False), problem)
+
+
+def _build_mlpfuse_fp8(problem: Problem) -> Step:
+    """mlpfuse's GatedMLP over the problem's projections, converted to the FP8 recipe (its own quantized copies)."""
+    from mlpfuse import modules
+
+    eager = eager_module(problem)
+    module = modules.GatedMLP.from_linears(eager.gate_proj, eager.up_proj, eager.down_proj, problem.case.activation)
+    return as_step(module.to_fp8(), problem)
+
+
 def _triton_missing() -> str | None:
     if importlib.util.find_spec("triton") is None:
         return "triton not installed"
@@ -383,6 +475,18 @@ VARIANTS: dict[str, Variant] = {
             needs_cuda=True,
             about="the drop-in module (auto) captured once in a torch.cuda.CUDAGraph, replayed: eager-cudagraph's pair",
         ),
+        Variant("fp8-gemms-alone", _build_fp8_gemms_alone, floor=True, needs_cuda=True, skip=_fp8_skip,
+                missing=_fp8_missing,
+                about="cuBLAS's rowwise FP8 GEMMs (torch._scaled_mm), operands quantized beforehand: the FP8 floor"),
+        Variant("fp8-scaled-mm-compile", _build_fp8_chain_compiled, peer=True, needs_cuda=True, fp8=True,
+                skip=_fp8_skip, missing=_fp8_missing,
+                about="rowwise FP8 with its quantization ops around torch._scaled_mm, torch.compile"),
+        Variant("torchao-fp8", _build_torchao_fp8, peer=True, needs_cuda=True, fp8=True, skip=_fp8_skip,
+                missing=_torchao_missing, about="torchao float8 (dynamic activations, rowwise), torch.compile"),
+        Variant("mlpfuse-fp8", _build_mlpfuse_fp8, fp8=True, skip=_fp8_skip,
+                about="GatedMLP(precision='fp8'): e4m3, 128×128 weight blocks, 1×128 activation groups"),
+        Variant("mlpfuse-fp8-cudagraph", _captured(_build_mlpfuse_fp8), needs_cuda=True, fp8=True, skip=_fp8_skip,
+                missing=_fp8_missing, about="mlpfuse-fp8 captured once in a torch.cuda.CUDAGraph, replayed"),
     )
 }
 
@@ -390,12 +494,19 @@ DEFAULT_VARIANTS = (
     "eager", "compile", "liger", "eager-cudagraph", "gemms-alone", "mlpfuse", "mlpfuse-triton", "mlpfuse-torch",
     "mlpfuse-cudagraph",
 )
+# --precision fp8: bf16's rows beside FP8's
+FP8_VARIANTS = ("eager", "compile", "eager-cudagraph", "mlpfuse", "mlpfuse-cudagraph", "fp8-gemms-alone",
+                "fp8-scaled-mm-compile", "torchao-fp8", "mlpfuse-fp8", "mlpfuse-fp8-cudagraph")
 COMPILE_MODES = ("default", "max-autotune", "reduce-overhead")
 
 
-def parse_variants(text: str | None, compile_mode: str | None = None) -> list[Variant]:
-    """Comma list of variant names (or 'all'); --compile-mode turns `compile` into `compile-<mode>`."""
-    names = [n.strip().lower() for n in (text or "").split(",") if n.strip()] or list(DEFAULT_VARIANTS)
+def parse_variants(text: str | None, compile_mode: str | None = None, precision: str | None = None) -> list[Variant]:
+    """Comma list of variant names (or 'all'); --compile-mode turns `compile` into `compile-<mode>`; without a list,
+    --precision fp8 picks FP8_VARIANTS."""
+    if precision not in (None, "fp8"):
+        raise InputError(f"--precision: expected fp8 (or leave it out), got {precision!r}")
+    default = FP8_VARIANTS if precision == "fp8" else DEFAULT_VARIANTS
+    names = [n.strip().lower() for n in (text or "").split(",") if n.strip()] or list(default)
     if names == ["all"]:
         names = list(VARIANTS)
     if compile_mode is not None:

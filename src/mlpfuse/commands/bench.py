@@ -44,6 +44,8 @@ def register(subparsers) -> None:
     p.add_argument("--mode", help="comma list of fwd, fwd+bwd (default fwd)")
     p.add_argument("--variants", help="comma list of variants or 'all' (see --list)")
     p.add_argument("--compile-mode", help="mode of the compile variant: default, max-autotune, reduce-overhead")
+    p.add_argument("--precision", help="fp8: without --variants, bf16's rows beside the FP8 ones (the FP8 GEMMs "
+                   "alone, the compiled _scaled_mm chain, torchao float8, mlpfuse FP8), each with its error")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cuda, cuda:N or cpu")
     p.add_argument("--rounds", type=int, help="interleaved timing rounds (default 10 on GPU, 3 on CPU)")
     p.add_argument("--target-ms", type=float, help="time per variant per round (default 20 ms on GPU, 50 on CPU)")
@@ -136,7 +138,7 @@ def run_command(args) -> int:
         on_cpu=on_cpu,
         notes=notes,
     )
-    chosen = variants.parse_variants(args.variants, args.compile_mode)
+    chosen = variants.parse_variants(args.variants, args.compile_mode, args.precision)
     if args.rounds is not None and args.rounds < 1:
         raise InputError(f"--rounds: expected an integer >= 1, got {args.rounds}")
     if args.target_ms is not None and args.target_ms <= 0:
@@ -201,9 +203,9 @@ def _report(folder: Path, result, plots: list[Path]) -> Path:
 
 
 _OPTIONS = ("preset", "tokens", "dim", "hidden", "dtype", "activation", "workload", "mode", "variants",
-            "compile_mode", "device", "rounds", "target_ms", "no_profile", "no_plots", "remeasure_peaks", "out", "json")
-_LAB_OPTIONS = ("model", "layers", "tiny", "tokens", "mode", "new_tokens", "variants", "dtype", "backend",
-                "compile_backend", "device", "rounds", "target_ms", "out", "json")
+            "precision", "compile_mode", "device", "rounds", "target_ms", "no_profile", "no_plots", "remeasure_peaks", "out", "json")
+_LAB_OPTIONS = ("model", "layers", "tiny", "tokens", "mode", "new_tokens", "variants", "precision", "dtype",
+                "backend", "compile_backend", "device", "rounds", "target_ms", "out", "json")
 
 
 def _command_line(args, options=_OPTIONS) -> str:
@@ -302,7 +304,7 @@ def run_model_lab(args) -> int:
     )
     shapes = model_lab.parse_shapes(args.tokens, default_shapes)
     modes = model_lab.parse_modes(args.mode)
-    variants = model_lab.parse_variants(args.variants)
+    variants = model_lab.parse_variants(args.variants, args.precision)
     footprint.check(args.model, layers=args.layers, tiny=tiny, shapes=shapes, modes=modes,
                     dtype=presets.DTYPES[dtype_name], device=device)
 
