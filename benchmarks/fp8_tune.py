@@ -114,8 +114,8 @@ def weight_tune(d: int, h: int) -> None:
     for m in (1, 16):
         x = torch.randn(m, d, device="cuda", dtype=torch.bfloat16)
         hx = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
-        for bn, warps, splits, kb, stages in itertools.product((64, 128), (4, 8), (1, 2, 4, 8, 16), (1,), (3,)):
-            K._weight_config = lambda mm, nn, kk, gated, sms, c=(bn, warps, stages, kb, splits): (
+        for bn, warps, splits, stages in itertools.product((64, 128), (4, 8), (1, 2, 4, 8, 16), (3,)):
+            K._weight_config = lambda mm, nn, kk, gated, sms, c=(bn, warps, stages, splits): (
                 c[0], max(16, mm), *c[1:])
             K._plans.clear()
             try:
@@ -125,9 +125,9 @@ def weight_tune(d: int, h: int) -> None:
                 t2 = triton.testing.do_bench(lambda: K.fp8_weight_gemm(hx, w["d"].values, w["d"].scale_inv,
                                                                        activation=0), warmup=10, rep=50) * 1e3
             except Exception as e:  # noqa: BLE001 - a candidate that does not compile is reported and skipped
-                print(f"  m={m} bn={bn} w={warps} kb={kb} splits={splits} s={stages}: {type(e).__name__} {str(e)[:80]}")
+                print(f"  m={m} bn={bn} w={warps} splits={splits} s={stages}: {type(e).__name__} {str(e)[:80]}")
                 continue
-            print(f"  m={m:3d} bn={bn:3d} w={warps} kb={kb} splits={splits:2d} s={stages}: gated {t1:7.1f} "
+            print(f"  m={m:3d} bn={bn:3d} w={warps} splits={splits:2d} s={stages}: gated {t1:7.1f} "
                   f"({2 * h * d / t1 / 1e3:5.0f} GB/s) | down {t2:7.1f} ({h * d / t2 / 1e3:5.0f} GB/s)", flush=True)
     K._weight_config = orig_w
     K._plans.clear()

@@ -237,3 +237,62 @@ def test_a_planned_call_equals_the_full_path_and_serves_only_its_layout(monkeypa
     for a, b, c in zip(first, again, full):
         assert _same_bits_or_both_nan(a, c) and _same_bits_or_both_nan(b, c)
     kern._plans.clear()
+
+
+def _rms64(x, nw, eps, kind):
+    """The RMSNorm in float64 (kind 1: weight·norm(x); 2: norm(x)·(1 + weight))."""
+    x64 = x.double()
+    n = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    return n * (nw.double() if kind == 1 else 1.0 + nw.double())
+
+
+@pytest.mark.parametrize("kind", [1, 2])
+def test_the_norm_and_quantization_pass_is_the_norm_then_the_recipe(kind):
+    """quantize(x, norm): each row's RMSNorm (rounded as ops.norm.rms_norm rounds) quantized 1×128 in one pass: the
+    scales are the normalised groups' amax/448 and each value one e4m3 rounding of the normalised x (the norm's own
+    fp32 rounding may move a value across a rounding boundary: two steps allowed where the reference's is one)."""
+    from mlpfuse.ops.norm import rms_norm
+
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(37, 300, generator=gen) * 2.0 ** torch.randint(-6, 6, (37, 1), generator=gen)).to(DEVICE)
+    nw = (torch.randn(300, generator=gen) * 0.2 + (1.0 if kind == 1 else 0.0)).to(DEVICE)
+    q, s = _k().quantize(x, norm_weight=nw, norm_eps=1e-6, norm_kind=kind)
+    v = _rms64(x, nw, 1e-6, kind)
+    amax = torch.nn.functional.pad(v.abs(), (0, -v.shape[1] % 128)).unflatten(1, (-1, 128)).amax(-1)
+    assert bool(((s.double() - amax / 448).abs() <= amax / 448 * 2.0**-20).all())
+    deq = fp8.dequantize_activation(q, s, torch.float64)
+    sh = s.double().repeat_interleave(128, 1)[:, :300]
+    assert bool(((deq - v).abs() <= (U + 2.0**-20) * v.abs() + SUB * sh).all())
+    rq, rs = fp8.quantize_activation(rms_norm(x, nw, 1e-6, kind))  # the unfused form: the same values
+    assert float((deq - fp8.dequantize_activation(rq, rs, torch.float64)).abs().max()) <= 2 * U * float(v.abs().max())
+
+
+@pytest.mark.parametrize("kind,m", [(1, 1), (2, 5), (1, 16)])
+def test_the_weight_only_kernel_reads_x_through_the_norm(kind, m):
+    """fp8_weight_gemm(x, norm): act(g)·u of the normalised x against float64, within the fp32 sums (K·2^-24 of
+    Σ|x̂||w| per projection, x̂ the normalised x, through the GLU) and the row scale's own rounding."""
+    x, (wg, wu, _), (bg, bu, _) = _case(12, m, 260, 200, bias=True)
+    nw = (torch.randn(260, generator=torch.Generator().manual_seed(13)) * 0.2 + (kind == 1)).to(DEVICE)
+    act = activations.get("silu")
+    h = _k().fp8_weight_gemm(x, wg.values, wg.scale_inv, wu.values, wu.scale_inv, bg, bu, activation=act.id,
+                             norm_weight=nw, norm_eps=1e-5, norm_kind=kind)
+    xn = _rms64(x, nw, 1e-5, kind)
+    g = xn @ wg.dequantize(torch.float64).T + bg.double()
+    u = xn @ wu.dequantize(torch.float64).T + bu.double()
+    h64 = act.forward(g) * u
+    sums = lambda w, b: xn.abs() @ w.dequantize(torch.float64).abs().T + b.double().abs()  # noqa: E731
+    eg, eu = 280 * 2.0**-24 * sums(wg, bg), 280 * 2.0**-24 * sums(wu, bu)
+    bound = 1.2 * eg * (u.abs() + eu) + act.forward(g).abs() * eu + 2.0**-20 * (h64.abs() + 1e-30)
+    assert bool(((h.double() - h64).abs() <= bound).all())
+
+
+def test_a_bad_norm_is_one_line():
+    kern = _k()
+    x, (wg, wu, _), _ = _case(14, 4, 256, 128)
+    nw = torch.ones(256, device=DEVICE)
+    with pytest.raises(InputError, match=r"norm_weight: expected a contiguous torch.float32 tensor of shape \(256,\)"):
+        kern.quantize(x, norm_weight=nw[:128], norm_kind=1)
+    with pytest.raises(InputError, match="norm_kind: expected 1"):
+        kern.fp8_weight_gemm(x, wg.values, wg.scale_inv, activation=0, norm_weight=nw, norm_kind=3)
+    with pytest.raises(InputError, match="norm_weight: given without a norm_kind"):
+        kern.quantize(x, norm_weight=nw)

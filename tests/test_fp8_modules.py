@@ -145,7 +145,8 @@ def test_patch_fp8_quantizes_verifies_reports_and_unpatch_dequantizes():
     report = mlpfuse.patch(model, precision="fp8")
     assert [s.precision for s in report.swapped] == ["fp8", "fp8"]
     assert all(0 < s.fp8_error < 2 * fp8.UNIT_ROUNDOFF for s in report.swapped)
-    assert "2 in fp8" in report.summary() and "no norm prologue" in report.summary()
+    assert "2 in fp8" in report.summary() and "2 norms fused" in report.summary()
+    assert "applied by mlp's FP8 kernels" in report.summary()
     assert report.to_dict()["swapped"][0]["fp8_error"] == report.swapped[0].fp8_error
     mlp = model.model.layers[0].mlp
     assert isinstance(mlp.gate_proj, Fp8Linear) and mlp.fused_source.gate_proj is mlp.gate_proj  # nothing else holds
@@ -227,3 +228,24 @@ def test_a_finegrained_fp8_checkpoint_outside_the_recipe_is_left_with_why():
     assert [s.path for s in report.swapped] == ["model.layers.1.mlp"]
     assert report.left[0].path == "model.layers.0.mlp" and "up_proj.weight_scale_inv" in report.left[0].reason
     assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"  # put back as it was
+
+
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_patch_fp8_hands_the_norm_to_the_fp8_block_and_applies_it_once(tokens):
+    """With the RMSNorm in front handed over, a layer's FP8 MLP sees norm(h) exactly once (at a weight-only and a
+    quantized size): the same output as the model patched without norm fusion, whose norm runs as its module."""
+    pytest.importorskip("transformers")
+    fused, plain = _tiny_llama(), _tiny_llama()
+    r1 = mlpfuse.patch(fused, precision="fp8")
+    r2 = mlpfuse.patch(plain, precision="fp8", fuse_norms=False)
+    assert len(r1.norms) == 2 and not r2.norms
+    layer_f, layer_p = fused.model.layers[1], plain.model.layers[1]
+    h = torch.randn(1, tokens, 256, device=DEVICE, dtype=torch.bfloat16) * 3
+    with torch.no_grad():
+        out_f = layer_f.mlp(layer_f.post_attention_layernorm(h))  # the norm passes h through, the block applies it
+        out_p = layer_p.mlp(layer_p.post_attention_layernorm(h))
+        assert torch.equal(layer_f.post_attention_layernorm(h), h)
+    if DEVICE == "cpu":  # the reference path: the norm's own ops, then the recipe, in both
+        assert torch.equal(out_f, out_p)
+    else:  # the kernels round the norm inside (weight-only: x·w first, the row scale at the end)
+        assert float((out_f.float() - out_p.float()).norm() / out_p.float().norm()) < 2 * fp8.UNIT_ROUNDOFF

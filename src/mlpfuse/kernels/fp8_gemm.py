@@ -82,6 +82,39 @@ def mlpfuse_fp8_quantize_kernel(x, q, s, M, K, sxm, sqm, ssm, BM: tl.constexpr, 
     tl.store(s + rm * ssm + b, scale, mask=rm < M)
 
 
+@triton.jit(do_not_specialize=["M"])
+def mlpfuse_fp8_norm_quantize_kernel(x, nw, q, s, M, K, sxm, sqm, ssm, eps, BM: tl.constexpr, NORM: tl.constexpr,
+                                     EMULATE: tl.constexpr, I64: tl.constexpr):
+    """RMSNorm then the 1×128 quantization, x read twice by one program per BM rows (its rows' sum of squares, then
+    each 128-column group normalised, rounded as ops.norm.rms_norm rounds, and quantized): the norm's output never
+    reaches HBM in x's dtype."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rk0 = tl.arange(0, 128)
+    if I64:
+        rm = rm.to(tl.int64)
+    mmask = rm < M
+    dt = x.dtype.element_ty
+    sq = tl.zeros((BM,), dtype=tl.float32)
+    for k0 in range(0, K, 128):
+        rk = k0 + rk0
+        v = tl.load(x + rm[:, None] * sxm + rk[None, :], mask=mmask[:, None] & (rk < K)[None, :], other=0.0)
+        v = v.to(tl.float32)
+        sq += tl.sum(v * v, axis=1)
+    r = 1.0 / tl.sqrt_rn(sq / K + eps)
+    for k0 in range(0, K, 128):
+        rk = k0 + rk0
+        mask = mmask[:, None] & (rk < K)[None, :]
+        v = tl.load(x + rm[:, None] * sxm + rk[None, :], mask=mask, other=0.0).to(tl.float32) * r[:, None]
+        g = tl.load(nw + rk, mask=rk < K, other=0.0).to(tl.float32)[None, :]
+        if NORM == 1:  # weight · round(x·r), rounded again
+            v = (g * v.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        else:  # round(x·r·(1 + weight))
+            v = (v * (1.0 + g)).to(dt).to(tl.float32)
+        values, scale = _quantize_rows(v, EMULATE)
+        tl.store(q + rm[:, None] * sqm + rk[None, :], values, mask=mask)
+        tl.store(s + rm * ssm + k0 // 128, scale, mask=mmask)
+
+
 @triton.jit
 def _k_sum(a, sa, w, ws, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam, s_w, TMA: tl.constexpr,
            BM: tl.constexpr, BN: tl.constexpr):
@@ -150,16 +183,21 @@ def mlpfuse_fp8_gemm_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_fp8_weight_gemm_kernel(
-    x, w1, s1, w2, s2, b1, b2, out, part,
-    M, N, K, K_PER, s_xm, s_w1, s_s1, s_w2, s_s2, s_om,
+    x, w1, s1, w2, s2, b1, b2, out, part, nw,
+    M, N, K, K_PER, s_xm, s_w1, s_s1, s_w2, s_s2, s_om, eps,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KB: tl.constexpr, SPLIT: tl.constexpr, I64: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, I64: tl.constexpr,
 ):
     """Weight-only: outᵀ [BLOCK_N, M] = Wq[slice] · xᵀ, the weight the MMA's left operand ("swap AB") so that a tiny M
-    is the MMA's narrow side. BLOCK_N divides 128, so the program's rows share one row of weight scales. Each step
-    reads KB scale blocks of K (more bytes in flight per program). With SPLIT, program (n, s) sums the K range
-    [s·K_PER, (s+1)·K_PER) and writes its fp32 partial sums to part [splits, 2, M, N] (the second weight's at 1);
-    mlpfuse_fp8_split_reduce_kernel adds them in a fixed order and applies the epilogue."""
+    is the MMA's narrow side. BLOCK_N divides 128, so the program's rows share one row of weight scales. With SPLIT,
+    program (n, s) sums the K range [s·K_PER, (s+1)·K_PER) and writes its fp32 partial sums to part [splits, 2, M, N]
+    (the second weight's at 1); mlpfuse_fp8_split_reduce_kernel adds them in a fixed order and applies the epilogue.
+
+    NORM (1: weight·norm(x), Llama's RMSNorm; 2: norm(x)·(1 + weight), Gemma's): x is read through an RMSNorm of
+    weight nw. Its row scale r = 1/sqrt(mean(x²) + eps) factors out of the dot products, so the MMA takes x·nw
+    (or x·(1 + nw)) in x's dtype and the sums are scaled by r at the end: no pass over x before the weights stream
+    (the bf16 decode kernel's prologue, kernels.decode_mlp). A split program sums x² over all of K (x is a few
+    rows, read from L2)."""
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -176,19 +214,33 @@ def mlpfuse_fp8_weight_gemm_kernel(
     k_hi = tl.minimum(K, k_lo + K_PER)
     acc1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, 128 * KB):
-        for j in tl.static_range(KB):
-            rk = k0 + j * 128 + rk0
-            kmask = rk < k_hi
-            kb = k0 // 128 + j
-            xt = tl.load(x + rm[None, :] * s_xm + rk[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
-            wt = tl.load(w1 + rn[:, None] * s_w1 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            sc1 = tl.load(s1 + srow * s_s1 + kb, mask=kb * 128 < k_hi, other=0.0)
-            acc1 += tl.dot(wt.to(dt), xt, input_precision=DOT_PREC) * sc1
-            if GATED:
-                wt2 = tl.load(w2 + rn[:, None] * s_w2 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-                sc2 = tl.load(s2 + srow * s_s2 + kb, mask=kb * 128 < k_hi, other=0.0)
-                acc2 += tl.dot(wt2.to(dt), xt, input_precision=DOT_PREC) * sc2
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, 128):
+        rk = k0 + rk0
+        kmask = rk < k_hi
+        kb = k0 // 128
+        xt = tl.load(x + rm[None, :] * s_xm + rk[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
+        if NORM != 0:
+            xf = xt.to(tl.float32)
+            sq += tl.sum(xf * xf, axis=0)
+            g = tl.load(nw + rk, mask=kmask, other=0.0).to(tl.float32)[:, None]
+            xt = (xf * (g if NORM == 1 else 1.0 + g)).to(dt)
+        wt = tl.load(w1 + rn[:, None] * s_w1 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc1 += tl.dot(wt.to(dt), xt, input_precision=DOT_PREC) * tl.load(s1 + srow * s_s1 + kb)
+        if GATED:
+            wt2 = tl.load(w2 + rn[:, None] * s_w2 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            acc2 += tl.dot(wt2.to(dt), xt, input_precision=DOT_PREC) * tl.load(s2 + srow * s_s2 + kb)
+    if NORM != 0:
+        if SPLIT:  # this program summed x² over its own K range only: the whole row's
+            sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(0, K, 128):
+                rk = k0 + rk0
+                xf = tl.load(x + rm[None, :] * s_xm + rk[:, None], mask=(rk < K)[:, None] & mmask[None, :],
+                             other=0.0).to(tl.float32)
+                sq += tl.sum(xf * xf, axis=0)
+        r = 1.0 / tl.sqrt_rn(sq / K + eps)
+        acc1 = acc1 * r[None, :]
+        acc2 = acc2 * r[None, :]
     mask = nmask[:, None] & mmask[None, :]
     if SPLIT:
         at = (tl.program_id(1) * 2 * M + rm[None, :]) * N + rn[:, None]
@@ -234,6 +286,7 @@ def mlpfuse_fp8_split_reduce_kernel(part, b1, b2, out, M, N, SPLITS, s_om, ACT: 
 
 
 _quantize_launch = C.Launcher(mlpfuse_fp8_quantize_kernel)
+_norm_quantize_launch = C.Launcher(mlpfuse_fp8_norm_quantize_kernel)
 _gemm_launch = C.Launcher(mlpfuse_fp8_gemm_kernel)
 _weight_launch = C.Launcher(mlpfuse_fp8_weight_gemm_kernel)
 _reduce_launch = C.Launcher(mlpfuse_fp8_split_reduce_kernel)
@@ -335,17 +388,20 @@ def _check_operands(w1, s1, w2, s2, b1, b2, k: int, like: torch.Tensor):
     return n, gated, w2, s2
 
 
-def quantize(x: torch.Tensor, block_m: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, block_m: int = 32, *, norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0,
+             norm_kind: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (unit inner stride) → (values e4m3 [M, K], scale_inv fp32 [M, ceil(K/128)]): fp8.quantize_activation
-    in one pass."""
-    plan_key = _plan_key("quantize", (x,), (), block_m)
+    in one pass; with `norm_kind` (NORM_WEIGHT_AFTER or NORM_ONE_PLUS), of x read through an RMSNorm of weight
+    `norm_weight` (ops.norm.rms_norm's rounding), the norm's output never written."""
+    plan_key = _plan_key("quantize", (x,), (norm_weight,), block_m, norm_eps, norm_kind)
     plan = _plans.get(plan_key) if plan_key is not None else None
     if plan is not None:
         q = torch.empty(x.shape, device=x.device, dtype=fp8.DTYPE)
         s = torch.empty(x.shape[0], -(-x.shape[1] // GROUP), device=x.device, dtype=fp8.SCALE_DTYPE)
-        plan.launch((x, q, s))
+        plan.launch((x, q, s) if norm_kind == NORM_NONE else (x, norm_weight, q, s))
         return q, s
     _check_act(x)
+    _check_norm(norm_weight, norm_eps, norm_kind, x)
     m, k = x.shape
     q = torch.empty(m, k, device=x.device, dtype=fp8.DTYPE)
     s = torch.empty(m, -(-k // GROUP), device=x.device, dtype=fp8.SCALE_DTYPE)
@@ -353,11 +409,17 @@ def quantize(x: torch.Tensor, block_m: int = 32) -> tuple[torch.Tensor, torch.Te
         return q, s
     bm = 16 if C.INTERPRET else block_m
     i64 = C.needs_i64(x, q)
-    key = (x.dtype, bm, i64, C.align16(x), k % 16 == 0, x.stride(0) % 16 == 0)
-    grid, ints, consts = (triton.cdiv(m, bm), s.shape[1]), (m, k, x.stride(0), q.stride(0), s.stride(0)), (bm, _EMULATE,
-                                                                                                        i64)
-    _quantize_launch(key, grid, (x, q, s, *ints), consts, num_warps=4, num_stages=1)
-    plan = _pointer_launch(_quantize_launch, key, grid, ints, consts, 4, 1, x.device) if plan_key else None
+    strides = (x.stride(0), q.stride(0), s.stride(0))
+    if norm_kind == NORM_NONE:
+        launcher, tensors, grid = _quantize_launch, (x, q, s), (triton.cdiv(m, bm), s.shape[1])
+        ints, consts = (m, k, *strides), (bm, _EMULATE, i64)
+    else:
+        launcher, tensors, grid = _norm_quantize_launch, (x, norm_weight, q, s), (triton.cdiv(m, bm),)
+        ints, consts = (m, k, *strides, float(norm_eps)), (bm, norm_kind, _EMULATE, i64)
+    key = (x.dtype, consts, C.align16(x), k % 16 == 0, x.stride(0) % 16 == 0,
+           norm_weight is None or C.align16(norm_weight))
+    launcher(key, grid, (*tensors, *ints), consts, num_warps=4, num_stages=1)
+    plan = _pointer_launch(launcher, key, grid, ints, consts, 4, 1, x.device) if plan_key else None
     if plan is not None:
         C.keep_plan(_plans, plan_key, plan)
     return q, s
@@ -451,23 +513,24 @@ def _keep_gemm_plan(plan_key, key, grid, args, consts, use_tma: bool, quant_out:
     C.keep_plan(_plans, plan_key, plan)
 
 
-def _weight_config(m: int, n: int, k: int, gated: bool, sms: int) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_M, num_warps, num_stages, KB, SPLITS) for the weight-only kernel: 64-row slices, 4 warps, one
+def _weight_config(m: int, n: int, k: int, gated: bool, sms: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_M, num_warps, num_stages, SPLITS) for the weight-only kernel: 64-row slices, 4 warps, one
     scale block per step, and K split into up to 8 parts (a power of two) where the slices alone would leave SMs
     idle. From `benchmarks/fp8_tune.py --weight-only` on an H200 at 1 and 16 rows × 4096×14336
     (benchmarks/results/nvidia-h200/fp8-prefill/5-, 6-weight-only-*.txt): gate+up 60 µs (224 slices; split 4 ways
-    60, 2 ways 65; 32- and 128-row slices 84–117; two or four blocks per step 76–110); down 33.5 µs split 8 ways
-    (64 slices), 85 unsplit."""
+    60, 2 ways 65; 32- and 128-row slices 84–117; two or four scale blocks per step 76–110); down 33.5 µs split 8
+    ways (64 slices), 85 unsplit. The interpreter splits K in two (the CPU tests run both forms)."""
     block_m = max(16, triton.next_power_of_2(m))
     if C.INTERPRET:
-        return 32, block_m, 4, 1, 2, 2
+        return 32, block_m, 4, 1, 2
     slices = triton.cdiv(n, 64)
     splits = 1 if slices >= sms else min(8, triton.next_power_of_2(4 * sms // slices + 1) // 2, triton.cdiv(k, 128))
-    return 64, block_m, 4, 3, 1, max(1, splits)
+    return 64, block_m, 4, 3, max(1, splits)
 
 
 WEIGHT_ONLY_MAX_M = 64  # the weight-only kernel's largest M (its tiles keep M whole)
 _REDUCE_BLOCK = 1024
+NORM_NONE, NORM_WEIGHT_AFTER, NORM_ONE_PLUS = 0, 1, 2  # ops.norm's kinds (WEIGHT_AFTER, ONE_PLUS)
 
 
 class _WeightPlan:
@@ -476,49 +539,70 @@ class _WeightPlan:
 
     __slots__ = ("main", "reduce", "out_cols", "part_shape")
 
-    def run(self, x, w1, s1, w2, s2, b1, b2):
+    def run(self, x, w1, s1, w2, s2, b1, b2, norm_weight):
         out = torch.empty(x.shape[0], self.out_cols, device=x.device, dtype=x.dtype)
         part = torch.empty(self.part_shape, device=x.device, dtype=torch.float32) if self.reduce else out
         w2, s2 = (w1, s1) if w2 is None else (w2, s2)
         b1, b2 = x if b1 is None else b1, x if b2 is None else b2
-        self.main.launch((x, w1, s1, w2, s2, b1, b2, out, part))
+        self.main.launch((x, w1, s1, w2, s2, b1, b2, out, part, x if norm_weight is None else norm_weight))
         if self.reduce is not None:
             self.reduce.launch((part, b1, b2, out))
         return out
 
 
+def _check_norm(norm_weight, norm_eps: float, norm_kind: int, x: torch.Tensor) -> None:
+    if norm_kind == NORM_NONE:
+        if norm_weight is not None:
+            raise InputError("norm_weight: given without a norm_kind")
+        return
+    if norm_kind not in (NORM_WEIGHT_AFTER, NORM_ONE_PLUS):
+        raise InputError(f"norm_kind: expected {NORM_WEIGHT_AFTER} (weight·norm(x)) or {NORM_ONE_PLUS} "
+                         f"(norm(x)·(1+weight)), got {norm_kind!r}")
+    k = x.shape[1]
+    if (not isinstance(norm_weight, torch.Tensor) or tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype
+            or norm_weight.device != x.device or norm_weight.stride(0) != 1):
+        raise InputError(f"norm_weight: expected a contiguous {x.dtype} tensor of shape ({k},) on {x.device}")
+    if not (isinstance(norm_eps, (int, float)) and norm_eps >= 0):
+        raise InputError(f"norm_eps: expected a number >= 0, got {norm_eps!r}")
+
+
 def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor | None = None,
                     s2: torch.Tensor | None = None, b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
-                    *, activation: int, allow_tf32: bool = False) -> torch.Tensor:
-    """z = act(x·W1ᵀ + b1) [· (x·W2ᵀ + b2)] for x [M ≤ 64, K] in bf16/fp16/fp32, the weights read as e4m3."""
-    plan_key = _plan_key("weight", (x,), (w1, s1, w2, s2, b1, b2), activation, allow_tf32)
+                    *, activation: int, allow_tf32: bool = False, norm_weight: torch.Tensor | None = None,
+                    norm_eps: float = 0.0, norm_kind: int = NORM_NONE) -> torch.Tensor:
+    """z = act(x·W1ᵀ + b1) [· (x·W2ᵀ + b2)] for x [M ≤ 64, K] in bf16/fp16/fp32, the weights read as e4m3; with
+    `norm_kind` (NORM_WEIGHT_AFTER or NORM_ONE_PLUS) x is first read through an RMSNorm of weight `norm_weight`."""
+    plan_key = _plan_key("weight", (x,), (w1, s1, w2, s2, b1, b2, norm_weight), activation, allow_tf32, norm_eps,
+                         norm_kind)
     plan = _plans.get(plan_key) if plan_key is not None else None
     if plan is not None:
-        return plan.run(x, w1, s1, w2, s2, b1, b2)
+        return plan.run(x, w1, s1, w2, s2, b1, b2, norm_weight)
     _check_act(x)
     m, k = x.shape
     if m > WEIGHT_ONLY_MAX_M:
         raise InputError(f"x: the weight-only kernel takes at most {WEIGHT_ONLY_MAX_M} rows, got {m}")
     n, gated, w2, s2 = _check_operands(w1, s1, w2, s2, b1, b2, k, x)
+    _check_norm(norm_weight, norm_eps, norm_kind, x)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0 or n == 0:
         return out
-    block_n, block_m, warps, stages, kb, splits = _weight_config(m, n, k, gated, C.num_sms(x.device))
-    step = 128 * kb
-    k_per = -(-k // (splits * step)) * step  # a whole number of steps per split
+    block_n, block_m, warps, stages, splits = _weight_config(m, n, k, gated, C.num_sms(x.device))
+    k_per = -(-k // (splits * 128)) * 128  # whole scale blocks per split
     splits = -(-k // k_per) if k else 1
     part = torch.empty(splits, 2, m, n, device=x.device, dtype=torch.float32) if splits > 1 else out
     bb1, bb2 = x if b1 is None else b1, x if b2 is None else b2
+    nw = x if norm_weight is None else norm_weight
     i64 = C.needs_i64(x, out, w1, w2, part)
     consts = (activation, gated, b1 is not None, b2 is not None, C.dot_precision(x.dtype, allow_tf32), block_n,
-              block_m, kb, splits > 1, i64)
+              block_m, splits > 1, norm_kind, i64)
     key = (consts, x.dtype, n, k, k_per, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0),
            out.stride(0), C.align16(x), C.align16(out), C.align16(w1), C.align16(s1), C.align16(w2), C.align16(s2),
-           C.align16(part), b1 is None or (b1.dtype, C.align16(b1)), b2 is None or (b2.dtype, C.align16(b2)), warps,
-           stages)
-    ints = (m, n, k, k_per, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0), out.stride(0))
+           C.align16(part), C.align16(nw), b1 is None or (b1.dtype, C.align16(b1)),
+           b2 is None or (b2.dtype, C.align16(b2)), warps, stages)
+    ints = (m, n, k, k_per, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0), out.stride(0),
+            float(norm_eps))
     grid = (triton.cdiv(n, block_n), splits)
-    _weight_launch(key, grid, (x, w1, s1, w2, s2, bb1, bb2, out, part, *ints), consts, num_warps=warps,
+    _weight_launch(key, grid, (x, w1, s1, w2, s2, bb1, bb2, out, part, nw, *ints), consts, num_warps=warps,
                    num_stages=stages)
     reduce = None
     if splits > 1:

@@ -1,6 +1,6 @@
 """The MLP in FP8 (inference): where precision "fp8" goes from a module to its kernels, in one file.
 
-    fp8_gated_mlp(x, Wg, sg, Wu, su, Wd, sd, bg?, bu?, bd?, activation, backend) -> y
+    fp8_gated_mlp(x, Wg, sg, Wu, su, Wd, sd, bg?, bu?, bd?, activation, backend, norm?) -> y   (y of norm(x))
     fp8_linear(x, W, s, b?, activation, backend) -> act(x·Wᵀ + b)
 
 W* are e4m3 values [out, in] and s* their fp32 128×128 block scales (mlpfuse.fp8). Two paths, chosen here by the
@@ -33,6 +33,7 @@ from mlpfuse import activations, fp8, reference
 from mlpfuse.errors import InputError
 from mlpfuse.ops import dispatch
 from mlpfuse.ops._util import needs_grad, op_span, plain_eager, profiling
+from mlpfuse.ops.norm import rms_norm
 
 # Tokens up to which the weight-only kernels run (their tiles keep every row; they take up to 64).
 WEIGHT_ONLY_MAX_M = 16
@@ -95,12 +96,16 @@ def _weight(values: Tensor, scale: Tensor, dtype: torch.dtype) -> fp8.Fp8Weight:
     return fp8.Fp8Weight(values, scale, dtype)
 
 
-def _gated_impl(x, wg, sg, wu, su, wd, sd, bg, bu, bd, activation: str, backend: str) -> Tensor:
+def _gated_impl(x, wg, sg, wu, su, wd, sd, bg, bu, bd, activation: str, backend: str, norm_weight=None,
+                norm_eps: float = 0.0, norm_kind: int = 0) -> Tensor:
     act = activations.get(activation)
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
+    norm = {} if not norm_kind else {"norm_weight": norm_weight, "norm_eps": norm_eps, "norm_kind": norm_kind}
     if _path(x.device, backend) == "torch":
+        if norm_kind:
+            x2 = rms_norm(x2, norm_weight, norm_eps, norm_kind)
         w = [_weight(v, s, x.dtype) for v, s in ((wg, sg), (wu, su), (wd, sd))]
         if m <= WEIGHT_ONLY_MAX_M:
             y = reference.gated_mlp_fp8_weight_only(x2, *w, act.name, bg, bu, bd)
@@ -111,12 +116,12 @@ def _gated_impl(x, wg, sg, wu, su, wd, sd, bg, bu, bd, activation: str, backend:
     x2 = x2.contiguous()
     if m <= WEIGHT_ONLY_MAX_M and DECODE_KERNEL:  # the decode kernel with e4m3 weights: h stays on chip
         y = dispatch.kernel("decode_mlp").decode_gated_mlp_fp8(x2, wg, sg, wu, su, wd, sd, bg, bu, bd,
-                                                                activation=act.id)
-    elif m <= WEIGHT_ONLY_MAX_M:
-        h = kern.fp8_weight_gemm(x2, wg, sg, wu, su, bg, bu, activation=act.id)
+                                                                activation=act.id, **norm)
+    elif m <= WEIGHT_ONLY_MAX_M:  # the RMSNorm, if any, in the first kernel's prologue
+        h = kern.fp8_weight_gemm(x2, wg, sg, wu, su, bg, bu, activation=act.id, **norm)
         y = kern.fp8_weight_gemm(h, wd, sd, None, None, bd, activation=activations.IDENTITY)
-    else:
-        xq, xs = kern.quantize(x2)
+    else:  # the RMSNorm, if any, in the quantization's pass
+        xq, xs = kern.quantize(x2, **norm)
         hq, hs = kern.fp8_gemm(xq, xs, wg, sg, wu, su, bg, bu, activation=act.id, quant_out=True)
         y = kern.fp8_gemm(hq, hs, wd, sd, None, None, bd, activation=activations.IDENTITY, quant_out=False,
                           out_dtype=x.dtype)
@@ -148,14 +153,15 @@ def _linear_impl(x, w, s, b, activation: str, backend: str) -> Tensor:
 @torch.library.custom_op("mlpfuse::fp8_gated_mlp", mutates_args=())
 def _gated_op(x: Tensor, gate_weight: Tensor, gate_scale: Tensor, up_weight: Tensor, up_scale: Tensor,
               down_weight: Tensor, down_scale: Tensor, gate_bias: Optional[Tensor], up_bias: Optional[Tensor],
-              down_bias: Optional[Tensor], activation: str, backend: str) -> Tensor:
+              down_bias: Optional[Tensor], activation: str, backend: str, norm_weight: Optional[Tensor],
+              norm_eps: float, norm_kind: int) -> Tensor:
     return _gated_impl(x, gate_weight, gate_scale, up_weight, up_scale, down_weight, down_scale, gate_bias, up_bias,
-                       down_bias, activation, backend)
+                       down_bias, activation, backend, norm_weight, norm_eps, norm_kind)
 
 
 @_gated_op.register_fake
 def _(x, gate_weight, gate_scale, up_weight, up_scale, down_weight, down_scale, gate_bias, up_bias, down_bias,
-      activation, backend):
+      activation, backend, norm_weight, norm_eps, norm_kind):
     return x.new_empty(*x.shape[:-1], down_weight.shape[0])
 
 
@@ -187,12 +193,17 @@ def _check_call(x, w: Tensor, biases) -> None:
 def fp8_gated_mlp(x: Tensor, gate_weight: Tensor, gate_scale: Tensor, up_weight: Tensor, up_scale: Tensor,
                   down_weight: Tensor, down_scale: Tensor, gate_bias: Optional[Tensor] = None,
                   up_bias: Optional[Tensor] = None, down_bias: Optional[Tensor] = None, activation: str = "silu",
-                  backend: str = "") -> Tensor:
+                  backend: str = "", norm=None) -> Tensor:
     """y = down(act(gate(x))·up(x)), each weight as e4m3 values and fp32 128×128 scales (the fields of an
-    fp8.Fp8Weight), any leading dimensions, y in x's dtype."""
+    fp8.Fp8Weight), any leading dimensions, y in x's dtype. `norm` (ops.norm.RMSNormPrologue): the block's input
+    is norm(x), the kernels normalise x themselves (in the quantization's pass, or the weight-only kernel's
+    prologue); a norm whose weight is not in x's dtype runs as its own module first."""
     _check_call(x, gate_weight, (gate_bias, up_bias, down_bias))
+    if norm is not None and norm.key(x) is None:
+        x, norm = norm(x), None
+    n = (None, 0.0, 0) if norm is None else (norm.weight, norm.eps, norm.kind)
     return _run("fp8_gated_mlp", _gated_impl, (x, gate_weight, gate_scale, up_weight, up_scale, down_weight,
-                                               down_scale, gate_bias, up_bias, down_bias, activation, backend))
+                                               down_scale, gate_bias, up_bias, down_bias, activation, backend, *n))
 
 
 def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Optional[Tensor] = None, activation: str = "identity",

@@ -126,8 +126,9 @@ class GatedBlock(PatchedBlock):
         first, second = t[:rows], t[rows:]
         return (second, first) if self.fused_gate_second else (first, second)
 
-    def fp8_call(self, x: Tensor, children=None) -> Tensor:
-        """The MLP on FP8 projections (modules.Fp8Linear): this block's, or `children` in its layout's order."""
+    def fp8_call(self, x: Tensor, children=None, norm=None) -> Tensor:
+        """The MLP on FP8 projections (modules.Fp8Linear): this block's, or `children` in its layout's order; `norm`
+        the RMSNorm in front, which the FP8 kernels apply."""
         mods = children if children is not None else [self._modules[n] for n in self.fused_linears]
         d = mods[-1]
         if self.fused_packed:
@@ -138,7 +139,7 @@ class GatedBlock(PatchedBlock):
             g, u = mods[0], mods[1]
             wg, sg, bg, wu, su, bu = g.weight, g.weight_scale_inv, g.bias, u.weight, u.weight_scale_inv, u.bias
         return fp8_mlp.fp8_gated_mlp(x, wg, sg, wu, su, d.weight, d.weight_scale_inv, bg, bu, d.bias,
-                                     self.fused_activation, self.fused_backend)
+                                     self.fused_activation, self.fused_backend, norm)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         mods = self._modules
@@ -146,7 +147,7 @@ class GatedBlock(PatchedBlock):
         if self.fused_precision == "fp8":
             if self._dropout_active():
                 return self._source_forward(hidden_states if norm is None else norm(hidden_states))
-            return self.fp8_call(hidden_states if norm is None else norm(hidden_states))
+            return self.fp8_call(hidden_states, norm=norm)
         names = self.fused_linears
         w, b = _weight_bias(mods[names[0]])
         wd, bd = _weight_bias(mods[names[-1]])

@@ -49,7 +49,7 @@ def fuse_norms(model: nn.Module, report) -> None:
             continue  # no norm right in front of the block in the layer's forward: nothing to say
         norm_path = f"{parent_path}.{norm_name}" if parent_path else norm_name
         norm = parent._modules.get(norm_name)
-        reason = _problem(norm, block) if block.fused_precision != "fp8" else "the FP8 kernels have no norm prologue"
+        reason = _problem(norm, block)
         if isinstance(reason, str):
             report.norms_kept.append(Left(norm_path, type(norm).__name__, f"not fused into {name}: {reason}"))
             continue
@@ -57,7 +57,9 @@ def fuse_norms(model: nn.Module, report) -> None:
         original = type(norm).forward
         norm.__class__ = _passthrough(type(norm))
         block.fused_norm = RMSNormPrologue(norm, original, kind, eps)
-        report.norms.append(FusedNorm(norm_path, swapped.path, KINDS[kind]))
+        by = "FP8 kernels (in the quantization's pass, or the weight-only prologue)" if block.fused_precision else \
+            "decode kernels"
+        report.norms.append(FusedNorm(norm_path, swapped.path, KINDS[kind], by))
 
 
 def restore_norms(model: nn.Module) -> list[str]:

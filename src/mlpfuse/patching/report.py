@@ -33,6 +33,7 @@ class FusedNorm:
     path: str  # the norm module, which now passes its input through
     into: str  # the block whose kernels apply it
     kind: str  # ops.norm.KINDS
+    by: str = "decode kernels"  # which of the block's kernels: its decode kernels (bf16), or all its FP8 kernels
 
 
 @dataclass
@@ -95,7 +96,7 @@ class PatchReport:
             groups.setdefault(("already", "patched before"), []).append(p)
         for n in self.norms:
             into = n.into.rpartition(".")[2]
-            groups.setdefault(("norm", f"RMSNorm ({n.kind}) applied by {into}'s decode kernels"), []).append(n.path)
+            groups.setdefault(("norm", f"RMSNorm ({n.kind}) applied by {into}'s {n.by}"), []).append(n.path)
         for item in self.norms_kept:
             groups.setdefault(("norm", f"{item.source} kept: {item.reason}"), []).append(item.path)
         for item in self.fp8_kept:
