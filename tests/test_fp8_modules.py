@@ -146,7 +146,7 @@ def test_patch_fp8_quantizes_verifies_reports_and_unpatch_dequantizes():
     assert [s.precision for s in report.swapped] == ["fp8", "fp8"]
     assert all(0 < s.fp8_error < 2 * fp8.UNIT_ROUNDOFF for s in report.swapped)
     assert "2 in fp8" in report.summary() and "2 norms fused" in report.summary()
-    assert "applied by mlp's FP8 kernels" in report.summary()
+    assert "applied by mlp's FP8 quantization pass" in report.summary()
     assert report.to_dict()["swapped"][0]["fp8_error"] == report.swapped[0].fp8_error
     mlp = model.model.layers[0].mlp
     assert isinstance(mlp.gate_proj, Fp8Linear) and mlp.fused_source.gate_proj is mlp.gate_proj  # nothing else holds

@@ -47,6 +47,14 @@ WEIGHT_ONLY_MAX_M = 16
 # eager at 16 tokens), and the FP8 path promises compiled output bit for bit equal to eager's.
 DECODE_KERNEL = False
 
+# Whether the weight-only path applies a handed-over RMSNorm in its gate+up kernel's prologue (kernels.fp8_gemm,
+# NORM): measured on an H200, 32-layer Llama-3-8B-shaped decode step replayed from a CUDA graph (`mlpfuse bench
+# --model llama3-8b --mode decode-step --tokens 1x128 --variants eager,mlpfuse,mlpfuse-fp8`;
+# benchmarks/results/nvidia-h200/bench-fp8/): 7.047 ms with the norm in the kernel against 6.927 ms with the norm's
+# own module in front (eager's graph 7.414). Off: at decode sizes the norm module runs first, outside the op, where
+# torch.compile can fuse it; above WEIGHT_ONLY_MAX_M tokens the quantization's pass applies it.
+NORM_IN_WEIGHT_ONLY = False
+
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89) and Hopper (sm_90) onwards
 
 
@@ -196,10 +204,11 @@ def fp8_gated_mlp(x: Tensor, gate_weight: Tensor, gate_scale: Tensor, up_weight:
                   backend: str = "", norm=None) -> Tensor:
     """y = down(act(gate(x))·up(x)), each weight as e4m3 values and fp32 128×128 scales (the fields of an
     fp8.Fp8Weight), any leading dimensions, y in x's dtype. `norm` (ops.norm.RMSNormPrologue): the block's input
-    is norm(x), the kernels normalise x themselves (in the quantization's pass, or the weight-only kernel's
-    prologue); a norm whose weight is not in x's dtype runs as its own module first."""
+    is norm(x): above WEIGHT_ONLY_MAX_M tokens the quantization's pass normalises x; at decode sizes the norm runs as
+    its own module first (NORM_IN_WEIGHT_ONLY), as does a norm whose weight is not in x's dtype."""
     _check_call(x, gate_weight, (gate_bias, up_bias, down_bias))
-    if norm is not None and norm.key(x) is None:
+    if norm is not None and (norm.key(x) is None or (not NORM_IN_WEIGHT_ONLY
+                                                     and x.numel() <= WEIGHT_ONLY_MAX_M * x.shape[-1])):
         x, norm = norm(x), None
     n = (None, 0.0, 0) if norm is None else (norm.weight, norm.eps, norm.kind)
     return _run("fp8_gated_mlp", _gated_impl, (x, gate_weight, gate_scale, up_weight, up_scale, down_weight,

@@ -57,8 +57,7 @@ def fuse_norms(model: nn.Module, report) -> None:
         original = type(norm).forward
         norm.__class__ = _passthrough(type(norm))
         block.fused_norm = RMSNormPrologue(norm, original, kind, eps)
-        by = "FP8 kernels (in the quantization's pass, or the weight-only prologue)" if block.fused_precision else \
-            "decode kernels"
+        by = "FP8 quantization pass (its own module at decode sizes)" if block.fused_precision else "decode kernels"
         report.norms.append(FusedNorm(norm_path, swapped.path, KINDS[kind], by))
 
 
