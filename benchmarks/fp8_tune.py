@@ -1,9 +1,11 @@
 """Tile candidates for the FP8 kernels (kernels/fp8_gemm.py) on one GPU, timed with triton.testing.do_bench (median of
-its repetitions; the L2 is not flushed: decode weights exceed it anyway).
+its repetitions, the L2 cleared before each).
 
-    PYTHONPATH=src python3 benchmarks/fp8_tune.py [--dim 4096 --hidden 14336]
+    PYTHONPATH=src python3 benchmarks/fp8_tune.py [--dim 4096 --hidden 14336] [--gemm-only | --weight-only]
 
-Prints, per kernel and shape, each candidate's µs and the GB/s (weight-only) or TFLOP/s (FP8 GEMM)."""
+Prints, per kernel and shape, each candidate's µs and the GB/s (weight-only: row slices, warps, K splits) or TFLOP/s
+(the block-scaled GEMMs at prefill sizes, beside cuBLAS's rowwise FP8 GEMMs, with each compiled variant's registers
+and spills and, at the smallest size, the gated sum's error against float64)."""
 
 import argparse
 import itertools

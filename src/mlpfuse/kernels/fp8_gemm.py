@@ -1,7 +1,8 @@
 """The FP8 forms of the MLP's GEMMs, in the recipe of `mlpfuse.fp8` (e4m3 values; weights with one fp32 scale per
 128×128 block, activations with one per token and 128 consecutive channels).
 
-    quantize          x [M, K] → xq [M, K] e4m3, sx [M, K/128]                   (one pass, when x has no producer)
+    quantize          x [M, K] → xq [M, K] e4m3, sx [M, K/128]                   (one pass, when x has no producer;
+                      with an RMSNorm handed to the block, the norm's pass: x read twice, its output never written)
     fp8_gemm          z = Σ_b sx[:, b]·sw[:, b] · (xq_b · wq_bᵀ)   per 128-wide K block b, fp32 accumulators;
                       GATED: a second weight (up), its K loop after the gate's, z = act(g)·u;  else z = act(g)
                       epilogue: biases (fp32), then either z in the output dtype, or z quantized again (QUANT_OUT):
@@ -9,7 +10,8 @@
                       the next GEMM's operand (hq, sh) leaves it already in FP8 — no pass of its own over h
     fp8_weight_gemm   decode sizes (M ≤ 64): weight-only — W read once as e4m3 and widened to x's dtype in
                       registers, each 128×128 block's scale applied to its partial sum; x and the output stay in
-                      x's dtype (the bytes are the weights; quantizing x would only add a pass and error)
+                      x's dtype (the bytes are the weights; quantizing x would only add a pass and error); K split
+                      where the output rows alone leave SMs idle, the parts added in a fixed order by a second launch
 
 The K step is 128 (the scale group), so each step's tensor-core sum is one block's, scaled by one activation scale
 per row and the tile's one weight scale (BN divides 128) and added to the fp32 accumulator: the per-K-block scaling
