@@ -456,3 +456,30 @@ def test_precision_fp8_adds_the_fp8_patched_model_for_inference_and_skips_traini
     from mlpfuse.bench import model_lab
 
     assert model_lab.parse_variants(None, "fp8") == list(model_lab.FP8_VARIANTS)
+
+
+def test_decode_step_rows_give_the_bytes_the_step_reads_and_its_floor(tmp_path):
+    """decode-step: each row's bytes are every weight once (the input embedding table aside: one row of it is read)
+    plus the whole static KV cache, counted here from the model's config; the floor is those bytes at the measured
+    copy rate (meta), and the FP8 model reads fewer bytes (e4m3 MLP weights with their scales)."""
+    code, data, out = run_lab(tmp_path, "--model", "llama3-8b", "--mode", "decode-step", "--tokens", "2x12",
+                              "--variants", "eager,mlpfuse-fp8")
+    assert code == 0
+    rows = rows_by(data)
+    eager, f8 = rows[("decode-step", "eager")], rows[("decode-step", "mlpfuse-fp8")]
+    from mlpfuse.bench import models
+
+    model = models.build("llama3-8b", layers=None, tiny=True, device=torch.device("cpu")).model
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = 2 * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (12 + 1) * head_dim * 4  # K and V, fp32
+    emb = model.get_input_embeddings().weight
+    tied = model.get_output_embeddings().weight.data_ptr() == emb.data_ptr()
+    weights = sum(p.numel() * 4 for p in model.parameters() if tied or p is not emb)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert eager["floor_mb"] * 2**20 == weights + buffers + kv
+    copy = data["meta"]["copy_gbps"]
+    assert copy > 0 and eager["floor_ms"] == pytest.approx(eager["floor_mb"] * 2**20 / (copy * 1e9) * 1e3)
+    assert eager["of_floor"] == pytest.approx(eager["floor_ms"] / eager["time_ms"])
+    assert f8["floor_mb"] < eager["floor_mb"]
+    assert "% of floor" in (out / "results.md").read_text()

@@ -56,6 +56,30 @@ class StaticStep:
                            **{self.kwarg: self.cache}).logits
 
 
+def step_bytes(module: torch.nn.Module, cache) -> int:
+    """The bytes one decode step must read at the least: every weight and buffer of `module` once (tensors shared
+    between modules counted once; the input embedding table left out unless the output head reads it, as a step
+    looks up one row of it per sequence) and the whole static KV cache (attention reads every cached position)."""
+    emb = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+    head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+    skip = set()
+    if emb is not None and getattr(emb, "weight", None) is not None:
+        if head is None or getattr(head, "weight", None) is None or head.weight.data_ptr() != emb.weight.data_ptr():
+            skip.add(emb.weight.data_ptr())
+    seen, total = set(skip), 0
+    tensors = [*module.parameters(), *module.buffers()]
+    for layer in getattr(cache, "layers", ()):
+        tensors += [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                    if isinstance(t, torch.Tensor)]
+    for t in tensors:
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        if t.numel() == 0 or t.data_ptr() in skip or key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
 def inference(fn):
     def call():
         with torch.no_grad():

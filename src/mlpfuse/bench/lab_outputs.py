@@ -13,7 +13,9 @@ first), first_call_ms (compilation included; decode-step: building, compiling an
 from eager's logits on the same input), vs_eager (time ratio, < 1 is faster), vs_eager_paired and
 vs_eager_paired_range (the median, min and max over rounds of each round's time over eager's in the same round),
 vs_compile, mem_vs_eager,
-mem_vs_compile, patched (blocks mlpfuse swapped).
+mem_vs_compile, patched (blocks mlpfuse swapped), floor_mb, floor_ms, of_floor (decode-step: the bytes the step
+must read — every weight once, the whole static KV cache — that many at the device's measured copy rate, and that
+time over the step's: the fraction of the bandwidth floor reached).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ CSV_FIELDS = (
     "model layers mode batch seq new_tokens variant dtype status error time_ms unit spread_pct rounds wall_ms "
     "gpu_busy_ms gpu_busy_spread_pct do_bench_ms do_bench_spread_pct full_logits_ms full_logits_spread_pct "
     "peak_mem_mb first_call_ms rel_err err_vs_eager logits_vs_eager vs_eager vs_eager_paired vs_compile mem_vs_eager "
-    "mem_vs_compile patched"
+    "mem_vs_compile patched floor_mb floor_ms of_floor"
 ).split()
 
 
@@ -70,6 +72,9 @@ COLUMNS = (
     ("time", lambda r: "–" if r["time_ms"] is None else f"{r['time_ms']:.3f} {r['unit']} ±{r['spread_pct']:.1f}%"),
     ("GPU busy ms/token", lambda r: _timed(r, "gpu_busy_ms", ("decode",))),
     ("do_bench ms", lambda r: _timed(r, "do_bench_ms", ("decode-step",))),
+    ("bytes MiB", lambda r: _num(r.get("floor_mb"), "{:.4g}")),
+    ("floor ms (bytes at copy rate)", lambda r: _num(r.get("floor_ms"), "{:.4g}")),
+    ("% of floor", lambda r: _num(None if r.get("of_floor") is None else 100 * r["of_floor"], "{:.3g}%")),
     ("full logits ms", lambda r: _timed(r, "full_logits_ms", ("prefill",), gpu_only=False)),
     (f"vs eager {outputs.TIME_RATIO}", lambda r: outputs.ratio(r["vs_eager"])),
     ("vs eager per round (median, min–max)", _paired),

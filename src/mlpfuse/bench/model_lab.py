@@ -189,6 +189,7 @@ class Prepared:
     main: str | None = None  # the step whose first call, peak memory and time are the row's (default: the last)
     setup_ms: float | None = None  # building the step took this (compile and graph capture), when not its first call
     note: str | None = None  # what the row's status says beside "ok" (e.g. a patch that swapped nothing)
+    floor_bytes: int | None = None  # decode-step: the bytes the step must read (decode_step.step_bytes)
 
     @property
     def main_key(self) -> str:
@@ -320,6 +321,7 @@ def _prepare_decode_step(variant, module, case, ids, settings, device, compiled)
 
     started = time.perf_counter()
     step = decode_step.StaticStep(module, ids, _token(case, module.config.vocab_size, device, settings.seed))
+    floor_bytes = decode_step.step_bytes(module, step.cache)
     if compiled:
         step = torch.compile(step, backend=settings.compile_backend, mode=settings.compile_mode, fullgraph=True)
     step = decode_step.inference(step)
@@ -333,7 +335,7 @@ def _prepare_decode_step(variant, module, case, ids, settings, device, compiled)
         replay = logits = step
         logits()  # the first call (compilation included) belongs to the setup time
     setup = (time.perf_counter() - started) * 1e3
-    return Prepared(variant, module, {variant: replay}, logits, main=variant, setup_ms=setup)
+    return Prepared(variant, module, {variant: replay}, logits, main=variant, setup_ms=setup, floor_bytes=floor_bytes)
 
 
 # --- running ---------------------------------------------------------------------------------------------------
@@ -379,6 +381,7 @@ def _row(built, layers, case, variant, dtype_name, settings) -> dict:
         "peak_mem_mb": None, "first_call_ms": None, "rel_err": None, "err_vs_eager": None, "logits_vs_eager": None,
         "vs_eager": None, "vs_eager_paired": None, "vs_eager_paired_range": None, "vs_compile": None,
         "mem_vs_eager": None, "mem_vs_compile": None, "patched": None,
+        "floor_mb": None, "floor_ms": None, "of_floor": None,
     }
 
 
@@ -419,7 +422,14 @@ def run(name: str, *, layers: int | None, tiny: bool, shapes: list[tuple[int, in
         models.cast_parameters(built.model, dtype)
     _free(device)
 
+    copy_gbps = None
+    if "decode-step" in modes:  # the step's floor: its bytes at this device's measured copy rate
+        from mlpfuse.bench import roofline
+
+        progress("this device's copy bandwidth (the decode step's floor)")
+        copy_gbps = roofline.load_peaks(device, [], log=progress).copy_gbps
     meta = environment(device, _NoPeaks(), _sweep_settings(settings), command)
+    meta["copy_gbps"] = copy_gbps
     meta["transformers"] = sys.modules["transformers"].__version__
     meta.update(lab={**asdict(settings), "dtype": dtype_name, "model": built.label, "weights": built.weights,
                      "layers": n_layers, "modes": modes, "shapes": [f"{b}x{s}" for b, s in shapes]})
@@ -432,7 +442,7 @@ def run(name: str, *, layers: int | None, tiny: bool, shapes: list[tuple[int, in
             result.rows.extend(rows.values())
             continue
         try:
-            _run_case(built, case, variants, rows, refs.get(case), settings, device, progress)
+            _run_case(built, case, variants, rows, refs.get(case), settings, device, progress, copy_gbps)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the inputs: every row says so
             for row in rows.values():
                 if row["status"] == "ok" and row["time_ms"] is None:
@@ -499,7 +509,7 @@ def _skip_reason(variant: str, built: models.Built, case: LabCase, device: torch
     return None
 
 
-def _run_case(built, case, variants, rows, ref, settings, device, progress) -> None:
+def _run_case(built, case, variants, rows, ref, settings, device, progress, copy_gbps=None) -> None:
     ids = _inputs(case, built.vocab, device, settings.seed)
     prepared: dict[str, Prepared] = {}
     outputs: dict[str, torch.Tensor] = {}
@@ -542,7 +552,7 @@ def _run_case(built, case, variants, rows, ref, settings, device, progress) -> N
     if not prepared:
         return
     progress(f"{case.label}: timing {len(prepared)} variants in {settings.rounds} rounds")
-    _time_case(case, prepared, rows, settings, device, progress)
+    _time_case(case, prepared, rows, settings, device, progress, copy_gbps)
 
 
 def _peak_mb(p: Prepared, device) -> float | None:
@@ -566,7 +576,7 @@ def _put(row: dict, field: str, stat: timing.Stat, scale: float = 1e-3) -> None:
     row["time_rounds_ms" if field == "time_ms" else f"{base}_rounds_ms"] = [v * scale for v in stat.rounds_us]
 
 
-def _time_case(case, prepared, rows, settings, device, progress) -> None:
+def _time_case(case, prepared, rows, settings, device, progress, copy_gbps=None) -> None:
     cuda = device.type == "cuda"
     steps = {key: step for p in prepared.values() for key, step in p.steps.items()}
     # Decode: wall time only (generate synchronizes every token), and at least 3 generate calls per round, whose
@@ -593,6 +603,10 @@ def _time_case(case, prepared, rows, settings, device, progress) -> None:
         key = p.main_key
         _put(row, "time_ms", gpu.get(key) or wall[key])
         row["wall_ms"] = wall[key].median_us / 1e3
+        if p.floor_bytes is not None and copy_gbps:
+            row["floor_mb"] = p.floor_bytes / 2**20
+            row["floor_ms"] = p.floor_bytes / (copy_gbps * 1e9) * 1e3
+            row["of_floor"] = row["floor_ms"] / row["time_ms"] if row["time_ms"] else None
         full = f"{v}|full"
         if full in p.steps:
             _put(row, "full_logits_ms", gpu.get(full) or wall[full])
