@@ -296,3 +296,23 @@ def test_a_bad_norm_is_one_line():
         kern.fp8_weight_gemm(x, wg.values, wg.scale_inv, activation=0, norm_weight=nw, norm_kind=3)
     with pytest.raises(InputError, match="norm_weight: given without a norm_kind"):
         kern.quantize(x, norm_weight=nw)
+
+
+@pytest.mark.parametrize("m", [5, 40])
+def test_the_two_layer_mlp_runs_the_same_kernels_without_an_up_projection(m):
+    """fp8_gated_mlp with no up projection (GPT-2's c_fc / c_proj): the weight-only kernels at decode sizes, x and
+    h quantized (h in the first GEMM's epilogue) above; against the recipe in float64 within its bound, and against
+    the reference path within a few of h's roundings norm-wise."""
+    from mlpfuse.ops import fp8_mlp
+
+    x, (wg, _, wd), (bg, _, bd) = _case(15, m, 256, 384, bias=True)
+    args = (x, wg.values, wg.scale_inv, None, None, wd.values, wd.scale_inv, bg, None, bd)
+    y = fp8_mlp.fp8_gated_mlp(*args, activation="gelu_tanh", backend="triton")
+    ref = fp8_mlp.fp8_gated_mlp(*args, activation="gelu_tanh", backend="torch")
+    w64 = [w.dequantize(torch.float64) for w in (wg, wd)]
+    y64, bound = reference.gated_mlp_fp8_bound(x.double(), w64[0], None, w64[1], "gelu_tanh", bg.double(), None,
+                                               bd.double(), out_roundoff=2.0**-24,
+                                               accumulation=reference.FP8_MMA_ACCUMULATION if HAS_CUDA else
+                                               reference.FP32_ACCUMULATION)
+    assert bool(((y.double() - y64).abs() <= bound).all())
+    assert float((y - ref).norm() / ref.norm()) < 4 * U / 16  # the same recipe: h's roundings may differ at ties

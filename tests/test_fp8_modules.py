@@ -165,11 +165,13 @@ def test_patch_fp8_quantizes_verifies_reports_and_unpatch_dequantizes():
 
 def test_patch_fp8_keeps_what_it_cannot_quantize_with_why():
     pytest.importorskip("transformers")
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import BertConfig, BertModel
 
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=100)).eval()
-    report = mlpfuse.patch(gpt2, precision="fp8")
-    assert report.swapped and report.fp8_kept and "FP8 covers gated MLPs" in report.fp8_kept[0].reason
+    bert = BertModel(BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
+                                vocab_size=100)).eval()
+    report = mlpfuse.patch(bert, precision="fp8")  # linear-act and post-norm blocks: not an MLP FP8 covers
+    assert report.swapped and len(report.fp8_kept) == len(report.swapped)
+    assert all("FP8 covers gated and two-layer MLPs" in k.reason for k in report.fp8_kept)
     with pytest.raises(InputError, match="recompute"):
         mlpfuse.patch(_tiny_llama(), precision="fp8", recompute=True)
 
@@ -249,3 +251,39 @@ def test_patch_fp8_hands_the_norm_to_the_fp8_block_and_applies_it_once(tokens):
         assert torch.equal(out_f, out_p)
     else:  # the kernels round the norm inside (weight-only: x·w first, the row scale at the end)
         assert float((out_f.float() - out_p.float()).norm() / out_p.float().norm()) < 2 * fp8.UNIT_ROUNDOFF
+
+
+def test_patch_fp8_quantizes_gpt2s_conv1d_mlp_and_unpatch_gives_the_conv1d_back():
+    """GPT-2's MLP (Conv1D projections, weights [in, out]) in FP8: each block within the recipe's bound against the
+    float64 two-layer MLP of its own weights (checked by patch, and here on the block), its state_dict holding e4m3
+    [out, in] weights with their scales; unpatch gives Conv1D modules back with the dequantized weights in their
+    own [in, out] layout (one e4m3 rounding from the originals)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_embd=256, n_layer=2, n_head=4, vocab_size=300, n_positions=64)
+    model = transformers.GPT2LMHeadModel(cfg).to(DEVICE, torch.bfloat16).eval()
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if ".mlp." in n}
+    report = mlpfuse.patch(model, precision="fp8")
+    assert [s.precision for s in report.swapped] == ["fp8", "fp8"] and "2 in fp8" in report.summary()
+    block = model.transformer.h[0].mlp
+    assert isinstance(block.c_fc, Fp8Linear) and block.c_fc.weight.shape == (1024, 256)
+    assert model.state_dict()["transformer.h.1.mlp.c_proj.weight"].dtype == fp8.DTYPE
+    x = torch.randn(7, 256, device=DEVICE, dtype=torch.bfloat16)
+    w1 = before["transformer.h.0.mlp.c_fc.weight"].double().T  # Conv1D: [in, out]
+    w2 = before["transformer.h.0.mlp.c_proj.weight"].double().T
+    b1, b2 = before["transformer.h.0.mlp.c_fc.bias"].double(), before["transformer.h.0.mlp.c_proj.bias"].double()
+    with torch.no_grad():
+        y = block(x)
+    y64, bound = reference.gated_mlp_fp8_bound(x.double(), w1, None, w2, "gelu_tanh", b1, None, b2,
+                                               out_roundoff=2.0**-8, accumulation=reference.FP8_MMA_ACCUMULATION
+                                               if DEVICE == "cuda" else reference.FP32_ACCUMULATION)
+    assert bool(((y.double() - y64).abs() <= bound).all())
+    mlpfuse.unpatch(model)
+    c_fc = model.transformer.h[0].mlp.c_fc
+    assert type(c_fc).__name__ == "Conv1D" and c_fc.weight.shape == (256, 1024)
+    for name, old in before.items():
+        new = dict(model.named_parameters())[name].detach()
+        assert new.shape == old.shape and new.dtype == old.dtype
+        if name.endswith("weight"):  # within one e4m3 rounding of its block's scale
+            assert bool(((new.double() - old.double()).abs() <= fp8.UNIT_ROUNDOFF * old.double().abs()
+                         + float(old.abs().max()) / 448 * 2.0**-9).all())

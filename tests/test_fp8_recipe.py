@@ -358,3 +358,27 @@ def test_massive_activation_tokens_spoil_every_token_per_tensor_but_none_in_the_
     _, bound = reference.gated_mlp_fp8_bound(x, *ws, "gelu_tanh", out_roundoff=2.0**-24)
     assert bool(((y - y64).abs() <= bound).all())
     assert float(per_token(y).max()) < 0.25 and float(per_token(y_tensor).min()) > 0.5
+
+
+@pytest.mark.parametrize("act,bias,dtype,shape", [
+    ("gelu_tanh", True, torch.float32, (33, 256, 384)),
+    ("relu", False, torch.bfloat16, (17, 200, 300)),
+])
+def test_the_two_layer_fp8_mlp_is_within_the_same_bound_without_an_up_projection(act, bias, dtype, shape):
+    """up None: y = down(act(gate(x))) in the recipe (GPT-2's c_fc / c_proj), against the float64 two-layer MLP,
+    within reference.gated_mlp_fp8_bound with wu None (h = act(g): its error L·|Δg|)."""
+    x, (wg, _, wd), (bg, _, bd) = _mlp_case(12, *shape, bias)
+    x_in = x.to(dtype)
+    x = x_in.double()
+    qg, qd = fp8.quantize_weight(wg), fp8.quantize_weight(wd)
+    y = reference.gated_mlp_fp8(x_in, qg, None, qd, act, bg, None, bd)
+    f = activations.get(act).forward
+    y64 = torch.nn.functional.linear(f(torch.nn.functional.linear(x, wg, bg)), wd, bd)
+    out_roundoff = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-24
+    y_bound, bound = reference.gated_mlp_fp8_bound(x, wg, None, wd, act, bg, None, bd, out_roundoff=out_roundoff)
+    torch.testing.assert_close(y_bound, y64, rtol=1e-12, atol=1e-12)
+    err = (y.double() - y64).abs()
+    assert bool((err <= bound).all()), float((err / bound).max())
+    assert 1e-3 < float(err.norm() / y64.norm()) < 2 * U  # FP8's error, not bf16's, and not a wrong function
+    wrong = reference.gated_mlp_fp8(x_in, qg, None, qd, "gelu" if act == "relu" else "relu", bg, None, bd)
+    assert float((wrong.double() - y64).norm() / y64.norm()) > 2 * U  # another activation is told apart

@@ -229,14 +229,16 @@ def gated_mlp_fp8(
         h = act(g)·u in fp32, then 1×128 quantized: in the fused kernel the epilogue does this, as a 128-column
             tile of h is exactly one scale group per row, so its amax is known before h leaves the chip
         y = h·Wdᵀ + bd in fp32, returned in x's dtype.
-    Biases stay in high precision (added in fp32), as checkpoints keep them."""
+    `up` None: the two-layer MLP, h = act(g). Biases stay in high precision (added in fp32), as checkpoints keep
+    them."""
     from mlpfuse import fp8
 
     f32 = torch.float32
     xd = fp8.dequantize_activation(*fp8.quantize_activation(x))
     g = F.linear(xd, gate.dequantize(f32), _at(gate_bias, f32))
-    u = F.linear(xd, up.dequantize(f32), _at(up_bias, f32))
-    h = activations.get(activation).forward(g) * u
+    h = activations.get(activation).forward(g)
+    if up is not None:
+        h = h * F.linear(xd, up.dequantize(f32), _at(up_bias, f32))
     hd = fp8.dequantize_activation(*fp8.quantize_activation(h))
     return F.linear(hd, down.dequantize(f32), _at(down_bias, f32)).to(x.dtype)
 
@@ -254,12 +256,15 @@ def linear_fp8_weight_only(x: Tensor, weight, bias: Optional[Tensor] = None, act
 def gated_mlp_fp8_weight_only(x: Tensor, gate, up, down, activation="gelu_tanh", gate_bias: Optional[Tensor] = None,
                               up_bias: Optional[Tensor] = None, down_bias: Optional[Tensor] = None) -> Tensor:
     """The gated MLP with `fp8.Fp8Weight` weights and unquantized activations: g, u, h in fp32, h rounded once to
-    x's dtype (what the weight-only kernels store between their two launches), y in x's dtype."""
+    x's dtype (what the weight-only kernels store between their two launches), y in x's dtype. `up` None: the
+    two-layer MLP."""
     f32 = torch.float32
     xf = x.float()
     g = F.linear(xf, gate.dequantize(f32), _at(gate_bias, f32))
-    u = F.linear(xf, up.dequantize(f32), _at(up_bias, f32))
-    h = (activations.get(activation).forward(g) * u).to(x.dtype)
+    h = activations.get(activation).forward(g)
+    if up is not None:
+        h = h * F.linear(xf, up.dequantize(f32), _at(up_bias, f32))
+    h = h.to(x.dtype)
     return F.linear(h.float(), down.dequantize(f32), _at(down_bias, f32)).to(x.dtype)
 
 
@@ -283,7 +288,8 @@ def gated_mlp_fp8_bound(x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, activatio
         the GLU: |act(g̃)·ũ − act(g)·u| ≤ L·eg·(|u| + eu) + |act(g)|·eu, L = sup|act'|, plus its fp32 evaluation
     γ = (128 + 4)·accumulation per K block (FP8_MMA_ACCUMULATION for tensor-core sums, else fp32's 2^-24 over the
     whole K). The weight-only path (x and h not quantized, h rounded to a 16-bit dtype at most 2^-9) stays within
-    the same bound. Rigorous, so loose: ~√K above a typical error for random signs."""
+    the same bound. `wu` None: the two-layer MLP, h = act(g) (|Δh| ≤ L·eg plus its fp32 evaluation). Rigorous,
+    so loose: ~√K above a typical error for random signs."""
     from mlpfuse import fp8
 
     u, sub = fp8.UNIT_ROUNDOFF, fp8.SUBNORMAL_HALF_SPACING
@@ -311,17 +317,23 @@ def gated_mlp_fp8_bound(x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, activatio
     lipschitz = float(act.grad(grid).abs().max()) * 1.001
     ex = rounding(x.abs(), "row")
     pre = []
-    for w, b in ((wg, bg), (wu, bu)):
+    for w, b in ((wg, bg), (wu, bu)) if wu is not None else ((wg, bg),):
         ew = rounding(w.abs(), "block")
         e = ex @ w.abs().T + x.abs() @ ew.T + ex @ ew.T
         e += gamma(x.shape[-1]) * ((x.abs() + ex) @ (w.abs() + ew).T + (0 if b is None else b.abs()))
         pre.append(e)
-    eg, eu = pre
-    g, up = gated_preact(x, wg, wu, bg, bu)
+    eg = pre[0]
+    g = F.linear(x, wg, bg)
     a = act.forward(g)
-    h = a * up
-    eh = lipschitz * eg * (up.abs() + eu) + a.abs() * eu
-    eh += 2.0**-18 * (a.abs() + g.abs() + eg + 1e-30) * (up.abs() + eu)  # act and product evaluated in fp32
+    if wu is None:  # the two-layer MLP: h = act(g)
+        h = a
+        eh = lipschitz * eg + 2.0**-18 * (a.abs() + g.abs() + eg + 1e-30)  # act evaluated in fp32
+    else:
+        eu = pre[1]
+        up = F.linear(x, wu, bu)
+        h = a * up
+        eh = lipschitz * eg * (up.abs() + eu) + a.abs() * eu
+        eh += 2.0**-18 * (a.abs() + g.abs() + eg + 1e-30) * (up.abs() + eu)  # act and product evaluated in fp32
     hb = h.abs() + eh
     eh = eh + rounding(hb, "row")
     ewd = rounding(wd.abs(), "block")

@@ -1,6 +1,7 @@
 """The MLP in FP8 (inference): where precision "fp8" goes from a module to its kernels, in one file.
 
-    fp8_gated_mlp(x, Wg, sg, Wu, su, Wd, sd, bg?, bu?, bd?, activation, backend, norm?) -> y   (y of norm(x))
+    fp8_gated_mlp(x, Wg, sg, Wu?, su?, Wd, sd, bg?, bu?, bd?, activation, backend, norm?) -> y   (y of norm(x);
+        without Wu the two-layer MLP, y = down(act(gate(x))))
     fp8_linear(x, W, s, b?, activation, backend) -> act(x·Wᵀ + b)
 
 W* are e4m3 values [out, in] and s* their fp32 128×128 block scales (mlpfuse.fp8). Two paths, chosen here by the
@@ -114,7 +115,7 @@ def _gated_impl(x, wg, sg, wu, su, wd, sd, bg, bu, bd, activation: str, backend:
     if _path(x.device, backend) == "torch":
         if norm_kind:
             x2 = rms_norm(x2, norm_weight, norm_eps, norm_kind)
-        w = [_weight(v, s, x.dtype) for v, s in ((wg, sg), (wu, su), (wd, sd))]
+        w = [None if v is None else _weight(v, s, x.dtype) for v, s in ((wg, sg), (wu, su), (wd, sd))]
         if m <= WEIGHT_ONLY_MAX_M:
             y = reference.gated_mlp_fp8_weight_only(x2, *w, act.name, bg, bu, bd)
         else:
@@ -122,7 +123,7 @@ def _gated_impl(x, wg, sg, wu, su, wd, sd, bg, bu, bd, activation: str, backend:
         return y.reshape(*x.shape[:-1], wd.shape[0])
     kern = _kernels()
     x2 = x2.contiguous()
-    if m <= WEIGHT_ONLY_MAX_M and DECODE_KERNEL:  # the decode kernel with e4m3 weights: h stays on chip
+    if m <= WEIGHT_ONLY_MAX_M and DECODE_KERNEL and wu is not None:  # the decode kernel: h stays on chip
         y = dispatch.kernel("decode_mlp").decode_gated_mlp_fp8(x2, wg, sg, wu, su, wd, sd, bg, bu, bd,
                                                                 activation=act.id, **norm)
     elif m <= WEIGHT_ONLY_MAX_M:  # the RMSNorm, if any, in the first kernel's prologue
@@ -159,7 +160,8 @@ def _linear_impl(x, w, s, b, activation: str, backend: str) -> Tensor:
 
 
 @torch.library.custom_op("mlpfuse::fp8_gated_mlp", mutates_args=())
-def _gated_op(x: Tensor, gate_weight: Tensor, gate_scale: Tensor, up_weight: Tensor, up_scale: Tensor,
+def _gated_op(x: Tensor, gate_weight: Tensor, gate_scale: Tensor, up_weight: Optional[Tensor],
+              up_scale: Optional[Tensor],
               down_weight: Tensor, down_scale: Tensor, gate_bias: Optional[Tensor], up_bias: Optional[Tensor],
               down_bias: Optional[Tensor], activation: str, backend: str, norm_weight: Optional[Tensor],
               norm_eps: float, norm_kind: int) -> Tensor:
@@ -198,12 +200,14 @@ def _check_call(x, w: Tensor, biases) -> None:
         raise InputError(f"x: on {x.device}, the FP8 weights on {w.device}")
 
 
-def fp8_gated_mlp(x: Tensor, gate_weight: Tensor, gate_scale: Tensor, up_weight: Tensor, up_scale: Tensor,
-                  down_weight: Tensor, down_scale: Tensor, gate_bias: Optional[Tensor] = None,
-                  up_bias: Optional[Tensor] = None, down_bias: Optional[Tensor] = None, activation: str = "silu",
-                  backend: str = "", norm=None) -> Tensor:
+def fp8_gated_mlp(x: Tensor, gate_weight: Tensor, gate_scale: Tensor, up_weight: Optional[Tensor],
+                  up_scale: Optional[Tensor], down_weight: Tensor, down_scale: Tensor,
+                  gate_bias: Optional[Tensor] = None, up_bias: Optional[Tensor] = None,
+                  down_bias: Optional[Tensor] = None, activation: str = "silu", backend: str = "",
+                  norm=None) -> Tensor:
     """y = down(act(gate(x))·up(x)), each weight as e4m3 values and fp32 128×128 scales (the fields of an
-    fp8.Fp8Weight), any leading dimensions, y in x's dtype. `norm` (ops.norm.RMSNormPrologue): the block's input
+    fp8.Fp8Weight), any leading dimensions, y in x's dtype; with `up_weight` None the two-layer MLP
+    y = down(act(gate(x))) (GPT-2's c_fc / c_proj). `norm` (ops.norm.RMSNormPrologue): the block's input
     is norm(x): above WEIGHT_ONLY_MAX_M tokens the quantization's pass normalises x; at decode sizes the norm runs as
     its own module first (NORM_IN_WEIGHT_ONLY), as does a norm whose weight is not in x's dtype."""
     _check_call(x, gate_weight, (gate_bias, up_bias, down_bias))

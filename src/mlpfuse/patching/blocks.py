@@ -71,6 +71,9 @@ class PatchedBlock(nn.Module):
         self.fused_activation = activation
         self.fused_backend = backend
         self.fused_dropout = dropout  # a dropout child that sits inside the fused computation ('' when none)
+        # "fp8" once patch(precision="fp8") quantized the projections (mlpfuse.patching.quantize): they are then
+        # modules.Fp8Linear, in this block and in the module it replaced.
+        self.fused_precision = ""
 
     def _dropout_active(self) -> bool:
         if not self.fused_dropout:
@@ -86,7 +89,8 @@ class PatchedBlock(nn.Module):
 
     def extra_repr(self) -> str:
         backend = self.fused_backend or "env"
-        return f"{type(self.fused_source).__name__} fused: activation={self.fused_activation}, backend={backend}"
+        fp8 = ", precision=fp8" if self.fused_precision == "fp8" else ""
+        return f"{type(self.fused_source).__name__} fused: activation={self.fused_activation}, backend={backend}{fp8}"
 
 
 class GatedBlock(PatchedBlock):
@@ -110,14 +114,10 @@ class GatedBlock(PatchedBlock):
         # The RMSNorm in front of the block, when patching handed it over (mlpfuse.patching.norms): the norm module
         # then passes its input through and this block applies it (its decode kernels, or the norm's own forward).
         self.fused_norm = None
-        # "fp8" once patch(precision="fp8") quantized the projections (mlpfuse.patching.quantize): they are then
-        # modules.Fp8Linear, in this block and in the module it replaced.
-        self.fused_precision = ""
 
     def extra_repr(self) -> str:
         extra = ", the norm in front handed over" if self.fused_norm is not None else ""
-        fp8 = ", precision=fp8" if self.fused_precision == "fp8" else ""
-        return super().extra_repr() + extra + (", recompute=True" if self.fused_recompute else "") + fp8
+        return super().extra_repr() + extra + (", recompute=True" if self.fused_recompute else "")
 
     def fused_halves(self, t, rows: int):
         """(gate part, up part) of a packed projection's tensor split after `rows` rows; (None, None) for None."""
@@ -194,9 +194,22 @@ class TwoLayerBlock(PatchedBlock):
         # The second projection's class as patched (nn.Linear or Conv1D): while it is still that class and nothing
         # hooks its call, the block computes it from its weight (the module's own math), without its Python forward.
         self.__dict__["fused_proj_type"] = type(self._modules[linears[1]])
+        # precision "fp8": the projections as they were (their weight dropped), for `unpatch` to give back
+        self.__dict__["fused_fp8_originals"] = {}
+
+    def fp8_call(self, x: Tensor, children=None) -> Tensor:
+        """The two-layer MLP on FP8 projections (modules.Fp8Linear, [out, in] whatever the layout patched): this
+        block's, or `children` (fc, proj)."""
+        fc, proj = children if children is not None else [self._modules[n] for n in self.fused_linears]
+        return fp8_mlp.fp8_gated_mlp(x, fc.weight, fc.weight_scale_inv, None, None, proj.weight, proj.weight_scale_inv,
+                                     fc.bias, None, proj.bias, self.fused_activation, self.fused_backend)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         mods = self._modules
+        if self.fused_precision == "fp8":
+            if self._dropout_active():
+                return self._source_forward(hidden_states)
+            return self._dropout_after(self.fp8_call(hidden_states))
         fc, proj = mods[self.fused_linears[0]], mods[self.fused_linears[1]]
         w, b = _weight_bias(fc)
         if proj.weight.dtype is not w.dtype or self._dropout_active():
@@ -218,9 +231,11 @@ class TwoLayerBlock(PatchedBlock):
                 if dispatch.resolve_backend(backend) == "auto":
                     backend = "torch"
             h = linear_act_call(hidden_states, w, b, self.fused_activation, backend, self._fused_plan)
-        y = self._project(proj, h)
+        return self._dropout_after(self._project(proj, h))
+
+    def _dropout_after(self, y: Tensor) -> Tensor:
         if self.fused_dropout_after:
-            drop = mods[self.fused_dropout_after]
+            drop = self._modules[self.fused_dropout_after]
             if _does_more(drop):
                 y = drop(y)
         return y

@@ -1,4 +1,4 @@
-"""`patch(model, precision="fp8")`: each swapped gated block's projections quantized into the FP8 recipe
+"""`patch(model, precision="fp8")`: each swapped gated or two-layer block's projections quantized into the FP8 recipe
 (mlpfuse.fp8) once, at patch time, and the high-precision weights dropped.
 
 A block is quantized only after its FP8 output is checked on numbers, on its own weights: random rows in the model's
@@ -11,7 +11,8 @@ quantized.
 
 The quantized projections (modules.Fp8Linear, transformers' FP8Linear keys) replace the originals in the block and in
 the module it replaced, so nothing holds the old weights; `unpatch` puts back nn.Linear modules holding the
-dequantized weights (lossy).
+dequantized weights (lossy) — for a two-layer block its own projections (nn.Linear or GPT-2's Conv1D, [in, out])
+with the dequantized weight in their layout.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ def quantize_blocks(model: nn.Module, report) -> None:
             else:
                 adopted_failed.append((i, reason))
             continue
-        if not isinstance(block, blocks.GatedBlock):
+        if not isinstance(block, (blocks.GatedBlock, blocks.TwoLayerBlock)):
             report.fp8_kept.append(Left(swapped.path, type(source).__name__,
-                                        f"a {block.fused_layout} block: FP8 covers gated MLPs"))
+                                        f"a {block.fused_layout} block: FP8 covers gated and two-layer MLPs"))
             continue
         if block.fused_precision == "fp8":
             continue
@@ -78,7 +79,7 @@ def _adopt(block, dtype: torch.dtype) -> tuple[Optional[float], Optional[str]]:
     nothing copied but e8m0 scales widened), checked against the recipe in float64 on the dequantized weights; the
     module it replaced keeps its FP8Linear children, which `unpatch` gives back."""
     if not isinstance(block, blocks.GatedBlock):
-        return None, f"a FineGrainedFP8 {block.fused_layout} block: FP8 covers gated MLPs"
+        return None, f"a FineGrainedFP8 {block.fused_layout} block: checkpoints run as they are for gated MLPs"
     if block.fused_in_scale != 1.0 or block.fused_out_scale != 1.0:
         return None, "gate or down multipliers (scaled inputs): not in the FP8 path"
     mods = block._modules
@@ -107,12 +108,13 @@ def _adopt(block, dtype: torch.dtype) -> tuple[Optional[float], Optional[str]]:
     return error, None
 
 
-def _quantize(block: blocks.GatedBlock) -> tuple[Optional[float], Optional[str]]:
+def _quantize(block) -> tuple[Optional[float], Optional[str]]:
     """(error, None) when the block was quantized, (None, why not) when it stays in its dtype."""
     mods = block._modules
     names = block.fused_linears
     linears = [mods[n] for n in names]
-    weights = [m.weight for m in linears]
+    transposed = getattr(block, "fused_transposed", False)  # GPT-2's Conv1D keeps its weight [in, out]
+    weights = [m.weight.t() if transposed else m.weight for m in linears]
     dtype = weights[0].dtype
     if any(w.dtype != dtype for w in weights):
         return None, f"projections in different dtypes ({', '.join(str(w.dtype) for w in weights)})"
@@ -120,9 +122,9 @@ def _quantize(block: blocks.GatedBlock) -> tuple[Optional[float], Optional[str]]
         return None, f"weights in {dtype}"
     if any(_sharded(w) for w in weights):
         return None, "sharded (DTensor) weights: quantize before tensor parallelism"
-    if block.fused_in_scale != 1.0 or block.fused_out_scale != 1.0:
+    if getattr(block, "fused_in_scale", 1.0) != 1.0 or getattr(block, "fused_out_scale", 1.0) != 1.0:
         return None, "gate or down multipliers (scaled inputs): not in the FP8 path"
-    if block.fused_packed and block.fused_hidden % 128:
+    if getattr(block, "fused_packed", False) and block.fused_hidden % 128:
         return None, (f"a packed gate_up projection whose halves ({block.fused_hidden} rows) are not a whole number "
                       f"of 128-row scale blocks")
     try:
@@ -130,16 +132,21 @@ def _quantize(block: blocks.GatedBlock) -> tuple[Optional[float], Optional[str]]
     except InputError as exc:
         return None, str(exc)
     with torch.no_grad():
-        fp8_children = [Fp8Linear.from_linear(m) for m in linears]
-        error, reason = _verify(block, [m.weight.detach() for m in linears],
+        fp8_children = [Fp8Linear.from_weight(w.contiguous(), m.bias) if transposed else Fp8Linear.from_linear(m)
+                        for w, m in zip(weights, linears)]
+        error, reason = _verify(block, [w.detach() for w in weights],
                                 [None if m.bias is None else m.bias.detach() for m in linears], dtype, fp8_children)
     if reason is not None:
         return None, reason
     source = block.fused_source
-    for name, child in zip(names, fp8_children):
+    two_layer = isinstance(block, blocks.TwoLayerBlock)
+    for name, child, original in zip(names, fp8_children, linears):
         mods[name] = child
         if source._modules.get(name) is not None:
-            source._modules[name] = child  # the original Linear (and its weight) is no longer held
+            source._modules[name] = child  # the original projection (and its weight) is no longer held
+        if two_layer:  # kept for unpatch, its weight dropped: it comes back in the projection's own layout
+            original._parameters["weight"] = None
+            block.fused_fp8_originals[name] = original
     block.fused_precision = "fp8"
     return error, None
 
@@ -147,7 +154,9 @@ def _quantize(block: blocks.GatedBlock) -> tuple[Optional[float], Optional[str]]
 def _verify(block, w: list, b: list, dtype: torch.dtype, fp8_children) -> tuple[Optional[float], Optional[str]]:
     """The block on `fp8_children` against the float64 MLP of the high-precision weights `w` and biases `b` (in the
     block's layout), inputs in `dtype`: (error, None), or (None, why) where it exceeds the recipe's bound."""
-    if block.fused_packed:
+    if isinstance(block, blocks.TwoLayerBlock):  # y = proj(act(fc(x))): no up projection
+        (wg, wd), (bg, bd), wu, bu = w, b, None, None
+    elif block.fused_packed:
         (wg, wu), (bg, bu) = block.fused_halves(w[0], block.fused_hidden), block.fused_halves(b[0], block.fused_hidden)
         wd, bd = w[1], b[1]
     else:
@@ -175,10 +184,21 @@ def _verify(block, w: list, b: list, dtype: torch.dtype, fp8_children) -> tuple[
     return error, None
 
 
-def restore(block: blocks.GatedBlock) -> None:
-    """For `unpatch`: the replaced module's FP8 projections back as nn.Linear modules (dequantized, lossy)."""
+def restore(block) -> None:
+    """For `unpatch`: the replaced module's FP8 projections back as nn.Linear modules (dequantized, lossy); a
+    two-layer block's as the projections it replaced (nn.Linear, or Conv1D's [in, out]), holding the dequantized
+    weight."""
     source = block.fused_source
+    originals = getattr(block, "fused_fp8_originals", {})
     for name in block.fused_linears:
         child = source._modules.get(name)
-        if isinstance(child, Fp8Linear):
+        if not isinstance(child, Fp8Linear):
+            continue
+        original = originals.get(name)
+        if original is None:
             source._modules[name] = child.to_linear()
+            continue
+        w = child.fp8_weight().dequantize(child.dtype)
+        original.weight = nn.Parameter(w.t().contiguous() if block.fused_transposed else w)
+        source._modules[name] = original
+    originals.clear()

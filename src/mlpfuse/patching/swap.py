@@ -82,7 +82,7 @@ def unpatch(model: nn.Module) -> list[str]:
                 continue
             path = f"{prefix}.{name}" if prefix else name
             if isinstance(child, blocks.PatchedBlock):
-                if isinstance(child, blocks.GatedBlock) and child.fused_precision == "fp8":
+                if child.fused_precision == "fp8":
                     quantize.restore(child)
                 source = child.fused_source
                 source.training = child.training
