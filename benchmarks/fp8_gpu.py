@@ -63,7 +63,18 @@ def rel(y, y64):
     return float((y.double() - y64).norm() / y64.norm())
 
 
-def time_rounds(fns: dict, rounds: int, calls: int):
+def clocks() -> tuple:
+    """(SM clock MHz, power W) now, from NVML through torch; (None, None) where NVML does not answer."""
+    try:
+        return torch.cuda.clock_rate(), torch.cuda.power_draw() / 1000
+    except Exception:  # noqa: BLE001 - a record beside the timing, never a reason to stop it
+        return None, None
+
+
+def time_rounds(fns: dict, rounds: int, calls: int, state: dict | None = None):
+    """CUDA-event GPU µs and host µs per call, `calls` back to back per variant per round; `state` (optional)
+    receives each variant's SM clock and power right after each of its batches (the harnesses disagreed for the FP8
+    block at 8192 tokens: clocks under the power limit are one suspect)."""
     gpu = {k: [] for k in fns}
     host = {k: [] for k in fns}
     for _ in range(rounds):
@@ -76,6 +87,8 @@ def time_rounds(fns: dict, rounds: int, calls: int):
                 fn()
             end.record()
             t1 = time.perf_counter()
+            if state is not None:
+                state.setdefault(name, []).append(clocks())
             torch.cuda.synchronize()
             gpu[name].append(start.elapsed_time(end) * 1000 / calls)
             host[name].append((t1 - t0) * 1e6 / calls)
@@ -169,13 +182,15 @@ def bench(out: dict, dim: int, hidden: int, tokens: int, decode: list[int], roun
             for fn in fns.values():  # warm: compile and autotune outside the timing
                 fn()
             calls = 5 if m >= 4096 else 50
-            gpu, host = time_rounds(fns, rounds, calls)
+            state: dict = {}
+            gpu, host = time_rounds(fns, rounds, calls, state)
             import triton.testing
             dob = {k: triton.testing.do_bench(fn, warmup=25, rep=100) * 1000 for k, fn in fns.items()}
         base = statistics.median(gpu["bf16 eager"])
         rows[m] = {k: {"gpu_us": statistics.median(v), "min": min(v), "max": max(v),
                        "host_us": statistics.median(host[k]), "do_bench_us": dob[k],
-                       "vs_bf16_eager": statistics.median(v) / base, "err": errs.get(k)} for k, v in gpu.items()}
+                       "vs_bf16_eager": statistics.median(v) / base, "err": errs.get(k),
+                       "sm_mhz_power_w": state.get(k)} for k, v in gpu.items()}
         print(f"[{m} tokens] " + "  ".join(f"{k}: {rows[m][k]['gpu_us']:.1f}us" for k in rows[m]), flush=True)
     out["bench"] = {"dim": dim, "hidden": hidden, "rows": rows, "weight_bytes_fp8": 3 * dim * hidden,
                     "weight_bytes_scales": 4 * sum(s.numel() for s in (f8.gate_proj.weight_scale_inv,
@@ -206,7 +221,7 @@ def main():
     with open(os.path.join(a.out, "fp8.json"), "w") as f:
         json.dump(out, f, indent=1, default=str)
     print(f"\n{out['device']}  {a.dim}x{a.hidden} SwiGLU, GPU µs per call: median [min-max] of {a.rounds} interleaved "
-          f"rounds | do_bench | host µs | ×bf16 eager | rel. error vs float64")
+          f"rounds | do_bench | host µs | ×bf16 eager | rel. error vs float64 | SM MHz, W under the events' batches")
     for m, r in rows.items():
         print(f"-- {m} tokens")
         for k, v in r.items():
@@ -214,8 +229,11 @@ def main():
             gbs = ""
             if k == "fp8 mlpfuse":
                 gbs = f"  weights at {out['bench']['weight_bytes_fp8'] / v['gpu_us'] / 1e3:.0f} GB/s"
+            seen = [c for c in v.get("sm_mhz_power_w") or () if c[0] is not None]
+            clk = (f" | {statistics.median(c[0] for c in seen):.0f} MHz, {statistics.median(c[1] for c in seen):.0f} W"
+                   if seen else "")
             print(f"  {k:24s} {v['gpu_us']:9.1f} [{v['min']:.1f}-{v['max']:.1f}] | {v['do_bench_us']:9.1f} | "
-                  f"{v['host_us']:7.1f} | {v['vs_bf16_eager']:.3f}x | {err}{gbs}")
+                  f"{v['host_us']:7.1f} | {v['vs_bf16_eager']:.3f}x | {err}{gbs}{clk}")
 
 
 if __name__ == "__main__":
