@@ -341,3 +341,96 @@ def gated_mlp_fp8_bound(x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, activatio
     ey += gamma(h.shape[-1]) * ((hb + eh) @ (wd.abs() + ewd).T + (0 if bd is None else bd.abs()))
     y = F.linear(h, wd, bd)
     return y, ey + out_roundoff * (y.abs() + ey)
+
+
+# ---- FP8 training: the recipe's reference path (forward and backward), the oracle for its kernels --------------
+#
+# Every GEMM of the step takes FP8 operands, each scaled along the dimension it contracts, as the recipe's forward
+# does (DeepSeek-V3's fine-grained scheme, carried into the backward):
+#     forward   g, u = x·Wgᵀ, x·Wuᵀ        x 1×128 along D, W 128×128           (as gated_mlp_fp8)
+#               y = h·Wdᵀ                  h 1×128 along H
+#     dgrad     dh = dy·Wd                 dy 1×128 along D
+#               dx = dg·Wg + du·Wu         dg, du 1×128 along H
+#     wgrad     dWd = dyᵀ·h                dy, h 128×1 along the tokens M
+#               dWg, dWu = dgᵀ·x, duᵀ·x    dg, du, x 128×1 along M
+# All in e4m3 (gradients too: with one scale per 128 values, e4m3's 2^-4 roundoff beats e5m2's 2^-3 wherever a
+# group spans less than e4m3's 2^17 of range; benchmarks/fp8_grad_format.py measures both), products and sums in
+# fp32, the GLU and its backward in fp32 on the saved g and u. Master weights stay in their dtype and are quantized
+# each step. The step keeps for the backward x in FP8 (its 1×128 values and scales) and g, u either in FP8
+# (`save="fp8"`, 1×128 along H) or in x's dtype (`save="high"`); h is rebuilt from them.
+
+def _round_trip_rows(t: Tensor) -> Tensor:
+    """t quantized 1×128 along its last dimension and dequantized, in fp32."""
+    from mlpfuse import fp8
+
+    return fp8.dequantize_activation(*fp8.quantize_activation(t))
+
+
+def _round_trip_tokens(t: Tensor) -> Tensor:
+    """t [M, N] quantized 128×1 (one scale per channel and 128 consecutive tokens) and dequantized, in fp32."""
+    return _round_trip_rows(t.t()).t()
+
+
+class GatedMLPFp8Train(torch.autograd.Function):
+    """y = down(act(gate(x))·up(x)) with every GEMM of its forward and backward in FP8 (the scheme above)."""
+
+    @staticmethod
+    def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str, save: str):
+        from mlpfuse import fp8
+
+        f32 = torch.float32
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, xs = fp8.quantize_activation(x2)
+        xd = fp8.dequantize_activation(xq, xs)
+        g = F.linear(xd, fp8.quantize_weight(wg.detach()).dequantize(f32), _at(bg, f32))
+        u = F.linear(xd, fp8.quantize_weight(wu.detach()).dequantize(f32), _at(bu, f32))
+        h = activations.get(activation).forward(g) * u
+        y = F.linear(_round_trip_rows(h), fp8.quantize_weight(wd.detach()).dequantize(f32), _at(bd, f32))
+        if save == "fp8":
+            kept = (*fp8.quantize_activation(g), *fp8.quantize_activation(u))
+        else:
+            kept = (g.to(x.dtype), u.to(x.dtype))
+        ctx.save_for_backward(xq, xs, wg, wu, wd, *kept)
+        ctx.activation, ctx.fp8_saved, ctx.x_shape, ctx.x_dtype = activation, save == "fp8", x.shape, x.dtype
+        ctx.has_bias = (bg is not None, bu is not None, bd is not None)
+        return y.to(x.dtype).reshape(*x.shape[:-1], wd.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        from mlpfuse import fp8
+
+        f32 = torch.float32
+        xq, xs, wg, wu, wd, *kept = ctx.saved_tensors
+        if ctx.fp8_saved:
+            g, u = fp8.dequantize_activation(kept[0], kept[1]), fp8.dequantize_activation(kept[2], kept[3])
+        else:
+            g, u = kept[0].float(), kept[1].float()
+        act = activations.get(ctx.activation)
+        a = act.forward(g)
+        h = a * u
+        dy2 = dy.reshape(-1, dy.shape[-1]).float()
+        wgd, wud, wdd = (fp8.quantize_weight(w.detach()).dequantize(f32) for w in (wg, wu, wd))
+        dh = _round_trip_rows(dy2) @ wdd
+        dwd = _round_trip_tokens(dy2).t() @ _round_trip_tokens(h)
+        dg = dh * u * act.grad(g)
+        du = dh * a
+        dx = _round_trip_rows(dg) @ wgd + _round_trip_rows(du) @ wud
+        x_tokens = _round_trip_tokens(fp8.dequantize_activation(xq, xs))
+        dwg = _round_trip_tokens(dg).t() @ x_tokens
+        dwu = _round_trip_tokens(du).t() @ x_tokens
+        biases = [t.sum(0) if has else None for t, has in zip((dg, du, dy2), ctx.has_bias)]
+        return (dx.to(ctx.x_dtype).reshape(ctx.x_shape), dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype),
+                *(None if b is None else b.to(w.dtype) for b, w in zip(biases, (wg, wu, wd))), None, None)
+
+
+def gated_mlp_fp8_train(x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, activation="silu",
+                        bg: Optional[Tensor] = None, bu: Optional[Tensor] = None, bd: Optional[Tensor] = None,
+                        save: str = "fp8") -> Tensor:
+    """The gated MLP for training in the FP8 recipe (the scheme above), differentiable in x, the weights and the
+    biases: the reference the FP8 training kernels are held to. `save`: "fp8" keeps g and u for the backward in
+    FP8 with their 1×128 scales (half the bytes of a 16-bit dtype), "high" in x's dtype."""
+    from mlpfuse.errors import InputError
+
+    if save not in ("fp8", "high"):
+        raise InputError(f"save: expected 'fp8' or 'high', got {save!r}")
+    return GatedMLPFp8Train.apply(x, wg, wu, wd, bg, bu, bd, activations.get(activation).name, save)
