@@ -11,7 +11,7 @@ Variants, each on its own copy of the model's module tree sharing one set of wei
                       mlpfuse.patch(model, recompute=True) (training keeps only each MLP's input; the backward
                       recomputes the pre-activations), eager and compiled; asked for by name, not in the default set
     mlpfuse-fp8, mlpfuse-fp8-compile
-                      mlpfuse.patch(model, precision="fp8") (each swapped gated MLP in the FP8 recipe; inference
+                      mlpfuse.patch(model, precision="fp8") (each swapped gated or two-layer MLP in FP8; inference
                       modes only), eager and compiled; by name, or with --precision fp8
     compile-checkpoint
                       train mode: the model's own activation checkpointing (transformers'

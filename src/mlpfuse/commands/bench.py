@@ -203,7 +203,8 @@ def _report(folder: Path, result, plots: list[Path]) -> Path:
 
 
 _OPTIONS = ("preset", "tokens", "dim", "hidden", "dtype", "activation", "workload", "mode", "variants",
-            "precision", "compile_mode", "device", "rounds", "target_ms", "no_profile", "no_plots", "remeasure_peaks", "out", "json")
+            "precision", "compile_mode", "device", "rounds", "target_ms", "no_profile", "no_plots", "remeasure_peaks",
+            "out", "json")
 _LAB_OPTIONS = ("model", "layers", "tiny", "tokens", "mode", "new_tokens", "variants", "precision", "dtype",
                 "backend", "compile_backend", "device", "rounds", "target_ms", "out", "json")
 

@@ -161,10 +161,9 @@ def _linear_impl(x, w, s, b, activation: str, backend: str) -> Tensor:
 
 @torch.library.custom_op("mlpfuse::fp8_gated_mlp", mutates_args=())
 def _gated_op(x: Tensor, gate_weight: Tensor, gate_scale: Tensor, up_weight: Optional[Tensor],
-              up_scale: Optional[Tensor],
-              down_weight: Tensor, down_scale: Tensor, gate_bias: Optional[Tensor], up_bias: Optional[Tensor],
-              down_bias: Optional[Tensor], activation: str, backend: str, norm_weight: Optional[Tensor],
-              norm_eps: float, norm_kind: int) -> Tensor:
+              up_scale: Optional[Tensor], down_weight: Tensor, down_scale: Tensor, gate_bias: Optional[Tensor],
+              up_bias: Optional[Tensor], down_bias: Optional[Tensor], activation: str, backend: str,
+              norm_weight: Optional[Tensor], norm_eps: float, norm_kind: int) -> Tensor:
     return _gated_impl(x, gate_weight, gate_scale, up_weight, up_scale, down_weight, down_scale, gate_bias, up_bias,
                        down_bias, activation, backend, norm_weight, norm_eps, norm_kind)
 
