@@ -14,7 +14,9 @@
 #        compiled and graph-replayed rows of the model lab, 32 layers; training 4), model-generate-eager (plain
 #        generate, batch 1 and 8; ~300 s on an H100 host), layer-sweep-DxH-MODE (one layer
 #        size, MODE fwd or fwd+bwd: 64-16384 tokens, GeGLU and SwiGLU, every peer, the GEMMs-alone floor and mlpfuse in a
-#        CUDA graph beside eager in one).
+#        CUDA graph beside eager in one), fp8-tests, fp8-tune, fp8-block, fp8-graphs, fp8-bench, fp8-decode-step,
+#        fp8-prefill, fp8-lm (FP8: the GPU tests, the tile sweeps, the block in eager / graphs / the bench's harness
+#        with the peers (torchao from .whl/), the 32-layer decode step and prefill, the trained-model perplexity).
 #        benchmarks/README.md says what each answers and where its latest result is.
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
@@ -107,6 +109,19 @@ for spec in "$@"; do
         cuda-backend) MLPFUSE_CACHE_DIR=$W/cache run_step cuda-backend "$secs" python3 benchmarks/cuda_backend_gpu.py --out "$W/cuda-backend.md" ;;
         decode-kernels) MLPFUSE_CACHE_DIR=/tmp/mlpfuse-cache run_step decode-kernels "$secs" python3 benchmarks/cuda_backend_gpu.py --only decode --out "$W/decode-kernels.md" ;;
         decode-shapes) run_step decode-shapes "$secs" bash -c "nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -o '$W/decode_shapes' benchmarks/decode_shapes.cu && '$W/decode_shapes' 15" ;;
+        fp8-tests) run_step fp8-tests "$secs" python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py \
+            tests/test_fp8_modules.py tests/test_fp8_recipe.py tests/test_fp8_train.py ;;
+        fp8-tune) run_step fp8-tune "$secs" python3 benchmarks/fp8_tune.py ;;
+        fp8-block) run_step fp8-block "$secs" python3 benchmarks/fp8_gpu.py "$W/fp8-block" --decode 1,16,32,64 --rounds 5 ;;
+        fp8-graphs) run_step fp8-graphs "$secs" bash -c "python3 benchmarks/fp8_decode_gpu.py '$W/fp8-graphs-decode' && \
+            python3 benchmarks/fp8_decode_gpu.py '$W/fp8-graphs-prefill' --tokens 2048,8192" ;;
+        fp8-bench) run_step fp8-bench "$secs" python3 -m mlpfuse bench --precision fp8 --tokens 1,16,8192 --dim 4096 \
+            --hidden 14336 --workload swiglu --rounds 5 --no-profile --no-plots --out "$W/bench-fp8" ;;
+        fp8-decode-step) run_step fp8-decode-step "$secs" python3 -m mlpfuse bench --model llama3-8b --mode decode-step \
+            --tokens 1x128,8x128 --variants eager,mlpfuse,mlpfuse-fp8 --rounds 5 --out "$W/model-fp8-decode-step" ;;
+        fp8-prefill) run_step fp8-prefill "$secs" python3 -m mlpfuse bench --model llama3-8b --mode prefill \
+            --tokens 1x8192 --variants eager,mlpfuse,mlpfuse-fp8 --rounds 5 --out "$W/model-fp8-prefill" ;;
+        fp8-lm) run_step fp8-lm "$secs" python3 benchmarks/stdlib_lm.py "$W/stdlib-lm" ;;
         *) echo "unknown step $step" >> "$SUMMARY" ;;
     esac
 done
