@@ -392,7 +392,7 @@ class GatedMLPFp8Train(torch.autograd.Function):
             kept = (g.to(x.dtype), u.to(x.dtype))
         ctx.save_for_backward(xq, xs, wg, wu, wd, *kept)
         ctx.activation, ctx.fp8_saved, ctx.x_shape, ctx.x_dtype = activation, save == "fp8", x.shape, x.dtype
-        ctx.has_bias = (bg is not None, bu is not None, bd is not None)
+        ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (bg, bu, bd))
         return y.to(x.dtype).reshape(*x.shape[:-1], wd.shape[0])
 
     @staticmethod
@@ -418,9 +418,9 @@ class GatedMLPFp8Train(torch.autograd.Function):
         x_tokens = _round_trip_tokens(fp8.dequantize_activation(xq, xs))
         dwg = _round_trip_tokens(dg).t() @ x_tokens
         dwu = _round_trip_tokens(du).t() @ x_tokens
-        biases = [t.sum(0) if has else None for t, has in zip((dg, du, dy2), ctx.has_bias)]
+        biases = [None if dt is None else t.sum(0).to(dt) for t, dt in zip((dg, du, dy2), ctx.bias_dtypes)]
         return (dx.to(ctx.x_dtype).reshape(ctx.x_shape), dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype),
-                *(None if b is None else b.to(w.dtype) for b, w in zip(biases, (wg, wu, wd))), None, None)
+                *biases, None, None)
 
 
 def gated_mlp_fp8_train(x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, activation="silu",
