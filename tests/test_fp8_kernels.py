@@ -290,8 +290,10 @@ def test_a_bad_norm_is_one_line():
     kern = _k()
     x, (wg, wu, _), _ = _case(14, 4, 256, 128)
     nw = torch.ones(256, device=DEVICE)
-    with pytest.raises(InputError, match=r"norm_weight: expected a contiguous torch.float32 tensor of shape \(256,\)"):
+    with pytest.raises(InputError, match=r"norm_weight: expected a contiguous floating-point \[256\] tensor"):
         kern.quantize(x, norm_weight=nw[:128], norm_kind=1)
+    with pytest.raises(InputError, match=r"norm_weight: expected torch.float32 \(x's dtype\), got torch.float64"):
+        kern.quantize(x, norm_weight=nw.double(), norm_kind=1)
     with pytest.raises(InputError, match="norm_kind: expected 1"):
         kern.fp8_weight_gemm(x, wg.values, wg.scale_inv, activation=0, norm_weight=nw, norm_kind=3)
     with pytest.raises(InputError, match="norm_weight: given without a norm_kind"):

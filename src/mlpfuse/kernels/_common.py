@@ -375,3 +375,25 @@ def needs_i64(*tensors) -> bool:
 def align16(t) -> bool:
     """The pointer-alignment fact Triton specializes a tensor argument on."""
     return t.data_ptr() % 16 == 0
+
+
+# RMSNorm prologues (a kernel's NORM constexpr): none; weight·x·r (Llama, Mistral, Qwen, ...); x·r·(1 + weight)
+# (Gemma); r = 1/sqrt(mean(x²) + eps) per row, in fp32. ops.norm's WEIGHT_AFTER and ONE_PLUS are these values.
+NORM_NONE, NORM_WEIGHT_AFTER, NORM_ONE_PLUS = 0, 1, 2
+
+
+def check_norm(x: torch.Tensor, weight, eps, kind) -> None:
+    """The RMSNorm prologue's arguments for x [M, D]: one InputError line naming what is wrong."""
+    if kind == NORM_NONE:
+        if weight is not None:
+            raise InputError("norm_weight: given without a norm_kind")
+        return
+    if kind not in (NORM_WEIGHT_AFTER, NORM_ONE_PLUS):
+        raise InputError(f"norm_kind: expected {NORM_WEIGHT_AFTER} (weight·norm(x)) or {NORM_ONE_PLUS} "
+                         f"(norm(x)·(1+weight)), got {kind!r}")
+    d = x.shape[1]
+    if (not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (d,) or weight.stride(0) != 1
+            or not weight.is_floating_point() or weight.device != x.device):
+        raise InputError(f"norm_weight: expected a contiguous floating-point [{d}] tensor on {x.device}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+        raise InputError(f"norm_eps: expected a non-negative number, got {eps!r}")

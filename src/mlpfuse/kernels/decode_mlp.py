@@ -55,10 +55,10 @@ MAX_M = 128
 _INTERPRET = C.INTERPRET
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# RMSNorm prologues (the kernel's NORM): none; weight·x·r (Llama, Mistral, Qwen, ...); x·r·(1 + weight) (Gemma);
-# r = 1/sqrt(mean(x²) + eps) per row, in fp32. The kernel rounds x·weight (x·(1 + weight)) to x's dtype for the MMA
-# and applies r to the fp32 products; the modules round x·r and then the product: the two differ by a rounding.
-NORM_NONE, NORM_WEIGHT_AFTER, NORM_ONE_PLUS = 0, 1, 2
+# RMSNorm prologues (the kernel's NORM, _common.NORM_*): the kernel rounds x·weight (x·(1 + weight)) to x's dtype
+# for the MMA and applies r = 1/sqrt(mean(x²) + eps) to the fp32 products; the modules round x·r and then the
+# product: the two differ by a rounding.
+NORM_NONE, NORM_WEIGHT_AFTER, NORM_ONE_PLUS = C.NORM_NONE, C.NORM_WEIGHT_AFTER, C.NORM_ONE_PLUS
 
 
 @triton.jit
@@ -516,21 +516,6 @@ def _check(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation):
         raise InputError(f"activation: expected an activation id from mlpfuse.activations, got {activation!r}")
 
 
-def _check_norm(x, weight, eps, kind):
-    if kind == NORM_NONE:
-        if weight is not None:
-            raise InputError("norm_weight: given without a norm_kind")
-        return
-    if kind not in (NORM_WEIGHT_AFTER, NORM_ONE_PLUS):
-        raise InputError(f"norm_kind: expected one of decode_mlp's NORM_* values, got {kind!r}")
-    d = x.shape[1]
-    if (not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (d,) or weight.stride(0) != 1
-            or not weight.is_floating_point() or weight.device != x.device):
-        raise InputError(f"norm_weight: expected a contiguous floating-point [{d}] tensor on {x.device}")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
-        raise InputError(f"norm_eps: expected a non-negative number, got {eps!r}")
-
-
 def _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow_tf32, bucket, config, norm_kind,
           scales=None):
     d, h = x.shape[1], w_gate.shape[0]
@@ -619,7 +604,7 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
     plan = _plans.get(key) if m <= MAX_M else None
     if plan is None:
         _check(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation)
-        _check_norm(x, norm_weight, norm_eps, norm_kind)
+        C.check_norm(x, norm_weight, norm_eps, norm_kind)
     d = x.shape[1]
     out = torch.empty((m, d), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -662,7 +647,7 @@ def decode_gated_mlp_fp8(x, w_gate, s_gate, w_up, s_up, w_down, s_down, b_gate=N
     for name, b, n in (("b_gate", b_gate, h), ("b_up", b_up, h), ("b_down", b_down, d)):
         if b is not None and (tuple(b.shape) != (n,) or b.dtype != x.dtype or b.device != x.device):
             raise InputError(f"{name}: expected a [{n}] tensor of dtype {x.dtype} on {x.device} or None")
-    _check_norm(x, norm_weight, norm_eps, norm_kind)
+    C.check_norm(x, norm_weight, norm_eps, norm_kind)
     out = torch.empty((m, d), dtype=x.dtype, device=x.device)
     if m == 0 or d == 0 or h == 0:
         return out.zero_() if b_down is None else out.copy_(b_down.expand(m, d))

@@ -532,7 +532,7 @@ def _weight_config(m: int, n: int, k: int, gated: bool, sms: int) -> tuple[int, 
 
 WEIGHT_ONLY_MAX_M = 64  # the weight-only kernel's largest M (its tiles keep M whole)
 _REDUCE_BLOCK = 1024
-NORM_NONE, NORM_WEIGHT_AFTER, NORM_ONE_PLUS = 0, 1, 2  # ops.norm's kinds (WEIGHT_AFTER, ONE_PLUS)
+NORM_NONE, NORM_WEIGHT_AFTER, NORM_ONE_PLUS = C.NORM_NONE, C.NORM_WEIGHT_AFTER, C.NORM_ONE_PLUS
 
 
 class _WeightPlan:
@@ -552,20 +552,11 @@ class _WeightPlan:
         return out
 
 
-def _check_norm(norm_weight, norm_eps: float, norm_kind: int, x: torch.Tensor) -> None:
-    if norm_kind == NORM_NONE:
-        if norm_weight is not None:
-            raise InputError("norm_weight: given without a norm_kind")
-        return
-    if norm_kind not in (NORM_WEIGHT_AFTER, NORM_ONE_PLUS):
-        raise InputError(f"norm_kind: expected {NORM_WEIGHT_AFTER} (weight·norm(x)) or {NORM_ONE_PLUS} "
-                         f"(norm(x)·(1+weight)), got {norm_kind!r}")
-    k = x.shape[1]
-    if (not isinstance(norm_weight, torch.Tensor) or tuple(norm_weight.shape) != (k,) or norm_weight.dtype != x.dtype
-            or norm_weight.device != x.device or norm_weight.stride(0) != 1):
-        raise InputError(f"norm_weight: expected a contiguous {x.dtype} tensor of shape ({k},) on {x.device}")
-    if not (isinstance(norm_eps, (int, float)) and norm_eps >= 0):
-        raise InputError(f"norm_eps: expected a number >= 0, got {norm_eps!r}")
+def _check_norm(norm_weight, norm_eps, norm_kind: int, x: torch.Tensor) -> None:
+    """The shared prologue check (C.check_norm), and the weight in x's dtype (the ops hand over only such norms)."""
+    C.check_norm(x, norm_weight, norm_eps, norm_kind)
+    if norm_kind != NORM_NONE and norm_weight.dtype != x.dtype:
+        raise InputError(f"norm_weight: expected {x.dtype} (x's dtype), got {norm_weight.dtype}")
 
 
 def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor | None = None,
