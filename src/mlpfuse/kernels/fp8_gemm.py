@@ -224,7 +224,8 @@ def mlpfuse_fp8_weight_gemm_kernel(
         xt = tl.load(x + rm[None, :] * s_xm + rk[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
         if NORM != 0:
             xf = xt.to(tl.float32)
-            sq += tl.sum(xf * xf, axis=0)
+            if not SPLIT:  # a split program sums x² over the whole row below
+                sq += tl.sum(xf * xf, axis=0)
             g = tl.load(nw + rk, mask=kmask, other=0.0).to(tl.float32)[:, None]
             xt = (xf * (g if NORM == 1 else 1.0 + g)).to(dt)
         wt = tl.load(w1 + rn[:, None] * s_w1 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
@@ -233,8 +234,7 @@ def mlpfuse_fp8_weight_gemm_kernel(
             wt2 = tl.load(w2 + rn[:, None] * s_w2 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
             acc2 += tl.dot(wt2.to(dt), xt, input_precision=DOT_PREC) * tl.load(s2 + srow * s_s2 + kb)
     if NORM != 0:
-        if SPLIT:  # this program summed x² over its own K range only: the whole row's
-            sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if SPLIT:  # the whole row's x², not only this program's K range
             for k0 in range(0, K, 128):
                 rk = k0 + rk0
                 xf = tl.load(x + rm[None, :] * s_xm + rk[:, None], mask=(rk < K)[:, None] & mmask[None, :],
