@@ -353,7 +353,7 @@ def _fp8_skip(case: Case) -> str | None:
     return None
 
 
-def _rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values, fp32 scale per row): the rowwise FP8 the peers run."""
     s = (t.float().abs().amax(-1, keepdim=True) / 448.0).clamp_min(1e-12)
     return (t.float() / s).to(torch.float8_e4m3fn), s
@@ -367,9 +367,9 @@ def _build_fp8_gemms_alone(problem: Problem) -> Step:
     """cuBLAS's rowwise FP8 GEMMs of the block with operands quantized beforehand: the FP8 floor."""
     p, x, dt = problem.params, problem.x.detach(), problem.x.dtype
     act = activations.get(problem.case.activation).forward
-    g, u, d = (_rowwise(p[k].detach()) for k in ("gate_weight", "up_weight", "down_weight"))
-    xq, xs = _rowwise(x)
-    hq, hs = _rowwise(act(x @ p["gate_weight"].detach().T) * (x @ p["up_weight"].detach().T))
+    g, u, d = (rowwise_fp8(p[k].detach()) for k in ("gate_weight", "up_weight", "down_weight"))
+    xq, xs = rowwise_fp8(x)
+    hq, hs = rowwise_fp8(act(x @ p["gate_weight"].detach().T) * (x @ p["up_weight"].detach().T))
 
     def step():
         _scaled_mm(xq, xs, *u, dt)
@@ -383,12 +383,12 @@ def _build_fp8_chain_compiled(problem: Problem) -> Step:
     """The rowwise FP8 chain with its quantization ops (amax, scale, cast) around cuBLAS's FP8 GEMMs, compiled."""
     p, dt = problem.params, problem.x.dtype
     act = activations.get(problem.case.activation).forward
-    g, u, d = (_rowwise(p[k].detach()) for k in ("gate_weight", "up_weight", "down_weight"))
+    g, u, d = (rowwise_fp8(p[k].detach()) for k in ("gate_weight", "up_weight", "down_weight"))
 
     def chain(x):
-        xq, xs = _rowwise(x)
+        xq, xs = rowwise_fp8(x)
         h = act(_scaled_mm(xq, xs, *g, dt)) * _scaled_mm(xq, xs, *u, dt)
-        hq, hs = _rowwise(h)
+        hq, hs = rowwise_fp8(h)
         return _scaled_mm(hq, hs, *d, dt)
 
     return as_step(torch.compile(chain, dynamic=False), problem)
