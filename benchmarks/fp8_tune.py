@@ -38,12 +38,17 @@ def _spills(before: dict) -> str:
     return ", ".join(f"regs {k.n_regs} spills {k.n_spills}" for k in new if hasattr(k, "n_regs")) or "cached"
 
 
+def _weights(d: int, h: int) -> dict:
+    """The block's three weights (bf16 ×0.02, seeded) in the FP8 recipe: g, u [h, d] and d [d, h]."""
+    torch.manual_seed(0)
+    return {n: fp8.quantize_weight(torch.randn(*s, device="cuda", dtype=torch.bfloat16) * 0.02)
+            for n, s in (("g", (h, d)), ("u", (h, d)), ("d", (d, h)))}
+
+
 def gemm_tune(d: int, h: int, sizes) -> None:
     """Each candidate on the gated GEMM (quantized h out) and the down GEMM, with cuBLAS's rowwise FP8 GEMMs
     (torch._scaled_mm, operands already quantized) on the same shapes as the floor."""
-    torch.manual_seed(0)
-    w = {n: fp8.quantize_weight(torch.randn(*s, device="cuda", dtype=torch.bfloat16) * 0.02)
-         for n, s in (("g", (h, d)), ("u", (h, d)), ("d", (d, h)))}
+    w = _weights(d, h)
     orig = K._gemm_config
     gu = torch.cat([w["g"].values, w["u"].values])
     gus = torch.ones(2 * h, 1, device="cuda")
@@ -108,9 +113,7 @@ def main():
 
 
 def weight_tune(d: int, h: int) -> None:
-    torch.manual_seed(0)
-    w = {n: fp8.quantize_weight(torch.randn(*s, device="cuda", dtype=torch.bfloat16) * 0.02)
-         for n, s in (("g", (h, d)), ("u", (h, d)), ("d", (d, h)))}
+    w = _weights(d, h)
     orig_w = K._weight_config
     print("weight-only (gate+up gated | down), µs and GB/s of weight bytes", flush=True)
     for m in (1, 16):
