@@ -66,7 +66,7 @@ def step_bytes(module: torch.nn.Module, cache) -> int:
     if emb is not None and getattr(emb, "weight", None) is not None:
         if head is None or getattr(head, "weight", None) is None or head.weight.data_ptr() != emb.weight.data_ptr():
             skip.add(emb.weight.data_ptr())
-    seen, total = set(skip), 0
+    seen, total = set(), 0
     tensors = [*module.parameters(), *module.buffers()]
     for layer in getattr(cache, "layers", ()):
         tensors += [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
