@@ -33,6 +33,7 @@ two streams running this kernel at once never share them.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -62,8 +63,9 @@ NORM_NONE, NORM_WEIGHT_AFTER, NORM_ONE_PLUS = C.NORM_NONE, C.NORM_WEIGHT_AFTER, 
 
 
 @triton.jit
-def _finalize(acc_ptr, out_ptr, bd_ptr, M, D, stride_om, stride_od, HAS_BD: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One program: y = acc (+ bd) cast to the output dtype, over the flattened [M, D], then acc re-zeroed for the
+def _finalize(acc_ptr, out_ptr, bd_ptr, res_ptr, M, D, stride_om, stride_od, stride_rm, HAS_BD: tl.constexpr,
+              HAS_RES: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One program: y = acc (+ bd) (+ residual) cast to the output dtype, over the flattened [M, D], then acc re-zeroed for the
     next call. Wide steps (BLOCK_T elements, many loads in flight per thread): this runs on one SM after all the
     others are done, so its few dependent steps are the kernel's tail."""
     offs = tl.arange(0, BLOCK_T)
@@ -77,6 +79,8 @@ def _finalize(acc_ptr, out_ptr, bd_ptr, M, D, stride_om, stride_od, HAS_BD: tl.c
         col = idx - row * D
         if HAS_BD:
             v += tl.load(bd_ptr + col, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            v += tl.load(res_ptr + row * stride_rm + col, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_om + col * stride_od, v.to(out_ptr.dtype.element_ty), mask=mask)
         # Every thread's reads before anyone's zeroes: the compiler may give the load and the store different
         # thread layouts, and nothing else orders one thread's global store after another thread's load.
@@ -93,17 +97,40 @@ def _fence_gpu(like):
                               is_pure=False, pack=1)
 
 
+@triton.jit
+def _prefetch_l2(ptrs, mask, base):
+    """Ask L2 for the lines at `ptrs` (where `mask`; `base` stands in elsewhere, so no address leaves the tensor).
+    Issued before the kernel waits on the one before it: the weights are constants, and their first lines arrive
+    while that kernel drains."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [tl.where(mask, ptrs, base)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _pdl_wait():
+    """Programmatic dependent launch (PDL): this kernel may start while the one before it drains; nothing it
+    writes, and no activation it reads, may be touched before this wait (which is a no-op when the launch was
+    not programmatic)."""
+    tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _pdl_release():
+    """Let the next kernel launch (it waits for this one's end before it reads what this one wrote)."""
+    tl.extra.cuda.gdc_launch_dependents()
+
+
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_decode_mlp_kernel(
     x_ptr, wg_ptr, wu_ptr, wd_ptr, bg_ptr, bu_ptr, bd_ptr, out_ptr, acc_ptr, part_ptr, cnt_ptr, h_ptr, nw_ptr, eps,
-    sg_ptr, su_ptr, sd_ptr,
+    sg_ptr, su_ptr, sd_ptr, res_ptr,
     M, D, H,
     stride_xm, stride_xd, stride_gh, stride_gd, stride_uh, stride_ud, stride_dd, stride_dh, stride_om, stride_od,
-    stride_sg, stride_su, stride_sd,
+    stride_sg, stride_su, stride_sd, stride_rm,
     ACT: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, HAS_BD: tl.constexpr, MODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr, FENCE: tl.constexpr, I64: tl.constexpr, NORM: tl.constexpr,
-    W8: tl.constexpr,
+    W8: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
@@ -116,6 +143,14 @@ def mlpfuse_decode_mlp_kernel(
         offs_k = offs_k.to(tl.int64)
     mask_h = offs_h < H
     mask_m = offs_m < M
+    if PDL:
+        # The first PF_LINES 128-byte lines of each of this program's gate and up rows, then the wait: the weight
+        # stream starts while the kernel before this one (which wrote x) finishes.
+        pf = tl.arange(0, PF_LINES) * PF_STEP
+        pf_mask = mask_h[:, None] & (pf[None, :] < D)
+        _prefetch_l2(wg_ptr + offs_h[:, None] * stride_gh + pf[None, :] * stride_gd, pf_mask, wg_ptr)
+        _prefetch_l2(wu_ptr + offs_h[:, None] * stride_uh + pf[None, :] * stride_ud, pf_mask, wu_ptr)
+        _pdl_wait()
 
     # RMSNorm prologue (NORM): the row scale r = 1/sqrt(mean(x²) + eps) is one number per row, so it factors out of
     # the dot products: each program feeds x·w (or x·(1 + w)) to the MMA, sums x² over the same K loop, and scales
@@ -149,6 +184,8 @@ def mlpfuse_decode_mlp_kernel(
         else:
             acc_g = tl.dot(wg, xt, acc_g, input_precision=DOT_PRECISION)
             acc_u = tl.dot(wu, xt, acc_u, input_precision=DOT_PRECISION)
+    if PDL:
+        _pdl_release()
     if NORM != 0:
         rstd = 1.0 / tl.sqrt_rn(sq / D + eps)
         acc_g = acc_g * rstd[None, :]
@@ -197,20 +234,23 @@ def mlpfuse_decode_mlp_kernel(
             if ticket == n_progs - 1:
                 if FENCE:
                     _fence_gpu(offs_m)
-                _finalize(acc_ptr, out_ptr, bd_ptr, M, D, stride_om, stride_od, HAS_BD, BLOCK_F)
+                _finalize(acc_ptr, out_ptr, bd_ptr, res_ptr, M, D, stride_om, stride_od, stride_rm, HAS_BD, HAS_RES,
+                          BLOCK_F)
                 tl.store(cnt_ptr, 0)  # ready for the next launch: the accumulator is all zeros again
 
 
 @triton.jit(do_not_specialize=["M", "n_parts"])
-def mlpfuse_decode_reduce_kernel(part_ptr, out_ptr, bd_ptr, M, D, n_parts, stride_om, stride_od,
+def mlpfuse_decode_reduce_kernel(part_ptr, out_ptr, bd_ptr, res_ptr, M, D, n_parts, stride_om, stride_od, stride_rm,
                                  HAS_BD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_F: tl.constexpr,
-                                 ZERO_SRC: tl.constexpr):
-    """Second launch: y = sum over programs of the [M, D] partials (+ bd). Each program owns BLOCK_F consecutive
-    elements of the flattened [M, D] and adds BLOCK_P partials per step: many programs and few dependent steps,
-    since the partials sit in L2 and the cost is latency. The order of the sum depends only on the compiled
-    kernel, so results are bit-identical run to run."""
+                                 ZERO_SRC: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr):
+    """Second launch: y = sum over programs of the [M, D] partials (+ bd) (+ residual). Each program owns BLOCK_F
+    consecutive elements of the flattened [M, D] and adds BLOCK_P partials per step: many programs and few
+    dependent steps, since the partials sit in L2 and the cost is latency. The order of the sum depends only on
+    the compiled kernel, so results are bit-identical run to run."""
     offs = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = offs < M * D
+    if PDL:
+        _pdl_wait()
     offs_p = tl.arange(0, BLOCK_P)
     acc = tl.zeros((BLOCK_F,), tl.float32)
     for p0 in range(0, n_parts, BLOCK_P):
@@ -219,19 +259,24 @@ def mlpfuse_decode_reduce_kernel(part_ptr, out_ptr, bd_ptr, M, D, n_parts, strid
                        other=0.0, cache_modifier=".cg")
         acc += tl.sum(tile, axis=0)
     offs_o = offs % D
+    offs_r = offs // D
     if HAS_BD:
         acc += tl.load(bd_ptr + offs_o, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + (offs // D) * stride_om + offs_o * stride_od, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if HAS_RES:
+        acc += tl.load(res_ptr + offs_r * stride_rm + offs_o, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_r * stride_om + offs_o * stride_od, acc.to(out_ptr.dtype.element_ty), mask=mask)
     if ZERO_SRC:  # mode 3: the source is the atomic accumulator, which must be left zeroed (n_parts == 1)
         tl.store(part_ptr + offs, tl.zeros((BLOCK_F,), tl.float32), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
-def mlpfuse_decode_down_kernel(h_ptr, wd_ptr, bd_ptr, out_ptr, M, D, H, stride_dd, stride_dh, stride_om, stride_od,
-                               HAS_BD: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                               BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, I64: tl.constexpr):
-    """Split mode, second launch: yᵀ[rows, M] = Wd[rows, :] · hᵀ (+ bd). Each program owns BLOCK_O output columns
-    and the whole K = H loop, so nothing is reduced across programs; h (tiny) is re-read from L2."""
+def mlpfuse_decode_down_kernel(h_ptr, wd_ptr, bd_ptr, out_ptr, res_ptr, M, D, H, stride_dd, stride_dh, stride_om,
+                               stride_od, stride_rm, HAS_BD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr,
+                               I64: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
+                               PF_LINES: tl.constexpr, PF_STEP: tl.constexpr):
+    """Split mode, second launch: yᵀ[rows, M] = Wd[rows, :] · hᵀ (+ bd) (+ residual). Each program owns BLOCK_O
+    output columns and the whole K = H loop, so nothing is reduced across programs; h (tiny) is re-read from L2."""
     offs_o = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -241,6 +286,11 @@ def mlpfuse_decode_down_kernel(h_ptr, wd_ptr, bd_ptr, out_ptr, M, D, H, stride_d
         offs_k = offs_k.to(tl.int64)
     mask_o = offs_o < D
     mask_m = offs_m < M
+    if PDL:  # the first lines of this program's rows of Wd, then wait for h
+        pf = tl.arange(0, PF_LINES) * PF_STEP
+        _prefetch_l2(wd_ptr + offs_o[:, None] * stride_dd + pf[None, :] * stride_dh,
+                     mask_o[:, None] & (pf[None, :] < H), wd_ptr)
+        _pdl_wait()
     acc = tl.zeros((BLOCK_O, BLOCK_M), tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + offs_k
@@ -249,8 +299,13 @@ def mlpfuse_decode_down_kernel(h_ptr, wd_ptr, bd_ptr, out_ptr, M, D, H, stride_d
                      mask=mask_o[:, None] & mask_k[None, :], other=0.0)
         h_t = tl.load(h_ptr + offs_m[None, :] * H + k[:, None], mask=mask_k[:, None] & mask_m[None, :], other=0.0)
         acc = tl.dot(wd, h_t, acc, input_precision=DOT_PRECISION)
+    if PDL:
+        _pdl_release()
     if HAS_BD:
         acc += tl.load(bd_ptr + offs_o, mask=mask_o, other=0.0).to(tl.float32)[:, None]
+    if HAS_RES:
+        acc += tl.load(res_ptr + offs_m[None, :] * stride_rm + offs_o[:, None], mask=mask_o[:, None] & mask_m[None, :],
+                       other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_m[None, :] * stride_om + offs_o[:, None] * stride_od, acc.to(out_ptr.dtype.element_ty),
              mask=mask_o[:, None] & mask_m[None, :])
 
@@ -358,6 +413,12 @@ def default_config(d: int, h: int, bucket: int, elem_size: int, mode: int) -> tu
 # Host side. Everything that can be derived once per (shape, dtype, layout) is cached: a call that hits the cache
 # costs one key tuple, one output allocation and one direct launch of the compiled kernel.
 
+# Programmatic dependent launch (Hopper and later, CUDA graphs included): each kernel is launched to start while
+# the one before it drains, asks L2 for the first PREFETCH_LINES 128-byte lines of each of its weight rows, then
+# waits for that kernel before it reads an activation or writes anything. Read when a plan is made (a plan made
+# under one setting keeps it). Where the card lacks it: off.
+PDL = True
+PREFETCH_LINES = 2
 _FINAL_BLOCK = 64 if _INTERPRET else 4096  # elements per step of mode 0's tail (16 per thread at 8 warps)
 _DIRECT_LAUNCH = not _INTERPRET  # benchmarks switch it off to measure Triton's own launch path
 _scratch: dict = {}  # (device index, stream) -> [acc fp32, counter int32, partials fp32]
@@ -376,6 +437,15 @@ class _Plan:
         self.compiled = self.reduce_compiled = self.down_compiled = self.captured = None
         for k, v in kw.items():
             setattr(self, k, v)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def _pdl(x: torch.Tensor) -> bool:
+    return PDL and not _INTERPRET and x.is_cuda and _has_pdl(x.get_device())
 
 
 def _capturing(x: torch.Tensor) -> bool:
@@ -517,8 +587,10 @@ def _check(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation):
 
 
 def _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow_tf32, bucket, config, norm_kind,
-          scales=None):
+          scales=None, has_res: bool = False):
     d, h = x.shape[1], w_gate.shape[0]
+    pdl = _pdl(x)
+    pf_step = 128 // w_gate.element_size()  # elements per 128-byte line of a weight row
     w8 = scales is not None
     block_m = _block_m(bucket)
     cfg = config or default_config(d, h, bucket, x.element_size(), mode)
@@ -530,17 +602,18 @@ def _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow
            or MAX_M * max(d, h) * (triton.cdiv(h, block_h) if mode == 2 else 1) > C.INT32_SPAN)
     consts = (activation, b_gate is not None, b_up is not None, b_down is not None, mode,
               "tf32" if (not fp32 or allow_tf32) else "ieee", block_m, block_h, block_d, block_o,
-              _FINAL_BLOCK, not _INTERPRET, i64, norm_kind, w8)
+              _FINAL_BLOCK, not _INTERPRET, i64, norm_kind, w8, has_res, pdl, PREFETCH_LINES, pf_step)
     block_f = 256  # a constant, not a function of M: one compile serves every M
     down = {}
     if mode == 4:
         down = dict(down_grid=triton.cdiv(d, cfg[5]),
-                    down_consts=(b_down is not None, consts[5], block_m, cfg[5], cfg[6], i64))
+                    down_consts=(b_down is not None, consts[5], block_m, cfg[5], cfg[6], i64, has_res, pdl,
+                                 PREFETCH_LINES, pf_step))
     block_p = 1 if mode == 3 else min(32, triton.next_power_of_2(triton.cdiv(h, block_h)))
     return _Plan(n_progs=triton.cdiv(h, block_h), cfg=cfg, consts=consts,
                  w_strides=(w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1), w_down.stride(0),
                             w_down.stride(1), d, 1, *((s.stride(0) for s in scales) if w8 else (0, 0, 0))),
-                 reduce_consts=(b_down is not None, block_p, block_f, mode == 3), **down)
+                 reduce_consts=(b_down is not None, block_p, block_f, mode == 3, has_res, pdl), **down)
 
 
 def _launch(plan, which, grid, args, stream):
@@ -558,12 +631,15 @@ def _launch(plan, which, grid, args, stream):
         compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
                      *args, *consts)
         return
+    pdl = {"launch_pdl": True} if plan.consts[16] else {}  # launched as a programmatic dependent of the kernel before
     if which == "reduce_":
-        compiled = mlpfuse_decode_reduce_kernel[grid](*args, *consts, num_warps=4)
+        compiled = mlpfuse_decode_reduce_kernel[grid](*args, *consts, num_warps=4, **pdl)
     elif which == "down_":
-        compiled = mlpfuse_decode_down_kernel[grid](*args, *consts, num_warps=plan.cfg[7], num_stages=plan.cfg[8])
+        compiled = mlpfuse_decode_down_kernel[grid](*args, *consts, num_warps=plan.cfg[7], num_stages=plan.cfg[8],
+                                                    **pdl)
     else:
-        compiled = mlpfuse_decode_mlp_kernel[grid](*args, *consts, num_warps=plan.cfg[3], num_stages=plan.cfg[4])
+        compiled = mlpfuse_decode_mlp_kernel[grid](*args, *consts, num_warps=plan.cfg[3], num_stages=plan.cfg[4],
+                                                   **pdl)
     if _DIRECT_LAUNCH and stream is not None:
         raw = C.Raw.of(compiled)
         setattr(plan, which + "compiled", raw if raw is not None and not raw.desc_meta else compiled)
@@ -571,9 +647,9 @@ def _launch(plan, which, grid, args, stream):
 
 def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, activation: int,
                      deterministic: bool = False, allow_tf32: bool = True,
-                     norm_weight=None, norm_eps: float = 0.0, norm_kind: int = NORM_NONE,
+                     norm_weight=None, norm_eps: float = 0.0, norm_kind: int = NORM_NONE, residual=None,
                      _mode: int | None = None, _config: tuple | None = None):
-    """y [M, D] = down(act(x·w_gateᵀ + b_gate) · (x·w_upᵀ + b_up)) + b_down in one or two small launches.
+    """y [M, D] = down(act(x·w_gateᵀ + b_gate) · (x·w_upᵀ + b_up)) + b_down (+ residual) in one or two small launches.
 
     x [M, D] with M <= MAX_M; w_gate, w_up [H, D]; w_down [D, H]; biases [H], [H], [D] or None; all one dtype
     (bf16/fp16/fp32) and device, any strides. `deterministic=True` gives bit-identical results run to run (the
@@ -581,6 +657,8 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
     `allow_tf32` selects tf32 for fp32 inputs. Graph-capturable; allocates only the output once warm.
     `norm_weight` [D] with `norm_kind` NORM_WEIGHT_AFTER or NORM_ONE_PLUS: x goes through an RMSNorm first (each row
     scaled by 1/sqrt(mean(x²) + norm_eps) in fp32, see the kernel), read by the same kernel that streams the weights.
+    `residual`: a contiguous [M, D] tensor of x's dtype added to y in the epilogue, in fp32 before y is rounded (a
+    decoder layer's `h + mlp(norm(h))` in one rounding instead of two).
     `_mode` / `_config` override the scheme and the tile config (benchmarks and tests only).
     """
     if _mode is not None and _mode not in (0, 2, 3, 4):
@@ -598,30 +676,51 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
         bucket = _bucket(m)
         mode = _mode if _mode is not None else _policy_mode(w_down, bucket, deterministic)
         key = _key(bucket, activation, mode, allow_tf32, _config, x, w_gate, w_up, w_down, b_gate, b_up, b_down,
-                   norm_kind, norm_weight)
+                   norm_kind, norm_weight, residual)
     except (AttributeError, TypeError, IndexError, ValueError):
         key = None  # not tensors of the expected ranks: _check names the culprit
     plan = _plans.get(key) if m <= MAX_M else None
     if plan is None:
         _check(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation)
         C.check_norm(x, norm_weight, norm_eps, norm_kind)
+    if residual is not None:
+        check_residual(x, residual)  # every call: the plan's key holds the residual's layout, not its rows
     d = x.shape[1]
     out = torch.empty((m, d), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     h = w_gate.shape[0]
     if d == 0 or h == 0:  # nothing to stream: y is just the bias
-        return out.copy_(b_down.expand(m, d)) if b_down is not None else out.zero_()
+        out = out.copy_(b_down.expand(m, d)) if b_down is not None else out.zero_()
+        return out if residual is None else out.add_(residual)
     if plan is None:
         plan = _plans[key] = _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow_tf32,
-                                   bucket, _config, norm_kind)
+                                   bucket, _config, norm_kind, None, residual is not None)
         if _mode is None and mode == 0:
             # Inside a CUDA graph the launch the one-launch mode saves costs nothing, and its one-SM tail costs GPU
             # time: captured calls take mode 3 (atomics, then the cast launch). 1×4096×14336, 20-call graph, µs
             # per call: H100 126.1 (mode 0) vs 122.4 (mode 3); H200 86.3 vs 85.9 (benchmarks/tune_decode.py).
             plan.captured = _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, 3, allow_tf32, bucket,
-                                  _config, norm_kind)
-    return run_plan(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, norm_weight, norm_eps, out)
+                                  _config, norm_kind, None, residual is not None)
+    return run_plan(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, norm_weight, norm_eps, out,
+                    residual=residual)
+
+
+def check_residual(x: torch.Tensor, residual) -> None:
+    """A residual the epilogue can add: None, or a contiguous tensor of y's shape, dtype and device."""
+    if residual is None:
+        return
+    if (not isinstance(residual, torch.Tensor) or residual.dtype != x.dtype or residual.device != x.device
+            or residual.shape != x.shape or not residual.is_contiguous()):
+        raise InputError(f"residual: expected a contiguous tensor of {tuple(x.shape)} and dtype {x.dtype} on "
+                         f"{x.device}, got {_describe(residual)}")
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    layout = "" if t.is_contiguous() else "non-contiguous "
+    return f"{layout}{tuple(t.shape)} {t.dtype} on {t.device}"
 
 
 def decode_gated_mlp_fp8(x, w_gate, s_gate, w_up, s_up, w_down, s_down, b_gate=None, b_up=None, b_down=None, *,
@@ -656,7 +755,7 @@ def decode_gated_mlp_fp8(x, w_gate, s_gate, w_up, s_up, w_down, s_down, b_gate=N
     mode = 3 if mode == 4 else mode
     scales = (s_gate, s_up, s_down)
     key = ("fp8", _key(bucket, activation, mode, allow_tf32, None, x, w_gate, w_up, w_down, b_gate, b_up, b_down,
-                       norm_kind, norm_weight), *(_tensor_key(s) for s in scales))
+                       norm_kind, norm_weight, None), *(_tensor_key(s) for s in scales))
     plan = _plans.get(key)
     if plan is None:
         plan = _plans[key] = _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow_tf32,
@@ -668,7 +767,8 @@ def decode_gated_mlp_fp8(x, w_gate, s_gate, w_up, s_up, w_down, s_down, b_gate=N
 
 
 def held_plan(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, activation: int,
-              deterministic: bool = False, allow_tf32: bool = True, norm_weight=None, norm_kind: int = NORM_NONE):
+              deterministic: bool = False, allow_tf32: bool = True, norm_weight=None, norm_kind: int = NORM_NONE,
+              residual=None):
     """The plan an earlier `decode_gated_mlp` call made for exactly these arguments' layout (None if there is none,
     or a bias is strided). A caller that keys its own memo on at least the same properties (shapes, strides, dtypes,
     devices, 16-byte alignments, weight addresses, and checks `deterministic` per call) may then call
@@ -678,27 +778,32 @@ def held_plan(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, a
     bucket = _bucket(x.shape[0])
     mode = _policy_mode(w_down, bucket, deterministic)
     return _plans.get(_key(bucket, activation, mode, allow_tf32, None, x, w_gate, w_up, w_down, b_gate, b_up, b_down,
-                           norm_kind, norm_weight))
+                           norm_kind, norm_weight, residual))
 
 
 def _policy_mode(w_down, bucket: int, deterministic: bool) -> int:
     return _POLICY[(_size_class(w_down.shape[0], w_down.shape[1]), bucket, bool(deterministic))]
 
 
-def _key(bucket, activation, mode, allow_tf32, config, x, wg, wu, wd, bg, bu, bd, norm_kind, norm_weight):
+def _key(bucket, activation, mode, allow_tf32, config, x, wg, wu, wd, bg, bu, bd, norm_kind, norm_weight, residual):
     """A plan's key: a hit means exactly these dtypes/shapes/strides/alignments/devices were validated and compiled
-    before (M itself is not part of it: it is checked on every call)."""
-    return (bucket, activation, mode, allow_tf32, config,
+    before (M itself is not part of it: it is checked on every call; a residual's shape is checked with it: as y's
+    rows it is contiguous, of x's dtype and device). The PDL switch as it is now: a plan keeps the one it was made
+    under."""
+    return (bucket, activation, mode, allow_tf32, config, PDL,
+            None if residual is None else (residual.dtype, residual.shape[1:], residual.stride(),
+                                           residual.data_ptr() & 15, residual.get_device()),
             (x.dtype, x.dim(), x.shape[1], x.stride(), x.data_ptr() & 15, x.get_device()), _tensor_key(wg),
             _tensor_key(wu), _tensor_key(wd), _tensor_key(bg), _tensor_key(bu), _tensor_key(bd), norm_kind,
             None if norm_weight is None else _tensor_key(norm_weight))
 
 
 def run_plan(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, norm_weight=None, norm_eps: float = 0.0,
-             out=None, scales=None):
+             out=None, scales=None, residual=None):
     """One call on a plan made for this layout (M >= 1, D and H > 0): the output, scratch, and the launches. x is
     [M, D], or a contiguous [..., D] read as its rows (no view op; the output then has x's shape). `scales`: the
-    three weights' 128×128 scales, for a plan made for e4m3 weights (decode_gated_mlp_fp8)."""
+    three weights' 128×128 scales, for a plan made for e4m3 weights (decode_gated_mlp_fp8). `residual`: for a plan
+    made with one, y's shape, contiguous (checked when the plan was made for its layout)."""
     d = x.shape[-1]
     if x.dim() == 2:
         m = x.shape[0]
@@ -717,14 +822,15 @@ def run_plan(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, norm_weight=No
     hbuf = _get_hbuf(x, m * h) if mode == 4 else out
     stream = torch._C._cuda_getCurrentRawStream(x.get_device()) if x.is_cuda else None
     bd = out if b_down is None else b_down  # `out` stands in for absent biases; never read
+    res = out if residual is None else residual
     _launch(plan, "", (n_progs, 1), (
         x, w_gate, w_up, w_down, out if b_gate is None else b_gate, out if b_up is None else b_up, bd, out, acc,
         part, cnt, hbuf, out if norm_weight is None else norm_weight, float(norm_eps),
-        *(scales if scales is not None else (out, out, out)), m, d, h, sm, sd, *plan.w_strides), stream)
+        *(scales if scales is not None else (out, out, out)), res, m, d, h, sm, sd, *plan.w_strides, d), stream)
     if mode == 4:
-        _launch(plan, "down_", (plan.down_grid, 1), (hbuf, w_down, bd, out, m, d, h, plan.w_strides[4],
-                                                     plan.w_strides[5], d, 1), stream)
+        _launch(plan, "down_", (plan.down_grid, 1), (hbuf, w_down, bd, out, res, m, d, h, plan.w_strides[4],
+                                                     plan.w_strides[5], d, 1, d), stream)
     elif mode >= 2:
-        _launch(plan, "reduce_", ((m * d + 255) // 256, 1), (part if mode == 2 else acc, out, bd, m, d,
-                                                         n_progs if mode == 2 else 1, d, 1), stream)
+        _launch(plan, "reduce_", ((m * d + 255) // 256, 1), (part if mode == 2 else acc, out, bd, res, m, d,
+                                                         n_progs if mode == 2 else 1, d, 1, d), stream)
     return out

@@ -38,43 +38,65 @@ from mlpfuse.ops._util import (
 )
 
 
-def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int, norm=None) -> Tensor:
+def _decode(x2, wg, wu, wd, bg, bu, bd, act_id: int, norm=None, residual2=None) -> Tensor:
     """The decode kernels on 2-D x. torch.use_deterministic_algorithms(True) selects their run-to-run identical
-    reduction; fp32 inputs follow torch's tf32 flag. `norm`: an RMSNormPrologue the kernels apply to x first."""
+    reduction; fp32 inputs follow torch's tf32 flag. `norm`: an RMSNormPrologue the kernels apply to x first;
+    `residual2`: y's rows, added in the epilogue."""
     return dispatch.kernel("decode_mlp").decode_gated_mlp(
         x2, wg, wu, wd, bg, bu, bd, activation=act_id,
         deterministic=torch.are_deterministic_algorithms_enabled(),
-        allow_tf32=x2.dtype != torch.float32 or dispatch.allow_tf32(),
+        allow_tf32=x2.dtype != torch.float32 or dispatch.allow_tf32(), residual=residual2,
         **({} if norm is None else {"norm_weight": norm.weight, "norm_eps": norm.eps, "norm_kind": norm.kind}),
     )
 
 
+def residual_fits(residual: Tensor, x: Tensor, wd: Tensor) -> bool:
+    """Whether the fused paths can add `residual` to y themselves (in the down projection's epilogue): y's shape,
+    x's dtype and device, contiguous, no gradient wanted. Anything else is added to y as the layer added it."""
+    return (isinstance(residual, Tensor) and residual.dtype == x.dtype and residual.device == x.device
+            and not residual.requires_grad and residual.is_contiguous()
+            and residual.shape == (*x.shape[:-1], wd.shape[0]))
+
+
+def down_residual(h2: Tensor, wd: Tensor, bd: Optional[Tensor], residual2: Optional[Tensor]) -> Tensor:
+    """y = h·Wdᵀ + bd (+ residual) on 2-D h: the residual as cuBLAS's C operand (added to the product in fp32,
+    rounded once); with a bias as well, the bias after it."""
+    if residual2 is None:
+        return linear2d(h2, wd, bd)
+    y = torch.addmm(residual2, h2, wd.t())
+    return y if bd is None else y.add_(bd)
+
+
 def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool, save: bool, path: str = "",
-             plan=None, norm=None, paired: bool = False):
+             plan=None, norm=None, paired: bool = False, residual=None):
     """(y [..., dim], h, g, u): with `save`, g and u the 2-D pre-activations and h = act(g)·u; else all None.
     `path` given: the caller already checked the arguments and chose the path. `plan`: on the SPLIT path, the GLU
     pass's held launch plan (see `hidden`). `norm`: an RMSNormPrologue the DECODE path's kernels apply (the caller
-    chose that path for it)."""
+    chose that path for it). `residual` (inference; `residual_fits`): added to y — in the epilogue of the decode
+    kernels and of the cuBLAS down projection, after the output elsewhere."""
     if not path:
         _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
     act = activations.get(activation)
     x2 = rows(x)
     path = path or dispatch.gated_mlp_path(backend, x2, wg.shape[0], grad)
     h = g = u = None
+    r2 = None if residual is None else rows(residual)
     if path == dispatch.TORCH or x2.shape[0] == 0:
         out = reference.gated_mlp_forward(x2, wg, wu, wd, bg, bu, bd, act, save_preact=save)
         y, h, g, u = out if save else (out, None, None, None)
     elif path == dispatch.DECODE:
-        y = _decode(x2, wg, wu, wd, bg, bu, bd, act.id, norm)
+        y, r2 = _decode(x2, wg, wu, wd, bg, bu, bd, act.id, norm, r2), None
     elif path == dispatch.CUDA:
         # The extension's decode kernel keeps no g and u, so only inference may take it.
         ext = csrc.extension()  # the path's choice checked x2 for it
         y, h, g, u = dispatch.cuda_call(ext.gated_mlp_forward, x2, wg, wu, wd, bg, bu, bd, act.id, save, not grad)
     else:  # SPLIT or GATED: the block up to h, then cuBLAS's down projection
         h, g, u = hidden(x2, wg, wu, bg, bu, act, path, save, plan, paired)
-        y = linear2d(h, wd, bd)
+        y, r2 = down_residual(h, wd, bd, r2), None
         if not save:
             h = None
+    if r2 is not None:
+        y = r2 + y
     return unrows(y, x), h, g, u
 
 
@@ -165,18 +187,23 @@ def _norm_gated_mlp_op(
     down_bias: Optional[Tensor],
     activation: str,
     backend: str,
+    residual: Optional[Tensor] = None,
 ) -> Tensor:
     """Inference through an RMSNorm (ops.norm): what a compiled graph records for a block that holds its norm. The
     DECODE path's kernels apply the norm; every other path runs it in PyTorch first (ops.norm.rms_norm: the same
-    ops, in the same order, as the norm module it was recognised from)."""
+    ops, in the same order, as the norm module it was recognised from). `residual` (the caller checked it with
+    `residual_fits`): y + residual, added in the down projection's epilogue."""
     args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
     _checks.gated_mlp_args(*args)
+    if residual is not None and not residual_fits(residual, x, down_weight):
+        raise InputError(f"residual: expected a contiguous tensor of the output's shape and x's dtype, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
     if (dispatch.gated_mlp_path(backend, rows(x), gate_weight.shape[0], False) == dispatch.DECODE
             and norm_weight.dtype == x.dtype):
         return _forward(*args, activation, backend, False, False, dispatch.DECODE,
-                        norm=_OpNorm(norm_weight, norm_eps, norm_kind))[0]
+                        norm=_OpNorm(norm_weight, norm_eps, norm_kind), residual=residual)[0]
     normed = rms_norm(x, norm_weight, norm_eps, norm_kind)
-    return _forward(normed, *args[1:], activation, backend, False, False)[0]
+    return _forward(normed, *args[1:], activation, backend, False, False, residual=residual)[0]
 
 
 class _OpNorm:
@@ -190,7 +217,7 @@ class _OpNorm:
 
 @_norm_gated_mlp_op.register_fake
 def _(x, norm_weight, norm_eps, norm_kind, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
-      activation, backend):
+      activation, backend, residual=None):
     return _fake_output(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
 
 
@@ -515,11 +542,13 @@ class CallPlan(_plan.Memo):
     __slots__ = ()
 
     def run(self, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool, norm=None,
-            recompute: bool = False) -> Tensor:
+            recompute: bool = False, residual=None) -> Tensor:
+        """`residual` (inference, `residual_fits` checked by the caller): y + residual, in the epilogue."""
         norm_key = None if norm is None else norm.key(x)
         key = (dispatch.resolve_backend(backend), _plan.x_key(x), _plan.weight_key(wg), _plan.weight_key(wu),
                _plan.weight_key(wd), _plan.bias_key(bg), _plan.bias_key(bu), _plan.bias_key(bd), activation, grad,
-               x.dtype is torch.float32 and dispatch.allow_tf32(), norm_key, grad and recompute)
+               x.dtype is torch.float32 and dispatch.allow_tf32(), norm_key, grad and recompute,
+               None if residual is None else residual.data_ptr() & 15)  # kernels specialise on 16-byte alignment
         entry = self.entries.get(key)
         if entry is None:
             _checks.module_input(x, wg, "gate_proj.weight")
@@ -528,8 +557,8 @@ class CallPlan(_plan.Memo):
                 entry = False  # the norm's own forward, then the block as for any input
             entry = self.remember(key, entry)
         if entry is False:
-            return self.run(norm(x), wg, wu, wd, bg, bu, bd, activation, backend, grad, None, recompute)
-        return entry(x, wg, wu, wd, bg, bu, bd, norm)
+            return self.run(norm(x), wg, wu, wd, bg, bu, bd, activation, backend, grad, None, recompute, residual)
+        return entry(x, wg, wu, wd, bg, bu, bd, norm, residual)
 
 
 class _Entry:
@@ -560,31 +589,36 @@ class _Entry:
         return cls(dispatch.gated_mlp_path(backend, rows(x), wg.shape[0], grad), activation, backend, grad, hold,
                    save)
 
-    def __call__(self, x, wg, wu, wd, bg, bu, bd, norm=None) -> Tensor:
+    def __call__(self, x, wg, wu, wd, bg, bu, bd, norm=None, residual=None) -> Tensor:
+        """`residual` (inference only; `residual_fits`): y + residual, in the epilogue where the path has one."""
         if self.path == dispatch.DECODE:  # inference only (with `norm`: the kernels apply it)
-            return self._decode(x, wg, wu, wd, bg, bu, bd, norm)
+            return self._decode(x, wg, wu, wd, bg, bu, bd, norm, residual)
         if self.path == dispatch.TORCH:  # eager's kernels, under autograd when a gradient is needed
             if self.grad and not self.save:  # recompute: keep x alone, run the forward again in the backward
                 return checkpoint(reference.gated_mlp_forward, x, wg, wu, wd, bg, bu, bd, self.act,
                                   use_reentrant=False)
-            return reference.gated_mlp_forward(x, wg, wu, wd, bg, bu, bd, self.act)
+            y = reference.gated_mlp_forward(x, wg, wu, wd, bg, bu, bd, self.act)
+            return y if residual is None else residual + y
         plan = self.held
         if self.grad:
             y = _EagerTraining.apply(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, self.path, self,
                                      self.save)
         elif plan:
+            r2 = None if residual is None else rows(residual)
             if self.path == dispatch.SPLIT:
-                y = linear2d(hidden(rows(x), wg, wu, bg, bu, self.act, dispatch.SPLIT, False, plan)[0], wd, bd)
+                y = down_residual(hidden(rows(x), wg, wu, bg, bu, self.act, dispatch.SPLIT, False, plan)[0], wd, bd,
+                                  r2)
             else:  # the gated GEMM's plan reads a contiguous x of any rank as its rows (no view op)
-                y = linear2d(plan.run(x if x.is_contiguous() else rows(x), wg, wu, bg, bu), wd, bd)
+                y = down_residual(plan.run(x if x.is_contiguous() else rows(x), wg, wu, bg, bu), wd, bd, r2)
             return unrows(y, x)
         else:
-            y = _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, False, False, self.path)[0]
+            y = _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, False, False, self.path,
+                         residual=residual)[0]
         if plan is None:
             self.held = self._held_plan(x, wg, wu, bg, bu) or False
         return y
 
-    def _decode(self, x, wg, wu, wd, bg, bu, bd, norm) -> Tensor:
+    def _decode(self, x, wg, wu, wd, bg, bu, bd, norm, residual=None) -> Tensor:
         """The DECODE path: after the first call straight to the decode kernels' plan for this layout (held with
         the deterministic flag it was made under), whose own key is then not built again."""
         held = self.held
@@ -593,14 +627,17 @@ class _Entry:
             # A contiguous x goes as it is (the kernels read its rows; no view op either way); else as rows.
             xr = x if x.is_contiguous() else rows(x)
             y = dispatch.kernel("decode_mlp").run_plan(
-                held[0], xr, wg, wu, wd, bg, bu, bd, *((None, 0.0) if norm is None else (norm.weight, norm.eps)))
+                held[0], xr, wg, wu, wd, bg, bu, bd, *((None, 0.0) if norm is None else (norm.weight, norm.eps)),
+                residual=residual if xr is x or residual is None else rows(residual))
             return y if xr is x else unrows(y, x)
-        y = _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, False, False, self.path, norm=norm)[0]
+        y = _forward(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, False, False, self.path, norm=norm,
+                     residual=residual)[0]
         if held is None:
             plan = dispatch.kernel("decode_mlp").held_plan(
                 rows(x), wg, wu, wd, bg, bu, bd, activation=self.act.id, deterministic=deterministic,
                 allow_tf32=x.dtype != torch.float32 or dispatch.allow_tf32(),
-                norm_weight=None if norm is None else norm.weight, norm_kind=0 if norm is None else norm.kind)
+                norm_weight=None if norm is None else norm.weight, norm_kind=0 if norm is None else norm.kind,
+                residual=None if residual is None else rows(residual))
             self.held = (plan, deterministic) if plan is not None else False
         return y
 
@@ -629,6 +666,7 @@ def gated_mlp_call(
     plan: Optional[CallPlan] = None,
     norm=None,
     recompute: bool = False,
+    residual: Optional[Tensor] = None,
 ) -> Tensor:
     """Every gated MLP call's one way in (the modules, the patched blocks, `ops.gated_mlp`, tensor parallelism).
 
@@ -640,7 +678,13 @@ def gated_mlp_call(
     `norm` (ops.norm.RMSNormPrologue): the block's input is norm(x); the decode kernels apply it themselves, every
     other path calls the norm first. `recompute`: a training call keeps only x (not g, u, h); its backward
     recomputes them with the forward's kernels (two GEMMs more, three [tokens, hidden] tensors less).
+    `residual`: the call returns `residual + y` (a decoder layer's add, handed to the block by
+    mlpfuse.patching.residual); in inference the down projection's epilogue adds it (`residual_fits`), anywhere
+    else it is added as the layer added it.
     """
+    if residual is not None and not residual_fits(residual, x, down_weight):
+        return residual + gated_mlp_call(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
+                                         activation, backend, plan, norm, recompute)
     if not plain_eager(x):
         if norm is not None:
             if plan is not None:
@@ -652,18 +696,19 @@ def gated_mlp_call(
                 # the norm stays in the graph, where the compiler fuses it (the op would run it unfused).
                 return torch.ops.mlpfuse.norm_gated_mlp(x, norm.weight, norm.eps, norm.kind, gate_weight, up_weight,
                                                         down_weight, gate_bias, up_bias, down_bias, activation,
-                                                        backend)
+                                                        backend, residual)
             x = norm(x)
         if plan is not None:
             _checks.module_input(x, gate_weight, "gate_proj.weight")
-        return registered_call(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation,
-                               backend, recompute)
+        y = registered_call(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation,
+                            backend, recompute)
+        return y if residual is None else residual + y
     if profiling():
         with op_span("mlpfuse::gated_mlp"):
             return _eager(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend,
-                          plan, norm, recompute)
+                          plan, norm, recompute, residual)
     return _eager(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend, plan,
-                  norm, recompute)
+                  norm, recompute, residual)
 
 
 @torch.compiler.assume_constant_result
@@ -673,7 +718,7 @@ def _decode_rows() -> int:
 
 
 def _eager(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, plan: Optional[CallPlan], norm=None,
-           recompute: bool = False) -> Tensor:
+           recompute: bool = False, residual=None) -> Tensor:
     low = autocast_dtype(x)
     if low is not None:  # the ops are outside autocast's op lists: cast here, as it would for nn.Linear
         if norm is not None:
@@ -681,14 +726,16 @@ def _eager(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, plan: Optio
         x, wg, wu, wd, bg, bu, bd = cast_all([x, wg, wu, wd, bg, bu, bd], low)
         plan = None  # fresh copies every call: no layout worth remembering
     grad = needs_grad([x, wg, wu, wd, bg, bu, bd, None if norm is None else norm.weight])
+    if residual is not None and (grad or low is not None):  # under autograd or autocast: the layer's own add
+        return residual + _eager(x, wg, wu, wd, bg, bu, bd, activation, backend, plan, norm, recompute)
     plain = _checks.PLAIN  # (three tests, not a generator: this runs on every eager call)
     planned = plan is not None and type(wg) in plain and type(wu) in plain and type(wd) in plain
     if norm is not None and (grad or not planned):
         x, norm = norm(x), None  # under autograd (or without a plan to hold the choice): the norm's own forward
     if planned:
-        return plan.run(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, norm, recompute)
+        return plan.run(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, norm, recompute, residual)
     entry = _Entry.choose(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, False, not recompute)
-    return entry(x, wg, wu, wd, bg, bu, bd)
+    return entry(x, wg, wu, wd, bg, bu, bd, None, residual)
 
 
 def registered_call(

@@ -28,6 +28,8 @@ Layouts (mlpfuse.patching.table names the families that use them):
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -141,18 +143,25 @@ class GatedBlock(PatchedBlock):
         return fp8_mlp.fp8_gated_mlp(x, wg, sg, wu, su, d.weight, d.weight_scale_inv, bg, bu, d.bias,
                                      self.fused_activation, self.fused_backend, norm)
 
-    def forward(self, hidden_states: Tensor) -> Tensor:
+    def forward(self, hidden_states: Tensor, residual: Optional[Tensor] = None) -> Tensor:
+        """The block's output; with `residual` (the layer's add handed to the block, mlpfuse.patching.residual),
+        `residual + output`, added in the down projection's epilogue where the path allows."""
+        if residual is not None and self.fused_out_scale != 1.0:
+            return residual + self.forward(hidden_states)
         mods = self._modules
         norm = self.fused_norm
         if self.fused_precision == "fp8":
             if self._dropout_active():
-                return self._source_forward(hidden_states if norm is None else norm(hidden_states))
-            return self.fp8_call(hidden_states, norm=norm)
+                y = self._source_forward(hidden_states if norm is None else norm(hidden_states))
+            else:
+                y = self.fp8_call(hidden_states, norm=norm)
+            return y if residual is None else residual + y
         names = self.fused_linears
         w, b = _weight_bias(mods[names[0]])
         wd, bd = _weight_bias(mods[names[-1]])
         if _sharded(w, wd):
-            return self._sharded_forward(hidden_states if norm is None else norm(hidden_states), w, wd)
+            y = self._sharded_forward(hidden_states if norm is None else norm(hidden_states), w, wd)
+            return y if residual is None else residual + y
         if self.fused_packed:
             n = self.fused_hidden
             wg, wu = w[:n], w[n:]
@@ -164,10 +173,11 @@ class GatedBlock(PatchedBlock):
             wu, bu = _weight_bias(mods[names[1]])
         if wd.dtype is not wg.dtype or self._dropout_active():
             # T5 keeps `wo` in fp32 and casts to it; a live dropout sits between the GLU and `wo`.
-            return self._source_forward(hidden_states if norm is None else norm(hidden_states))
+            y = self._source_forward(hidden_states if norm is None else norm(hidden_states))
+            return y if residual is None else residual + y
         x = hidden_states if self.fused_in_scale == 1.0 else hidden_states * self.fused_in_scale
         y = gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.fused_activation, self.fused_backend, self._fused_plan,
-                           norm, self.fused_recompute)
+                           norm, self.fused_recompute, residual)
         return y if self.fused_out_scale == 1.0 else y * self.fused_out_scale
 
     def _sharded_forward(self, hidden_states: Tensor, w: Tensor, wd: Tensor) -> Tensor:

@@ -36,6 +36,12 @@ class FusedNorm:
     by: str = "decode kernels"  # which of the block's kernels: its decode kernels (bf16), or all its FP8 kernels
 
 
+@dataclass(frozen=True)
+class FusedResidual:
+    path: str  # the layer whose forward now hands its residual add to the block (mlpfuse.patching.residual)
+    into: str  # the block whose down projection adds it
+
+
 @dataclass
 class PatchReport:
     model: str
@@ -46,6 +52,8 @@ class PatchReport:
     norms: list[FusedNorm] = field(default_factory=list)  # RMSNorms handed to the block after them
     norms_kept: list[Left] = field(default_factory=list)  # norms in front of a swapped block, kept, with why
     fp8_kept: list[Left] = field(default_factory=list)  # swapped blocks left in their dtype by precision="fp8"
+    residuals: list[FusedResidual] = field(default_factory=list)  # layers whose add after the MLP the block does
+    residuals_kept: list[Left] = field(default_factory=list)  # layers that keep their own add, with why
 
     @property
     def changed(self) -> bool:
@@ -61,6 +69,8 @@ class PatchReport:
             "norms": [asdict(n) for n in self.norms],
             "norms_kept": [asdict(n) for n in self.norms_kept],
             "fp8_kept": [asdict(n) for n in self.fp8_kept],
+            "residuals": [asdict(n) for n in self.residuals],
+            "residuals_kept": [asdict(n) for n in self.residuals_kept],
         }
 
     def summary(self) -> str:
@@ -74,6 +84,8 @@ class PatchReport:
         parts.append(f"left {len(self.left)}")
         if self.norms:
             parts.append(f"{len(self.norms)} norms fused")
+        if self.residuals:
+            parts.append(f"{len(self.residuals)} residual adds fused")
         errors = [s.fp8_error for s in self.swapped if s.precision == "fp8"]
         if errors or self.fp8_kept:
             spread = f" (output error vs float64 {min(errors):.2g}–{max(errors):.2g})" if errors else ""
@@ -99,6 +111,12 @@ class PatchReport:
             groups.setdefault(("norm", f"RMSNorm ({n.kind}) applied by {into}'s {n.by}"), []).append(n.path)
         for item in self.norms_kept:
             groups.setdefault(("norm", f"{item.source} kept: {item.reason}"), []).append(item.path)
+        for r in self.residuals:
+            into = r.into.rpartition(".")[2]
+            groups.setdefault(("residual", f"the add after {into} done in its down projection's epilogue"),
+                              []).append(r.path)
+        for item in self.residuals_kept:
+            groups.setdefault(("residual", f"{item.source} keeps its add: {item.reason}"), []).append(item.path)
         for item in self.fp8_kept:
             groups.setdefault(("not fp8", f"{item.source} stays in its dtype: {item.reason}"), []).append(item.path)
         return [f"  {kind:8s} {fold_paths(paths)}  {what}" + (f"  [{len(paths)}x]" if len(paths) > 1 else "")

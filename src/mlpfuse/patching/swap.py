@@ -16,13 +16,14 @@ import torch.nn as nn
 from mlpfuse.errors import InputError
 from mlpfuse.ops import _checks, dispatch
 from mlpfuse.modules import _check_precision
-from mlpfuse.patching import blocks, checks, norms, quantize, structure, table
+from mlpfuse.patching import blocks, checks, norms, quantize, residual, structure, table
 from mlpfuse.patching.report import Left, PatchReport, Swapped
 from mlpfuse.patching.verify import one_line, verify_block
 
 
 def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = True,
-          fuse_norms: bool = True, recompute: bool = False, precision: Optional[str] = None) -> PatchReport:
+          fuse_norms: bool = True, recompute: bool = False, precision: Optional[str] = None,
+          fuse_residuals: bool = True) -> PatchReport:
     """Swap, in place, every MLP block of `model` that mlpfuse recognises (by class name or by structure) for a
     fused one; return the report.
 
@@ -31,6 +32,8 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
     the family table's rows are taken at their word, and nothing is swapped on its structure alone).
     fuse_norms: hand the RMSNorm in front of each swapped gated block to it where the layer's forward shows
     that only the block reads the norm's output (mlpfuse.patching.norms): its decode kernels then normalise x.
+    fuse_residuals: hand the residual add right after each swapped gated block to it where the layer's forward
+    shows exactly `h = residual + mlp(h)` (mlpfuse.patching.residual): its down projection adds it in its epilogue.
     recompute: the swapped gated blocks keep only their input for the backward and recompute g and u there
     (training memory: three [tokens, hidden] tensors less per block, for two GEMMs more).
     precision: None (the weights' own dtype) or "fp8": each swapped gated block's projections are then quantized
@@ -45,6 +48,7 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
         raise InputError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     backend_name = dispatch.check_backend_name(backend)
     _checks.flag("fuse_norms", fuse_norms)
+    _checks.flag("fuse_residuals", fuse_residuals)
     _checks.flag("recompute", recompute)
     precision = _check_precision(precision)
     if precision == "fp8" and recompute:
@@ -65,6 +69,8 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
             quantize.quantize_blocks(model, report)
         if fuse_norms:
             norms.fuse_norms(model, report)
+        if fuse_residuals:
+            residual.fuse_residuals(model, report)
     return report
 
 
@@ -74,6 +80,7 @@ def unpatch(model: nn.Module) -> list[str]:
     if not isinstance(model, nn.Module):
         raise InputError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     norms.restore_norms(model)
+    residual.restore_residuals(model)
     restored: list[str] = []
 
     def walk(parent: nn.Module, prefix: str) -> None:
