@@ -13,6 +13,11 @@ Variants, each on its own copy of the model's module tree sharing one set of wei
     mlpfuse-fp8, mlpfuse-fp8-compile
                       mlpfuse.patch(model, precision="fp8") (each swapped gated or two-layer MLP in FP8; inference
                       modes only), eager and compiled; by name, or with --precision fp8
+    mlpfuse-noresidual, mlpfuse-compile-noresidual, mlpfuse-nopdl, mlpfuse-compile-nopdl
+                      A/B of one part of mlpfuse in the same run: patch(fuse_residuals=False) (each layer keeps its
+                      add after the MLP), or the decode kernels' plans made with kernels.decode_mlp.PDL off
+                      (launched without programmatic dependent launch; meant for decode-step, whose graphs are
+                      captured while the setting holds); by name only
     compile-checkpoint
                       train mode: the model's own activation checkpointing (transformers'
                       gradient_checkpointing_enable, every decoder layer recomputed in the backward), then as
@@ -52,7 +57,8 @@ MODES = ("prefill", "decode", "decode-step", "train")
 GENERATES = ("decode", "decode-step")  # modes a masked LM cannot run
 DEFAULT_VARIANTS = ("eager", "compile", "liger", "mlpfuse", "mlpfuse-compile")
 VARIANTS = (*DEFAULT_VARIANTS, "mlpfuse-recompute", "mlpfuse-recompute-compile", "compile-checkpoint", "mlpfuse-fp8",
-            "mlpfuse-fp8-compile")
+            "mlpfuse-fp8-compile", "mlpfuse-noresidual", "mlpfuse-compile-noresidual", "mlpfuse-nopdl",
+            "mlpfuse-compile-nopdl")
 FP8_VARIANTS = ("eager", "compile", "mlpfuse", "mlpfuse-compile", "mlpfuse-fp8", "mlpfuse-fp8-compile")
 _MODE_ALIASES = {"fwd": "prefill", "forward": "prefill", "generate": "decode", "fwd+bwd": "train",
                  "step": "decode-step"}
@@ -223,7 +229,7 @@ def prepare(variant: str, built: models.Built, case: LabCase, ids: torch.Tensor,
         from mlpfuse.patching import patch
 
         report = patch(module, backend=settings.backend, recompute="recompute" in variant,
-                       precision="fp8" if "fp8" in variant else None)
+                       precision="fp8" if "fp8" in variant else None, fuse_residuals="noresidual" not in variant)
         if not report.changed:  # timed all the same: what a user who patches this model runs is eager's model
             reasons = "; ".join(sorted({item.reason for item in report.left})) or "no MLP block mlpfuse recognises"
             note = f"mlpfuse.patch swapped nothing, so this is the unpatched model: {reasons}"
@@ -521,27 +527,10 @@ def _run_case(built, case, variants, rows, ref, settings, device, progress, copy
             continue
         progress(f"{case.label}: {v} (build, first call, logits check)")
         try:
-            p = prepare(v, built, case, ids, settings, device)
-            if v.startswith("mlpfuse"):
-                from mlpfuse.patching import PatchedBlock
-
-                row["patched"] = sum(1 for m in p.module.modules() if isinstance(m, PatchedBlock))
-            row["error"] = p.note
-            _, row["first_call_ms"] = timing.first_call_ms(p.main_step, device)
-            if p.setup_ms is not None:
-                row["first_call_ms"] = p.setup_ms
-            if case.mode == "decode" and v.endswith("compile") and not hasattr(p.module, "_compiled_call"):
-                raise RuntimeError("generate did not compile the decode step (transformers' criteria not met)")
-            out = p.logits()
-            row["rel_err"] = rel_error(out, ref)
-            if row["rel_err"] == float("inf"):
-                row.update(status="wrong", error="non-finite logits")
+            with _switches(v):
+                p = _prepare_checked(v, built, case, ids, settings, device, row, ref, outputs)
+            if p is None:
                 continue
-            outputs[v] = out.detach().double()
-            for _ in range(settings.warmup):
-                for step in p.steps.values():
-                    step()
-            row["peak_mem_mb"] = _peak_mb(p, device)
             prepared[v] = p
         except Exception as exc:  # noqa: BLE001 - one failing variant must not stop the others
             row.update(status="error", error=timing.one_line(exc))
@@ -553,6 +542,46 @@ def _run_case(built, case, variants, rows, ref, settings, device, progress, copy
         return
     progress(f"{case.label}: timing {len(prepared)} variants in {settings.rounds} rounds")
     _time_case(case, prepared, rows, settings, device, progress, copy_gbps)
+
+
+@contextlib.contextmanager
+def _switches(variant: str):
+    """The module settings a variant is built under (its plans and captured graphs keep them)."""
+    from mlpfuse.kernels import decode_mlp
+
+    kept = decode_mlp.PDL
+    decode_mlp.PDL = kept and "nopdl" not in variant
+    try:
+        yield
+    finally:
+        decode_mlp.PDL = kept
+
+
+def _prepare_checked(v, built, case, ids, settings, device, row, ref, outputs) -> Prepared | None:
+    """The variant built, its first call timed, its logits checked and its steps warmed up; None if its logits are
+    not finite (the row says so)."""
+    p = prepare(v, built, case, ids, settings, device)
+    if v.startswith("mlpfuse"):
+        from mlpfuse.patching import PatchedBlock
+
+        row["patched"] = sum(1 for m in p.module.modules() if isinstance(m, PatchedBlock))
+    row["error"] = p.note
+    _, row["first_call_ms"] = timing.first_call_ms(p.main_step, device)
+    if p.setup_ms is not None:
+        row["first_call_ms"] = p.setup_ms
+    if case.mode == "decode" and "compile" in v and not hasattr(p.module, "_compiled_call"):
+        raise RuntimeError("generate did not compile the decode step (transformers' criteria not met)")
+    out = p.logits()
+    row["rel_err"] = rel_error(out, ref)
+    if row["rel_err"] == float("inf"):
+        row.update(status="wrong", error="non-finite logits")
+        return None
+    outputs[v] = out.detach().double()
+    for _ in range(settings.warmup):
+        for step in p.steps.values():
+            step()
+    row["peak_mem_mb"] = _peak_mb(p, device)
+    return p
 
 
 def _peak_mb(p: Prepared, device) -> float | None:
