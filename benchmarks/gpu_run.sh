@@ -15,6 +15,8 @@
 #        generate, batch 1 and 8; ~300 s on an H100 host), layer-sweep-DxH-MODE (one layer
 #        size, MODE fwd or fwd+bwd: 64-16384 tokens, GeGLU and SwiGLU, every peer, the GEMMs-alone floor and mlpfuse in a
 #        CUDA graph beside eager in one), fp8-tests, fp8-tune, fp8-block, fp8-graphs, fp8-bench, fp8-decode-step,
+#        residual-tests, decode-step-ab (the residual add in the decode kernels' epilogue and programmatic dependent
+#        launch: their tests on the GPU, and the 32-layer decode step with each switched off in the same run),
 #        fp8-prefill, fp8-lm (FP8: the GPU tests, the tile sweeps, the block in eager / graphs / the bench's harness
 #        with the peers (torchao from .whl/), the 32-layer decode step and prefill, the trained-model perplexity).
 #        benchmarks/README.md says what each answers and where its latest result is.
@@ -89,6 +91,11 @@ for spec in "$@"; do
         bench-sweep-large) run_step bench-sweep-large "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 4096 --hidden 14336 --workload geglu,swiglu --mode fwd --variants eager,compile,liger,mlpfuse --out "$W/bench-sweep-large" ;;
         bench-sweep-large-train) run_step bench-sweep-large-train "$secs" python3 -m mlpfuse bench --tokens 64,512,1024,2048,4096,8192 --dim 4096 --hidden 14336 --workload geglu,swiglu --mode fwd+bwd --variants eager,compile,liger,mlpfuse --out "$W/bench-sweep-large-train" ;;
         tune-decode) run_step tune-decode "$secs" python3 benchmarks/tune_decode.py --out "$W/tune-decode" ;;
+        residual-tests) run_step residual-tests "$secs" python3 -m pytest -q -p no:cacheprovider -x \
+            tests/test_residual_fusion.py tests/test_kernels_decode.py tests/test_norm_fusion.py tests/test_graphs.py ;;
+        decode-step-ab) run_step decode-step-ab "$secs" python3 -m mlpfuse bench --model llama3-8b --mode decode-step \
+            --tokens 1x128,8x128 --variants eager,mlpfuse,mlpfuse-noresidual,mlpfuse-nopdl,compile,mlpfuse-compile,mlpfuse-compile-nopdl \
+            --rounds 5 --out "$W/model-decode-step-ab" ;;
         model-decode-step) run_step model-decode-step "$secs" python3 -m mlpfuse bench --model llama3-8b --mode decode-step \
             --tokens 1x128,8x128 --variants eager,mlpfuse,compile,mlpfuse-compile --rounds 5 --out "$W/model-decode-step" ;;
         model-prefill-compile) run_step model-prefill-compile "$secs" python3 -m mlpfuse bench --model llama3-8b --mode prefill \
@@ -130,5 +137,5 @@ tar -C "$OUT" -czf "$OUT/results.tar.gz" work
 cp "$SUMMARY" "$OUT/summary.txt"
 echo "=== tails ==="
 for f in "$W"/*.log; do echo "--- $(basename "$f")"; tail -n 6 "$f"; done
-for f in "$W"/bench-*/results.md "$W"/model-*/results.md "$W"/multi-gpu*/results.md; do [ -f "$f" ] && { echo "=== $f"; head -c 2500 "$f"; echo; }; done
+for f in "$W"/bench-*/results.md "$W"/model-*/results.md "$W"/multi-gpu*/results.md; do [ -f "$f" ] && { echo "=== $f"; head -c 6000 "$f"; echo; }; done
 echo "=== summary ==="; cat "$SUMMARY"

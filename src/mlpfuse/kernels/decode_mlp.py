@@ -34,6 +34,7 @@ two streams running this kernel at once never share them.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 
 import torch
@@ -416,8 +417,8 @@ def default_config(d: int, h: int, bucket: int, elem_size: int, mode: int) -> tu
 # Programmatic dependent launch (Hopper and later, CUDA graphs included): each kernel is launched to start while
 # the one before it drains, asks L2 for the first PREFETCH_LINES 128-byte lines of each of its weight rows, then
 # waits for that kernel before it reads an activation or writes anything. Read when a plan is made (a plan made
-# under one setting keeps it). Where the card lacks it: off.
-PDL = True
+# under one setting keeps it). Where the card lacks it: off; MLPFUSE_DECODE_PDL=0 turns it off everywhere.
+PDL = os.environ.get("MLPFUSE_DECODE_PDL", "1") != "0"
 PREFETCH_LINES = 2
 _FINAL_BLOCK = 64 if _INTERPRET else 4096  # elements per step of mode 0's tail (16 per thread at 8 warps)
 _DIRECT_LAUNCH = not _INTERPRET  # benchmarks switch it off to measure Triton's own launch path
