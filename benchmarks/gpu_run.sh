@@ -94,8 +94,11 @@ for spec in "$@"; do
         residual-tests) run_step residual-tests "$secs" python3 -m pytest -q -p no:cacheprovider -x \
             tests/test_residual_fusion.py tests/test_kernels_decode.py tests/test_norm_fusion.py tests/test_graphs.py ;;
         decode-step-ab) run_step decode-step-ab "$secs" python3 -m mlpfuse bench --model llama3-8b --mode decode-step \
-            --tokens 1x128,8x128 --variants eager,mlpfuse,mlpfuse-noresidual,mlpfuse-nopdl,compile,mlpfuse-compile,mlpfuse-compile-nopdl \
+            --tokens 1x128,8x128 --variants eager,mlpfuse,mlpfuse-noresidual,mlpfuse-nopdl,compile,mlpfuse-compile,mlpfuse-compile-nopdl,compile-pdl,mlpfuse-compile-pdl ${AB_VARIANTS:+--variants $AB_VARIANTS} \
             --rounds 5 --out "$W/model-decode-step-ab" ;;
+        decode-block) run_step decode-block "$secs" python3 -m mlpfuse bench --tokens 1,2,4,8,16 --dim 4096 --hidden 14336 \
+            --workload swiglu --mode fwd --variants eager,eager-cudagraph,compile,mlpfuse,mlpfuse-cudagraph --rounds 5 \
+            --no-profile --no-plots --out "$W/bench-decode-block" ;;
         model-decode-step) run_step model-decode-step "$secs" python3 -m mlpfuse bench --model llama3-8b --mode decode-step \
             --tokens 1x128,8x128 --variants eager,mlpfuse,compile,mlpfuse-compile --rounds 5 --out "$W/model-decode-step" ;;
         model-prefill-compile) run_step model-prefill-compile "$secs" python3 -m mlpfuse bench --model llama3-8b --mode prefill \

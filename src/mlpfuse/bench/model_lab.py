@@ -18,6 +18,9 @@ Variants, each on its own copy of the model's module tree sharing one set of wei
                       add after the MLP), or the decode kernels' plans made with kernels.decode_mlp.PDL off
                       (launched without programmatic dependent launch; meant for decode-step, whose graphs are
                       captured while the setting holds); by name only
+    compile-pdl, mlpfuse-compile-pdl
+                      as `compile` / `mlpfuse-compile` with Inductor's own programmatic dependent launch switch on
+                      (torch._inductor.config.triton.enable_pdl) while the variant is compiled; by name only
     compile-checkpoint
                       train mode: the model's own activation checkpointing (transformers'
                       gradient_checkpointing_enable, every decoder layer recomputed in the backward), then as
@@ -58,7 +61,7 @@ GENERATES = ("decode", "decode-step")  # modes a masked LM cannot run
 DEFAULT_VARIANTS = ("eager", "compile", "liger", "mlpfuse", "mlpfuse-compile")
 VARIANTS = (*DEFAULT_VARIANTS, "mlpfuse-recompute", "mlpfuse-recompute-compile", "compile-checkpoint", "mlpfuse-fp8",
             "mlpfuse-fp8-compile", "mlpfuse-noresidual", "mlpfuse-compile-noresidual", "mlpfuse-nopdl",
-            "mlpfuse-compile-nopdl")
+            "mlpfuse-compile-nopdl", "compile-pdl", "mlpfuse-compile-pdl")
 FP8_VARIANTS = ("eager", "compile", "mlpfuse", "mlpfuse-compile", "mlpfuse-fp8", "mlpfuse-fp8-compile")
 _MODE_ALIASES = {"fwd": "prefill", "forward": "prefill", "generate": "decode", "fwd+bwd": "train",
                  "step": "decode-step"}
@@ -547,14 +550,17 @@ def _run_case(built, case, variants, rows, ref, settings, device, progress, copy
 @contextlib.contextmanager
 def _switches(variant: str):
     """The module settings a variant is built under (its plans and captured graphs keep them)."""
+    from torch._inductor import config as inductor
+
     from mlpfuse.kernels import decode_mlp
 
-    kept = decode_mlp.PDL
+    kept, kept_inductor = decode_mlp.PDL, inductor.triton.enable_pdl
     decode_mlp.PDL = kept and "nopdl" not in variant
+    inductor.triton.enable_pdl = kept_inductor or variant.endswith("compile-pdl")
     try:
         yield
     finally:
-        decode_mlp.PDL = kept
+        decode_mlp.PDL, inductor.triton.enable_pdl = kept, kept_inductor
 
 
 def _prepare_checked(v, built, case, ids, settings, device, row, ref, outputs) -> Prepared | None:
