@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 CASES = {
     "decode": (4, 768, 3072, "triton", dispatch.DECODE),
     "gated": (256, 768, 3072, "triton", dispatch.GATED),
-    "split": (48, 4096, 4096, "auto", dispatch.SPLIT),
+    "split": (48, 4096, 14336, "auto", dispatch.SPLIT),  # a layer past the H200's split_min_layer (2**25)
     "cuda": (4, 768, 3072, "cuda", dispatch.CUDA),
 }
 
@@ -48,6 +48,8 @@ def _module(case):
     xs = [torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     with torch.no_grad():
         chosen = dispatch.gated_mlp_path(backend, xs[0], hidden, False)
+    if case == "split" and chosen == dispatch.GATED and dispatch.cutovers(xs[0].device).gated_large_min_m <= rows:
+        pytest.skip("this card's cut-overs take the gated GEMM, not SPLIT, at this size (kernels/configs.py)")
     assert chosen == path, chosen
     return m, xs
 
