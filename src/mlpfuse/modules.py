@@ -236,6 +236,9 @@ class GatedMLP(nn.Module):
     backend: "auto" | "triton" | "torch" | "cuda", or None to read MLPFUSE_BACKEND at each call (else "auto").
     recompute: in training keep only the input for the backward, which recomputes the pre-activations with the
     forward's kernels (three [tokens, hidden] tensors less per block, two GEMMs more), eager and compiled.
+    save: "high" (default: training keeps the pre-activations g and u in the weights' dtype) or "fp8" (eager training
+    keeps them in the FP8 recipe, written by the gated GEMM's epilogue: half their bytes; the backward reads them
+    dequantized — mlpfuse.ops.gated_mlp.gated_mlp_call); not with recompute or precision="fp8".
     """
 
     def __init__(
@@ -249,10 +252,12 @@ class GatedMLP(nn.Module):
         backend: Optional[str] = None,
         recompute: bool = False,
         precision: Optional[str] = None,
+        save: str = "high",
     ):
         super().__init__()
         dim, hidden = _check_init((("dim", dim), ("hidden", hidden)), bias, device, dtype)
         precision = _check_precision(precision)
+        self.save: str = check_save(save, recompute, precision)
         self.dim, self.hidden = dim, hidden
         self.activation: str = activations.get(activation).name
         self.backend: str = dispatch.check_backend_name(backend)
@@ -278,7 +283,8 @@ class GatedMLP(nn.Module):
             if _sharded(wg, wu, wd):
                 return self._sharded_forward(x)
             return gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend, _plan_of(self, CallPlan),
-                                  None, getattr(self, "recompute", False))
+                                  None, getattr(self, "recompute", False), None,
+                                  self.__dict__.get("save") == "fp8")
         return registered_call(
             x,
             self.gate_proj.weight,
@@ -610,6 +616,18 @@ class FusedLinear(nn.Linear):
         m.weight = shared.weight
         m.bias = shared.bias
         return m
+
+
+def check_save(save, recompute, precision: str = "") -> str:
+    """`save` checked: "high" or "fp8" (what training keeps of g and u), and not contradicting the others."""
+    if not isinstance(save, str) or save.strip().lower() not in ("high", "fp8"):
+        raise InputError(f"save: expected 'high' (g and u kept in the weights' dtype) or 'fp8', got {save!r}")
+    save = save.strip().lower()
+    if save == "fp8" and recompute is True:
+        raise InputError("save: 'fp8' keeps g and u for the backward; recompute=True keeps neither — choose one")
+    if save == "fp8" and precision == "fp8":
+        raise InputError("save: precision='fp8' blocks are inference-only; save='fp8' is for training")
+    return save
 
 
 def _check_precision(precision) -> str:

@@ -7,6 +7,10 @@ feeds two fp32 accumulators, so x is read once for both projections and g, u nev
 for them, e.g. to save them for the backward). The FLOPs are those of two GEMMs; the bytes saved are a write and a
 read of g and u. Gate and up weights stay separate tensors with their own strides (views into a packed [2N, K]
 weight work without a copy).
+
+With save_preact="fp8" the g and u a backward reads are written in the FP8 recipe (mlpfuse.fp8: e4m3 values, one
+fp32 scale_inv per row and 128 columns) by this epilogue: a BN-wide tile holds BN/128 whole scale groups of each
+row, so their amax is known on chip and g and u reach HBM at half the bytes, with no pass of their own.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+from mlpfuse import fp8
 from mlpfuse.activations import act_fwd
 from mlpfuse.errors import InputError
 from mlpfuse.kernels import _common as C
+from mlpfuse.kernels.fp8_gemm import _quantize_rows
 from mlpfuse.kernels._common import tile_coords
 from mlpfuse.kernels.configs import KernelConfig, pick
 from mlpfuse.kernels.pairs import preact_pair
@@ -29,9 +35,9 @@ from mlpfuse.kernels.pairs import preact_pair
 def mlpfuse_gated_gemm_kernel(
     x, wg, wu,  # pointers, or TMA descriptors when TMA
     wgu,  # PAIR: one 3-D descriptor [2, N, K] over both weights, so one TMA load and one wide MMA per K step
-    bg, bu, h, g, u, h_desc,
+    bg, bu, h, g, u, h_desc, sg, su,  # sg, su: SAVE == 2, the fp32 scale_inv [M, ceil(N/128)] of g and u
     M, N, K,
-    sxm, sxk, sgn, sgk, sun, suk, shm, shn, s_gm, s_gn, s_um, s_un,
+    sxm, sxk, sgn, sgk, sun, suk, shm, shn, s_gm, s_gn, s_um, s_un, s_sgm, s_sum,
     ACT: tl.constexpr, HAS_BG: tl.constexpr, HAS_BU: tl.constexpr, SAVE: tl.constexpr,
     TMA: tl.constexpr, PAIR: tl.constexpr, UP_FIRST: tl.constexpr, TMA_STORE: tl.constexpr, DOT_PREC: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
@@ -96,9 +102,28 @@ def mlpfuse_gated_gemm_kernel(
             h_desc.store([off_m, off_n], out)
         else:
             tl.store(h + rm[:, None] * shm + rn[None, :] * shn, out, mask=mask)
-        if SAVE:
+        if SAVE == 1:
             tl.store(g + rm[:, None] * s_gm + rn[None, :] * s_gn, acc_g.to(out_ty), mask=mask)
             tl.store(u + rm[:, None] * s_um + rn[None, :] * s_un, acc_u.to(out_ty), mask=mask)
+        elif SAVE == 2:  # FP8: BN // 128 scale groups per row of the tile (BN a multiple of 128)
+            _store_fp8(acc_g, g, sg, rm, rn, off_n, mask, nmask, s_gm, s_gn, s_sgm, M, N, BM, BN)
+            _store_fp8(acc_u, u, su, rm, rn, off_n, mask, nmask, s_um, s_un, s_sum, M, N, BM, BN)
+
+
+_EMULATE_FP8 = tl.constexpr(C.INTERPRET)  # the interpreter's e4m3 cast, as kernels/fp8_gemm.py
+
+
+@triton.jit
+def _store_fp8(acc, q, s, rm, rn, off_n, mask, nmask, s_qm, s_qn, s_sm, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """acc [BM, BN] fp32 → e4m3 values at q and one scale_inv per row and 128 columns at s, as fp8.quantize_activation
+    computes them (columns past N are zeros: they cannot raise a group's amax)."""
+    G: tl.constexpr = BN // 128
+    rows = tl.reshape(tl.where(nmask[None, :], acc, 0.0), (BM * G, 128))
+    values, scale = _quantize_rows(rows, _EMULATE_FP8)
+    tl.store(q + rm[:, None] * s_qm + rn[None, :] * s_qn, tl.reshape(values, (BM, BN)), mask=mask)
+    cols = off_n // 128 + tl.arange(0, G)
+    tl.store(s + rm[:, None] * s_sm + cols[None, :], tl.reshape(scale, (BM, G)),
+             mask=(rm[:, None] < M) & (cols[None, :] * 128 < N))
 
 
 _launch = C.Launcher(mlpfuse_gated_gemm_kernel)
@@ -122,6 +147,8 @@ def gated_gemm(
 
     `out` (optional) receives the results in place: a tensor h, or a tuple (h, g, u) when save_preact. `paired`
     (save_preact, no `out`): g and u as the two halves of one allocation (kernels/pairs.py).
+    save_preact="fp8": (h, (g values, g scale_inv), (u values, u scale_inv)) with g and u in the FP8 recipe
+    (mlpfuse.fp8: e4m3, one fp32 scale_inv per row and 128 columns), written by the epilogue; no `out`.
     `config` overrides the table (tuning only).
     """
     key = None
@@ -132,6 +159,10 @@ def gated_gemm(
         plan = _plans.get(key)
         if plan is not None:
             return plan.run(x, w_gate, w_up, b_gate, b_up, paired)
+    if save_preact == "fp8":
+        if out is not None:
+            raise InputError("out: not taken with save_preact='fp8'")
+        return _gated_gemm(x, w_gate, w_up, b_gate, b_up, activation, "fp8", allow_tf32, None, config, None)
     if out is None and save_preact and paired:
         out = (torch.empty(x.shape[0], w_gate.shape[0], device=x.device, dtype=x.dtype),
                *preact_pair(x.shape[0], w_gate.shape[0], x))
@@ -185,7 +216,7 @@ class _Plan:
         if self.raw is not None and not C.launch_hooks_set():
             xp, hp = x.data_ptr(), h.data_ptr()
             flat = (*(self.x_maps(xp) if self.x_maps is not None else (xp,)), *self.w_flat, hp, g.data_ptr(),
-                    u.data_ptr(), *(self.h_maps(hp) if self.h_maps is not None else (None,)), *self.tail)
+                    u.data_ptr(), *(self.h_maps(hp) if self.h_maps is not None else (None,)), hp, hp, *self.tail)
             self.raw(self.grid, torch._C._cuda_getCurrentRawStream(self.device), flat)
             return (h, g, u) if self.save else h
         if x.dim() != 2:
@@ -198,7 +229,7 @@ class _Plan:
             wg, wu = C.desc(wg, self.w_block), C.desc(wu, self.w_block)
         args = (C.desc(x, self.x_block) if self.x_block is not None else x, wg, wu, pair,
                 x if bg is None else bg, x if bu is None else bu, h, g, u,
-                C.desc(h, self.h_block) if self.h_block is not None else None, *self.rest)
+                C.desc(h, self.h_block) if self.h_block is not None else None, h, h, *self.rest)
         self.launch(self.grid, args, self.consts, self.warps, self.stages)
         return (h, g, u) if self.save else h
 
@@ -207,7 +238,8 @@ class _Plan:
         self.raw = raw
         if raw is None:
             return
-        # Argument order of the kernel: x, wg, wu, wgu, bg, bu, h, g, u, h_desc, then the integers and constexprs.
+        # Argument order of the kernel: x, wg, wu, wgu, bg, bu, h, g, u, h_desc, sg, su (inference: h stands in for
+        # both), then the integers and constexprs.
         if self.x_block is not None:
             self.x_maps = C.Maps(raw, 0, x.shape, (x.stride(0), 1))
         if self.pair is not None:
@@ -239,8 +271,17 @@ def _gated_gemm(x, w_gate, w_up, b_gate, b_up, activation, save_preact, allow_tf
     for name, b in (("b_gate", b_gate), ("b_up", b_up)):
         if b is not None and (tuple(b.shape) != (N,) or b.dtype != x.dtype or b.device != x.device):
             raise InputError(f"{name}: expected a {x.dtype} tensor of shape ({N},) on {x.device}")
-    outs = C.outputs(out, [(M, N)] * (3 if save_preact else 1), x)
+    fp8_save = save_preact == "fp8"
+    if fp8_save:
+        outs = [torch.empty(M, N, device=x.device, dtype=x.dtype)]
+        outs += [torch.empty(M, N, device=x.device, dtype=fp8.DTYPE) for _ in range(2)]
+        scales = [torch.empty(M, -(-N // fp8.GROUP), device=x.device, dtype=fp8.SCALE_DTYPE) for _ in range(2)]
+    else:
+        outs = C.outputs(out, [(M, N)] * (3 if save_preact else 1), x)
+        scales = [outs[0], outs[0]]  # stand-ins, never read
     if M == 0 or N == 0:
+        if fp8_save:
+            return outs[0], (outs[1], scales[0]), (outs[2], scales[1])
         return tuple(outs) if save_preact else outs[0]
     h = outs[0]
     g, u = (outs[1], outs[2]) if save_preact else (h, h)
@@ -249,6 +290,8 @@ def _gated_gemm(x, w_gate, w_up, b_gate, b_up, activation, save_preact, allow_tf
     sms = C.num_sms(dev)
     cfg = config or pick("gated", x.dtype, M, N, device=dev, num_sms=sms, arch=C.arch_major(dev), k=K,
                           name=C.device_name(dev), activation=activation)
+    if fp8_save and cfg.block_n % fp8.GROUP:  # whole scale groups per tile: the large layers' 128-wide row
+        cfg = cfg.with_(block_n=fp8.GROUP, **({} if C.INTERPRET else {"num_warps": 8, "programs_per_sm": 1}))
     BM, BN, BK = cfg.block_m, cfg.block_n, cfg.block_k
     use_tma = cfg.tma and C.tma_capable(dev) and K > 0 and all(C.tma_ok(t) for t in (x, w_gate, w_up))
     tma_store = use_tma and cfg.tma_store and C.tma_ok(h)
@@ -261,19 +304,21 @@ def _gated_gemm(x, w_gate, w_up, b_gate, b_up, activation, save_preact, allow_tf
             ga, ua = C.desc(w_gate, [BN, BK]), C.desc(w_up, [BN, BK])
     bg_arg = b_gate if b_gate is not None else x
     bu_arg = b_up if b_up is not None else x
-    consts = (activation, b_gate is not None, b_up is not None, save_preact, use_tma, pair is not None,
+    consts = (activation, b_gate is not None, b_up is not None, 2 if fp8_save else int(bool(save_preact)), use_tma,
+              pair is not None,
               bool(pair and pair[1]), tma_store, C.dot_precision(x.dtype, allow_tf32),
               BM, BN, BK, cfg.group_m, cfg.flatten, cfg.warp_specialize, C.needs_i64(x, w_gate, w_up, h, g, u))
     # Everything the compiled kernel is specialized on except M (not specialized): the constexprs, the config, the
     # dtype, N, K, every stride, and the alignment of every pointer argument.
     key = (consts, cfg, x.dtype, N, K, x.stride(), w_gate.stride(), w_up.stride(), h.stride(), g.stride(),
            u.stride(), C.align16(x), C.align16(w_gate), C.align16(w_up), C.align16(bg_arg), C.align16(bu_arg),
-           C.align16(h), C.align16(g), C.align16(u))
+           C.align16(h), C.align16(g), C.align16(u), C.align16(scales[0]), C.align16(scales[1]), g.dtype)
     grid = (C.grid_size(cfg, sms, M, N),)
     rest = (M, N, K, x.stride(0), x.stride(1), w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1),
-            h.stride(0), h.stride(1), g.stride(0), g.stride(1), u.stride(0), u.stride(1))
+            h.stride(0), h.stride(1), g.stride(0), g.stride(1), u.stride(0), u.stride(1), scales[0].stride(0),
+            scales[1].stride(0))
     _launch(key, grid, (xa, ga, ua, pair[0] if pair else None, bg_arg, bu_arg, h, g, u,
-                        C.desc(h, [BM, BN]) if tma_store else None, *rest),
+                        C.desc(h, [BM, BN]) if tma_store else None, *scales, *rest),
             consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if plan_key is not None:
         device_index = C.device_index(dev)
@@ -294,6 +339,8 @@ def _gated_gemm(x, w_gate, w_up, b_gate, b_up, activation, save_preact, allow_tf
             plan.x_maps = plan.h_maps = None
             plan.bind_raw(_launch.raw(key, device_index), x, w_gate, w_up, b_gate, b_up, h)
             C.keep_plan(_plans, plan_key, plan)
+    if fp8_save:
+        return h, (g, scales[0]), (u, scales[1])
     if save_preact:
         return h, g, u
     return h

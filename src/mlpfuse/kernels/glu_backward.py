@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mlpfuse import fp8
 from mlpfuse.activations import act_fwd, act_grad
 from mlpfuse.errors import InputError
 from mlpfuse.kernels import _common as C
@@ -172,12 +173,14 @@ def matmul_glu_backward(
 
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_glu_backward_pointwise_kernel(
-    dh, g, u, dg, du, h, dbg, dbu,
+    dh, g, u, dg, du, h, dbg, dbu, sg, su,
     M, N,
-    shm, shn, sgm, sgn, sum_, sun, sdgm, sdgn, sdum, sdun, shhm, shhn,
+    shm, shn, sgm, sgn, sum_, sun, sdgm, sdgn, sdum, sdun, shhm, shhn, s_sgm, s_sum,
     ACT: tl.constexpr, WRITE_H: tl.constexpr, BIAS_SUMS: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr, I64: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, ROWS: tl.constexpr, I64: tl.constexpr, G8: tl.constexpr,
 ):
+    # G8: g and u in the FP8 recipe (e4m3 values, the fp32 scale_inv of each row's 128-column group at sg, su),
+    # dequantized as they are read.
     # One program walks ROWS rows of a BN-wide column strip, so the bias gradients (column sums of dg and du) stay
     # in fp32 registers and cost one atomic per column per program instead of rounding dg/du to 16 bits first.
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -195,6 +198,10 @@ def mlpfuse_glu_backward_pointwise_kernel(
         d = tl.load(dh + rm[:, None] * shm + rn[None, :] * shn, mask=mask, other=0.0).to(tl.float32)
         gv = tl.load(g + rm[:, None] * sgm + rn[None, :] * sgn, mask=mask, other=0.0).to(tl.float32)
         uv = tl.load(u + rm[:, None] * sum_ + rn[None, :] * sun, mask=mask, other=0.0).to(tl.float32)
+        if G8:
+            grp = rm[:, None] * 0 + (rn // 128)[None, :]
+            gv = gv * tl.load(sg + rm[:, None] * s_sgm + grp, mask=mask, other=1.0)
+            uv = uv * tl.load(su + rm[:, None] * s_sum + grp, mask=mask, other=1.0)
         a = act_fwd(gv, ACT)
         dgv = d * uv * act_grad(gv, ACT)
         duv = d * a
@@ -211,7 +218,8 @@ def mlpfuse_glu_backward_pointwise_kernel(
 
 
 def glu_backward_split(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *, activation: int, want_h: bool = False,
-                       bias_sums: bool = False, out=None, out_h=None, tile: tuple[int, int, int, int] | None = None):
+                       bias_sums: bool = False, out=None, out_h=None, tile: tuple[int, int, int, int] | None = None,
+                       g_scale: torch.Tensor | None = None, u_scale: torch.Tensor | None = None):
     """(dg, du, h, dgate_bias, dup_bias) from a dh computed elsewhere (e.g. by cuBLAS), in one pass over dh, g, u.
 
     dg = dh·u·act'(g), du = dh·act(g); h = act(g)·u when `want_h` (the dW_down GEMM's input), else None; the bias
@@ -221,17 +229,34 @@ def glu_backward_split(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *, ac
     fp32 atomics, so their last bits may vary run to run. `out` (optional): caller-owned (dg, du), any strides
     (e.g. the two column halves of one [M, 2·N] buffer; g and u themselves: each element is read before the same
     program overwrites it). `out_h` (with want_h): where h goes, dh itself allowed for the same reason.
-    `tile` overrides (BM, BN, ROWS, warps) (tuning only).
+    `tile` overrides (BM, BN, ROWS, warps) (tuning only). `g_scale`, `u_scale`: g and u are e4m3 values in the FP8
+    recipe (mlpfuse.fp8) with these fp32 scale_inv [M, ceil(N/128)], dequantized as they are read (dg, du, h come
+    out in dh's dtype; `out` cannot then be g and u).
     """
-    _check_pointwise_args(dh, g, u)
+    if g_scale is not None or u_scale is not None:
+        _check_fp8_pair(dh, g, g_scale, "g")
+        _check_fp8_pair(dh, u, u_scale, "u")
+        if out is not None and any(o is g or o is u for o in out):
+            raise InputError("out: FP8 g and u cannot receive dg and du")
+    else:
+        _check_pointwise_args(dh, g, u)
     M, N = dh.shape
     dg, du = C.outputs(out, [(M, N)] * 2, dh)
     h = (C.outputs(out_h, [(M, N)], dh, "out_h")[0] if out_h is not None else torch.empty_like(dh)) if want_h else None
     dbg = torch.zeros(N, device=dh.device, dtype=torch.float32) if bias_sums else None
     dbu = torch.zeros(N, device=dh.device, dtype=torch.float32) if bias_sums else None
     if M > 0 and N > 0:
-        _launch_pointwise(dh, g, u, dg, du, h, dbg, dbu, activation, tile)
+        _launch_pointwise(dh, g, u, dg, du, h, dbg, dbu, activation, tile, g_scale, u_scale)
     return dg, du, h, dbg, dbu
+
+
+def _check_fp8_pair(dh, values, scale, name: str) -> None:
+    groups = (dh.shape[0], -(-dh.shape[1] // fp8.GROUP))
+    if (not isinstance(values, torch.Tensor) or values.dtype != fp8.DTYPE or values.shape != dh.shape
+            or values.device != dh.device or not isinstance(scale, torch.Tensor) or scale.dtype != fp8.SCALE_DTYPE
+            or tuple(scale.shape) != groups or scale.stride(1) != 1 or scale.device != dh.device):
+        raise InputError(f"{name}, {name}_scale: expected {fp8.DTYPE} values of shape {tuple(dh.shape)} and "
+                         f"{fp8.SCALE_DTYPE} scales of shape {groups} (unit column stride) on {dh.device}")
 
 
 def _check_pointwise_args(dh, g, u):
@@ -265,15 +290,17 @@ def _pointwise_tile(M: int, N: int, sms: int) -> tuple[int, int, int, int]:
     return _POINTWISE_TILE_SMALL
 
 
-def _launch_pointwise(dh, g, u, dg, du, h, dbg, dbu, activation, tile=None):
+def _launch_pointwise(dh, g, u, dg, du, h, dbg, dbu, activation, tile=None, g_scale=None, u_scale=None):
     M, N = dh.shape
-    # Placeholders for what the kernel never touches (WRITE_H, BIAS_SUMS off).
+    # Placeholders for what the kernel never touches (WRITE_H, BIAS_SUMS, G8 off).
     tensors = (dh, g, u, dg, du, h if h is not None else dg, dbg if dbg is not None else dg,
-               dbu if dbu is not None else dg)
+               dbu if dbu is not None else dg, g_scale if g_scale is not None else dg,
+               u_scale if u_scale is not None else dg)
     # Everything the launch decides from shapes, strides, alignments and flags, decided once per layout (a training
     # step repeats the same one): the int64 test alone walks six tensors' shapes and strides.
     memo_key = (M, N, dh.dtype, dh.device, tuple(t.stride() for t in tensors[:6]),
-                tuple(t.data_ptr() & 15 for t in tensors), activation, h is not None, dbg is not None, tile)
+                tuple(t.data_ptr() & 15 for t in tensors), activation, h is not None, dbg is not None, tile,
+                g.dtype, tensors[8].stride(0), tensors[9].stride(0))
     plan = _pointwise_plans.get(memo_key)
     if plan is None:
         plan = _PointwisePlan(tensors, activation, h is not None, dbg is not None, tile)
@@ -287,7 +314,8 @@ def cached_plan(rows: int, cols: int, dtype: torch.dtype, device: torch.device, 
     16-byte aligned addresses (fresh from a GEMM or the allocator) with these flags, or None. A caller whose own memo
     fixes that layout may call `plan.run(...)` and skip the checks and this key per call."""
     contiguous = ((cols, 1),) * 6
-    return _pointwise_plans.get((rows, cols, dtype, device, contiguous, (0,) * 8, activation, want_h, bias_sums, None))
+    return _pointwise_plans.get((rows, cols, dtype, device, contiguous, (0,) * 10, activation, want_h, bias_sums, None,
+                                 dtype, cols, cols))
 
 
 class _PointwisePlan(C.PointerPlan):
@@ -304,11 +332,14 @@ class _PointwisePlan(C.PointerPlan):
             tile = _pointwise_tile(M, N, C.num_sms(dh.device)) if cuda else _POINTWISE_TILE_INTERPRET
         BM, BN, rows, warps = tile
         strides = tuple(t.stride() for t in tensors[:6])
-        consts = (activation, want_h, sums, BM, BN, rows, C.needs_i64(*tensors[:6]))
+        g8 = tensors[1].dtype == fp8.DTYPE
+        consts = (activation, want_h, sums, BM, BN, rows, C.needs_i64(*tensors[:6]), g8)
         # What the compiled kernel is specialized on (all but M): see C.Launcher.
-        key = (consts, warps, dh.dtype, N, strides, tuple(C.align16(t) for t in tensors))
+        key = (consts, warps, dh.dtype, N, strides, tuple(C.align16(t) for t in tensors), tensors[8].stride(0),
+               tensors[9].stride(0))
         super().__init__(_launch_pointwise_kernel, key, (-(-M // rows), -(-N // BN)),
-                         (M, N, *(n for st in strides for n in st)), consts, warps, 3, dh.device)
+                         (M, N, *(n for st in strides for n in st), tensors[8].stride(0), tensors[9].stride(0)),
+                         consts, warps, 3, dh.device)
         self.cols, self.want_h, self.sums, self.device = N, want_h, sums, dh.device
 
     def run(self, dh, g, u, dg, du, h=None):
@@ -319,7 +350,7 @@ class _PointwisePlan(C.PointerPlan):
             dbg = torch.zeros(self.cols, device=self.device, dtype=torch.float32)
             dbu = torch.zeros(self.cols, device=self.device, dtype=torch.float32)
         self.launch((dh, g, u, dg, du, h if h is not None else dg, dbg if dbg is not None else dg,
-                     dbu if dbu is not None else dg))
+                     dbu if dbu is not None else dg, dg, dg))
         return dbg, dbu
 
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from mlpfuse import activations, csrc, reference
+from mlpfuse import activations, csrc, fp8, reference
 from mlpfuse.ops import _checks, _plan, dispatch
 from mlpfuse.kernels.pairs import stacked
 from mlpfuse.ops.norm import rms_norm
@@ -68,12 +68,14 @@ def down_residual(h2: Tensor, wd: Tensor, bd: Optional[Tensor], residual2: Optio
 
 
 def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool, save: bool, path: str = "",
-             plan=None, norm=None, paired: bool = False, residual=None):
+             plan=None, norm=None, paired: bool = False, residual=None, fp8_save: bool = False):
     """(y [..., dim], h, g, u): with `save`, g and u the 2-D pre-activations and h = act(g)·u; else all None.
     `path` given: the caller already checked the arguments and chose the path. `plan`: on the SPLIT path, the GLU
     pass's held launch plan (see `hidden`). `norm`: an RMSNormPrologue the DECODE path's kernels apply (the caller
     chose that path for it). `residual` (inference; `residual_fits`): added to y — in the epilogue of the decode
-    kernels and of the cuBLAS down projection, after the output elsewhere."""
+    kernels and of the cuBLAS down projection, after the output elsewhere. `fp8_save` (with `save`): g and u come
+    back in the FP8 recipe, (values, scale_inv) each — from the gated GEMM's epilogue on the GATED path, quantized
+    after the fact elsewhere."""
     if not path:
         _checks.gated_mlp_args(x, wg, wu, wd, bg, bu, bd)
     act = activations.get(activation)
@@ -91,16 +93,18 @@ def _forward(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: boo
         ext = csrc.extension()  # the path's choice checked x2 for it
         y, h, g, u = dispatch.cuda_call(ext.gated_mlp_forward, x2, wg, wu, wd, bg, bu, bd, act.id, save, not grad)
     else:  # SPLIT or GATED: the block up to h, then cuBLAS's down projection
-        h, g, u = hidden(x2, wg, wu, bg, bu, act, path, save, plan, paired)
+        h, g, u = hidden(x2, wg, wu, bg, bu, act, path, save, plan, paired, fp8_save)
         y, r2 = down_residual(h, wd, bd, r2), None
         if not save:
             h = None
     if r2 is not None:
         y = r2 + y
+    if fp8_save and save and not isinstance(g, tuple):
+        g, u = fp8.quantize_activation(g), fp8.quantize_activation(u)
     return unrows(y, x), h, g, u
 
 
-def hidden(x2, wg, wu, bg, bu, act, path: str, grad: bool, plan=None, paired: bool = False):
+def hidden(x2, wg, wu, bg, bu, act, path: str, grad: bool, plan=None, paired: bool = False, fp8_save: bool = False):
     """(h, g, u) on 2-D x along `path` (TORCH, SPLIT or GATED; the caller checked the arguments and chose it): the
     block up to the down projection's input h = act(g)·u (`act` an activations entry), and with `grad` the
     pre-activations g and u a backward reads (else None). SPLIT: cuBLAS's gate and up GEMMs and the Triton GLU pass
@@ -109,7 +113,8 @@ def hidden(x2, wg, wu, bg, bu, act, path: str, grad: bool, plan=None, paired: bo
     plan's SPLIT entries, and tensor parallelism's chunked down projection (ops/reduce_overlap.py). `paired`: the
     gated GEMM's g and u in one allocation (kernels/pairs.py) on calls up to dispatch.MERGED_DW_MAX_M tokens, for a
     backward that computes both weight gradients in one GEMM — only where nothing requires them to be distinct
-    tensors (a registered op's outputs must not alias)."""
+    tensors (a registered op's outputs must not alias). `fp8_save` (with `grad`): on the GATED path the kernel's
+    epilogue writes g and u in the FP8 recipe, (values, scale_inv) each; other paths return them in x's dtype."""
     if path == dispatch.TORCH or x2.shape[0] == 0:
         g, u = reference.gated_preact(x2, wg, wu, bg, bu)
         h = reference.glu(g, u, act)
@@ -118,7 +123,8 @@ def hidden(x2, wg, wu, bg, bu, act, path: str, grad: bool, plan=None, paired: bo
         h = plan.run(g, u) if plan else dispatch.kernel("glu").glu_forward(g, u, activation=act.id)
     else:
         out = dispatch.kernel("gated_gemm").gated_gemm(
-            x2, wg, wu, bg, bu, activation=act.id, save_preact=grad, allow_tf32=dispatch.allow_tf32(),
+            x2, wg, wu, bg, bu, activation=act.id, save_preact="fp8" if grad and fp8_save else grad,
+            allow_tf32=dispatch.allow_tf32(),
             paired=paired and x2.shape[0] <= dispatch.MERGED_DW_MAX_M,  # longer calls free du before dWg
         )
         h, g, u = out if grad else (out, None, None)
@@ -348,10 +354,20 @@ def _triton_backward(dy2, x2, wg, wu, wd, held: list, h, act_id: int, need_dx: b
     g, u = held
     held.clear()  # no reference left with the caller: each buffer dies with its last local name below
     tf32 = dispatch.allow_tf32()
-    dg, du = (g, u) if consume else (torch.empty_like(g), torch.empty_like(u))
+    scales = {}
+    if isinstance(g, tuple):  # FP8-saved (values, scale_inv): dg and du get buffers of their own
+        (g, scales["g_scale"]), (u, scales["u_scale"]) = g, u
+        consume = False
+        entry = None  # the held GLU-backward plan is for 16-bit g and u
+    if consume:
+        dg, du = g, u
+    elif scales:
+        dg, du = (torch.empty(g.shape, device=g.device, dtype=dy2.dtype) for _ in range(2))
+    else:
+        dg, du = torch.empty_like(g), torch.empty_like(u)
     kernels = dispatch.kernel("glu_backward")
     dbg = dbu = None
-    if dispatch.GLU_BACKWARD == "fused":
+    if dispatch.GLU_BACKWARD == "fused" and not scales:
         rebuild_h = (h is None or h.numel() == 0) and need_dw  # a saved h is not written again
         rebuilt = kernels.matmul_glu_backward(dy2, wd, g, u, activation=act_id, allow_tf32=tf32, want_h=rebuild_h,
                                               out=(dg, du, torch.empty_like(g) if rebuild_h else None))[2]
@@ -372,9 +388,9 @@ def _triton_backward(dy2, x2, wg, wu, wd, held: list, h, act_id: int, need_dx: b
             # alive until the function returns, past its last reader.
             dbg, dbu = kernels.glu_backward_split(
                 dh, g, u, activation=act_id, bias_sums=sums, out=(dg, du), want_h=rebuild_h,
-                out_h=dh if rebuild_h else None,
+                out_h=dh if rebuild_h else None, **scales,
             )[3:]
-            if entry is not None and plan is None:
+            if entry is not None and plan is None and not scales:
                 entry.held_backward = kernels.cached_plan(dh.shape[0], dh.shape[1], dh.dtype, dh.device,
                                                           activation=act_id, want_h=rebuild_h, bias_sums=sums) or False
         if rebuild_h:
@@ -489,9 +505,11 @@ class _EagerTraining(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, path: str, entry=None,
-                save: bool = True):
+                save=True):
+        # save: True (g and u in x's dtype), "fp8" (in the FP8 recipe), False (neither: recomputed)
         plan = entry.held if entry is not None and path == dispatch.SPLIT else None
-        y, _, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, save, path, plan, paired=True)
+        y, _, g, u = _forward(x, wg, wu, wd, bg, bu, bd, activation, backend, True, bool(save), path, plan,
+                              paired=save is True, fp8_save=save == "fp8")
         # extras: path, entry, save
         ctx.activation, ctx.backend, ctx.extra_inputs, ctx.path = activation, backend, 3, path
         ctx.entry = entry if path == dispatch.SPLIT else None
@@ -508,6 +526,8 @@ class _EagerTraining(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, dy):
         saved, held = take_held(ctx)
+        if held is not None and isinstance(held[0], tuple) and ctx.path not in (dispatch.GATED, dispatch.SPLIT):
+            held = [fp8.dequantize_activation(v, sc, saved[0].dtype) for v, sc in held]  # FP8-saved, other paths
         if held is None or ctx.path not in (dispatch.GATED, dispatch.SPLIT):
             ctx.recompute = held is None
             empty = nothing(dy)
@@ -542,22 +562,25 @@ class CallPlan(_plan.Memo):
     __slots__ = ()
 
     def run(self, x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, grad: bool, norm=None,
-            recompute: bool = False, residual=None) -> Tensor:
-        """`residual` (inference, `residual_fits` checked by the caller): y + residual, in the epilogue."""
+            recompute: bool = False, residual=None, save_fp8: bool = False) -> Tensor:
+        """`residual` (inference, `residual_fits` checked by the caller): y + residual, in the epilogue. `save_fp8`:
+        training keeps g and u in the FP8 recipe (see gated_mlp_call)."""
         norm_key = None if norm is None else norm.key(x)
         key = (dispatch.resolve_backend(backend), _plan.x_key(x), _plan.weight_key(wg), _plan.weight_key(wu),
                _plan.weight_key(wd), _plan.bias_key(bg), _plan.bias_key(bu), _plan.bias_key(bd), activation, grad,
-               x.dtype is torch.float32 and dispatch.allow_tf32(), norm_key, grad and recompute,
+               x.dtype is torch.float32 and dispatch.allow_tf32(), norm_key, grad and (recompute, save_fp8),
                None if residual is None else residual.data_ptr() & 15)  # kernels specialise on 16-byte alignment
         entry = self.entries.get(key)
         if entry is None:
             _checks.module_input(x, wg, "gate_proj.weight")
-            entry = _Entry.choose(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, True, not recompute)
+            entry = _Entry.choose(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, True,
+                                  _keep(recompute, save_fp8))
             if norm is not None and (norm_key is None or entry.path != dispatch.DECODE):
                 entry = False  # the norm's own forward, then the block as for any input
             entry = self.remember(key, entry)
         if entry is False:
-            return self.run(norm(x), wg, wu, wd, bg, bu, bd, activation, backend, grad, None, recompute, residual)
+            return self.run(norm(x), wg, wu, wd, bg, bu, bd, activation, backend, grad, None, recompute, residual,
+                            save_fp8)
         return entry(x, wg, wu, wd, bg, bu, bd, norm, residual)
 
 
@@ -572,7 +595,8 @@ class _Entry:
 
     def __init__(self, path: str, activation: str, backend: str, grad: bool, hold: bool, save: bool = True):
         self.path, self.activation, self.backend, self.grad = path, activation, backend, grad
-        self.save = save and dispatch.SAVE_PREACT  # training: keep g and u for the backward (else recompute)
+        # training: keep g and u for the backward (True; "fp8": in the FP8 recipe), else recompute them (False)
+        self.save = save if dispatch.SAVE_PREACT else False
         self.act = activations.get(activation)
         self.held = None if hold else False  # the kernel's launch plan; False once known there is none to hold
         self.held_backward = None  # the same for the GLU-backward pass (SPLIT path, training; _triton_backward)
@@ -667,6 +691,7 @@ def gated_mlp_call(
     norm=None,
     recompute: bool = False,
     residual: Optional[Tensor] = None,
+    save_fp8: bool = False,
 ) -> Tensor:
     """Every gated MLP call's one way in (the modules, the patched blocks, `ops.gated_mlp`, tensor parallelism).
 
@@ -680,11 +705,14 @@ def gated_mlp_call(
     recomputes them with the forward's kernels (two GEMMs more, three [tokens, hidden] tensors less).
     `residual`: the call returns `residual + y` (a decoder layer's add, handed to the block by
     mlpfuse.patching.residual); in inference the down projection's epilogue adds it (`residual_fits`), anywhere
-    else it is added as the layer added it.
+    else it is added as the layer added it. `save_fp8`: eager training keeps g and u for the backward in the FP8
+    recipe (mlpfuse.fp8: e4m3 values, one fp32 scale per row and 128 columns; written by the gated GEMM's epilogue),
+    half the bytes of x's dtype; the backward's GLU pass dequantizes them as it reads them. Compiled training (the
+    registered ops) keeps them in x's dtype.
     """
     if residual is not None and not residual_fits(residual, x, down_weight):
         return residual + gated_mlp_call(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
-                                         activation, backend, plan, norm, recompute)
+                                         activation, backend, plan, norm, recompute, None, save_fp8)
     if not plain_eager(x):
         if norm is not None:
             if plan is not None:
@@ -706,9 +734,9 @@ def gated_mlp_call(
     if profiling():
         with op_span("mlpfuse::gated_mlp"):
             return _eager(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend,
-                          plan, norm, recompute, residual)
+                          plan, norm, recompute, residual, save_fp8)
     return _eager(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend, plan,
-                  norm, recompute, residual)
+                  norm, recompute, residual, save_fp8)
 
 
 @torch.compiler.assume_constant_result
@@ -717,8 +745,14 @@ def _decode_rows() -> int:
     return dispatch.decode_max_m()
 
 
+def _keep(recompute: bool, save_fp8: bool):
+    """What a training call keeps for its backward (_Entry.save): nothing (recompute), g and u in FP8, or as they
+    are."""
+    return False if recompute else "fp8" if save_fp8 else True
+
+
 def _eager(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, plan: Optional[CallPlan], norm=None,
-           recompute: bool = False, residual=None) -> Tensor:
+           recompute: bool = False, residual=None, save_fp8: bool = False) -> Tensor:
     low = autocast_dtype(x)
     if low is not None:  # the ops are outside autocast's op lists: cast here, as it would for nn.Linear
         if norm is not None:
@@ -727,14 +761,15 @@ def _eager(x, wg, wu, wd, bg, bu, bd, activation: str, backend: str, plan: Optio
         plan = None  # fresh copies every call: no layout worth remembering
     grad = needs_grad([x, wg, wu, wd, bg, bu, bd, None if norm is None else norm.weight])
     if residual is not None and (grad or low is not None):  # under autograd or autocast: the layer's own add
-        return residual + _eager(x, wg, wu, wd, bg, bu, bd, activation, backend, plan, norm, recompute)
+        return residual + _eager(x, wg, wu, wd, bg, bu, bd, activation, backend, plan, norm, recompute, None,
+                                 save_fp8)
     plain = _checks.PLAIN  # (three tests, not a generator: this runs on every eager call)
     planned = plan is not None and type(wg) in plain and type(wu) in plain and type(wd) in plain
     if norm is not None and (grad or not planned):
         x, norm = norm(x), None  # under autograd (or without a plan to hold the choice): the norm's own forward
     if planned:
-        return plan.run(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, norm, recompute, residual)
-    entry = _Entry.choose(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, False, not recompute)
+        return plan.run(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, norm, recompute, residual, save_fp8)
+    entry = _Entry.choose(x, wg, wu, wd, bg, bu, bd, activation, backend, grad, False, _keep(recompute, save_fp8))
     return entry(x, wg, wu, wd, bg, bu, bd, None, residual)
 
 

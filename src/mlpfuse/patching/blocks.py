@@ -103,6 +103,7 @@ class GatedBlock(PatchedBlock):
                  gate_second: bool = False, recompute: bool = False):
         super().__init__(source, family, activation, backend, dropout)
         self.fused_recompute = recompute  # training keeps only x; the backward recomputes g and u
+        self.fused_save = "high"  # "fp8": eager training keeps g and u in the FP8 recipe (patch(save="fp8"))
         self.fused_packed = len(linears) == 2
         self.fused_gate_second = gate_second  # packed halves in (up, gate) order (Moonshine's fc1)
         self.fused_linears = linears
@@ -119,7 +120,8 @@ class GatedBlock(PatchedBlock):
 
     def extra_repr(self) -> str:
         extra = ", the norm in front handed over" if self.fused_norm is not None else ""
-        return super().extra_repr() + extra + (", recompute=True" if self.fused_recompute else "")
+        save = ", save=fp8" if self.__dict__.get("fused_save") == "fp8" else ""
+        return super().extra_repr() + extra + (", recompute=True" if self.fused_recompute else "") + save
 
     def fused_halves(self, t, rows: int):
         """(gate part, up part) of a packed projection's tensor split after `rows` rows; (None, None) for None."""
@@ -177,7 +179,7 @@ class GatedBlock(PatchedBlock):
             return y if residual is None else residual + y
         x = hidden_states if self.fused_in_scale == 1.0 else hidden_states * self.fused_in_scale
         y = gated_mlp_call(x, wg, wu, wd, bg, bu, bd, self.fused_activation, self.fused_backend, self._fused_plan,
-                           norm, self.fused_recompute, residual)
+                           norm, self.fused_recompute, residual, self.__dict__.get("fused_save") == "fp8")
         return y if self.fused_out_scale == 1.0 else y * self.fused_out_scale
 
     def _sharded_forward(self, hidden_states: Tensor, w: Tensor, wd: Tensor) -> Tensor:

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from mlpfuse.errors import InputError
 from mlpfuse.ops import _checks, dispatch
-from mlpfuse.modules import _check_precision
+from mlpfuse.modules import _check_precision, check_save
 from mlpfuse.patching import blocks, checks, norms, quantize, residual, structure, table
 from mlpfuse.patching.report import Left, PatchReport, Swapped
 from mlpfuse.patching.verify import one_line, verify_block
@@ -23,7 +23,7 @@ from mlpfuse.patching.verify import one_line, verify_block
 
 def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = True,
           fuse_norms: bool = True, recompute: bool = False, precision: Optional[str] = None,
-          fuse_residuals: bool = True) -> PatchReport:
+          fuse_residuals: bool = True, save: str = "high") -> PatchReport:
     """Swap, in place, every MLP block of `model` that mlpfuse recognises (by class name or by structure) for a
     fused one; return the report.
 
@@ -41,6 +41,8 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
     its FP8 output met the recipe's error bound on its own weights (mlpfuse.patching.quantize); the report gives
     the measured error of each and says which blocks stayed in their dtype, and why. Their state_dict keys gain
     `weight_scale_inv` beside `weight` (transformers' FP8Linear layout); `unpatch` dequantizes (lossy).
+    save: "high" or "fp8": the swapped gated blocks' eager training keeps g and u in the FP8 recipe (written by the
+    gated GEMM's epilogue; half their memory), as GatedMLP(save="fp8").
     Parameters are reused (same objects), state_dict keys do not change, a second call changes nothing, and
     `unpatch(model)` puts the original modules back.
     """
@@ -51,6 +53,7 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
     _checks.flag("fuse_residuals", fuse_residuals)
     _checks.flag("recompute", recompute)
     precision = _check_precision(precision)
+    save = check_save(save, recompute, precision)
     if precision == "fp8" and recompute:
         raise InputError("recompute: FP8 blocks are inference-only; recompute is for training")
     report = PatchReport(type(model).__name__, backend_name or "env")
@@ -67,6 +70,10 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
             checks.FP8_CHECKPOINTS.reset(token)
         if precision == "fp8":
             quantize.quantize_blocks(model, report)
+        for swapped in report.swapped:
+            block = model.get_submodule(swapped.path)
+            if isinstance(block, blocks.GatedBlock):
+                block.fused_save = save
         if fuse_norms:
             norms.fuse_norms(model, report)
         if fuse_residuals:
