@@ -18,6 +18,7 @@ Variants, each on its own copy of the model's module tree sharing one set of wei
                       add after the MLP), or the decode kernels' plans made with kernels.decode_mlp.PDL off
                       (launched without programmatic dependent launch; meant for decode-step, whose graphs are
                       captured while the setting holds); by name only
+    mlpfuse-save-fp8  mlpfuse.patch(model, save="fp8"): eager training keeps each MLP's g and u in FP8 (by name only)
     compile-pdl, mlpfuse-compile-pdl
                       as `compile` / `mlpfuse-compile` with Inductor's own programmatic dependent launch switch on
                       (torch._inductor.config.triton.enable_pdl) while the variant is compiled; by name only
@@ -61,7 +62,7 @@ GENERATES = ("decode", "decode-step")  # modes a masked LM cannot run
 DEFAULT_VARIANTS = ("eager", "compile", "liger", "mlpfuse", "mlpfuse-compile")
 VARIANTS = (*DEFAULT_VARIANTS, "mlpfuse-recompute", "mlpfuse-recompute-compile", "compile-checkpoint", "mlpfuse-fp8",
             "mlpfuse-fp8-compile", "mlpfuse-noresidual", "mlpfuse-compile-noresidual", "mlpfuse-nopdl",
-            "mlpfuse-compile-nopdl", "compile-pdl", "mlpfuse-compile-pdl")
+            "mlpfuse-compile-nopdl", "compile-pdl", "mlpfuse-compile-pdl", "mlpfuse-save-fp8")
 FP8_VARIANTS = ("eager", "compile", "mlpfuse", "mlpfuse-compile", "mlpfuse-fp8", "mlpfuse-fp8-compile")
 _MODE_ALIASES = {"fwd": "prefill", "forward": "prefill", "generate": "decode", "fwd+bwd": "train",
                  "step": "decode-step"}
@@ -232,7 +233,8 @@ def prepare(variant: str, built: models.Built, case: LabCase, ids: torch.Tensor,
         from mlpfuse.patching import patch
 
         report = patch(module, backend=settings.backend, recompute="recompute" in variant,
-                       precision="fp8" if "fp8" in variant else None, fuse_residuals="noresidual" not in variant)
+                       precision="fp8" if variant.startswith("mlpfuse-fp8") else None,
+                       fuse_residuals="noresidual" not in variant, save="fp8" if "save-fp8" in variant else "high")
         if not report.changed:  # timed all the same: what a user who patches this model runs is eager's model
             reasons = "; ".join(sorted({item.reason for item in report.left})) or "no MLP block mlpfuse recognises"
             note = f"mlpfuse.patch swapped nothing, so this is the unpatched model: {reasons}"
@@ -507,7 +509,7 @@ def _skip_reason(variant: str, built: models.Built, case: LabCase, device: torch
         return f"a {built.kind} LM does not generate"
     if variant == "compile-checkpoint" and case.mode != "train":
         return "activation checkpointing changes training only"
-    if "fp8" in variant and case.mode == "train":
+    if variant.startswith("mlpfuse-fp8") and case.mode == "train":
         return "precision='fp8' is inference only"
     if variant == "liger":
         missing = liger_missing(device)
