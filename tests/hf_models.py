@@ -124,3 +124,39 @@ def labels_for(name: str, batch_inputs: dict) -> torch.Tensor:
     if FAMILIES[name].kind == "seq2seq":
         return batch_inputs["decoder_input_ids"]
     return batch_inputs["input_ids"]
+
+
+def tiny_decoder(family: str, device, perturb_norms: bool = False) -> torch.nn.Module:
+    """A 2-layer causal LM of `family` (32 wide, 72 hidden units, 4 heads, 2 KV heads), eval mode, on `device`;
+    `perturb_norms`: every 1-D parameter drawn away from its init (ones, or zeros for Gemma), so that a norm a patch
+    skipped or applied twice shows in the logits."""
+    import transformers as T
+
+    cfgs = {
+        "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
+        "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"head_dim": 8}),
+        "mistral": (T.MistralConfig, T.MistralForCausalLM, {}),
+        "phi3": (T.Phi3Config, T.Phi3ForCausalLM, {"pad_token_id": 0}),
+        "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, {"head_dim": 8}),
+        "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM, {}),
+    }
+    config_cls, model_cls, extra = cfgs[family]
+    torch.manual_seed(0)
+    cfg = config_cls(vocab_size=64, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64, **extra)
+    model = model_cls(cfg).eval()
+    if perturb_norms:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.normal_(0.0 if family == "gemma2" else 1.0, 0.3)
+    return model.to(device)
+
+
+def prefill_and_step(model, ids):
+    """(logits of a prefill over ids, logits of one decode step for the last id from a cache of the others)."""
+    with torch.no_grad():
+        prefill = model(ids).logits
+        cache = model(ids[:, :-1], use_cache=True).past_key_values
+        step = model(ids[:, -1:], past_key_values=cache).logits
+    return prefill, step

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import hf_models
 import mlpfuse
 import numerics
 from conftest import HAS_CUDA, HAS_TRITON
@@ -65,32 +66,10 @@ def test_decode_kernel_rejects_bad_norm_arguments():
 
 
 def _tiny(family):
-    import transformers as T
-
-    cfgs = {
-        "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
-        "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, {"head_dim": 8}),
-        "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"head_dim": 8}),
-        "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM, {}),
-    }
-    config_cls, model_cls, extra = cfgs[family]
-    torch.manual_seed(0)
-    cfg = config_cls(vocab_size=64, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=64, **extra)
-    model = model_cls(cfg).eval()
-    with torch.no_grad():  # norms away from their init (ones, or zeros for Gemma): a skipped norm would show
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.normal_(0.0 if family == "gemma2" else 1.0, 0.3)
-    return model.to(DEVICE)
+    return hf_models.tiny_decoder(family, DEVICE, perturb_norms=True)
 
 
-def _logits(model, ids):
-    with torch.no_grad():
-        prefill = model(ids).logits
-        cache = model(ids[:, :-1], use_cache=True).past_key_values
-        step = model(ids[:, -1:], past_key_values=cache).logits
-    return prefill, step
+_logits = hf_models.prefill_and_step
 
 
 @pytest.mark.parametrize("family,norm_name,kind", [

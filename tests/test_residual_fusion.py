@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import hf_models
 import mlpfuse
 from conftest import HAS_CUDA, HAS_TRITON
 from mlpfuse.errors import InputError
@@ -244,29 +245,10 @@ def test_pickle_and_deepcopy_keep_the_hand_over():
 # --- real transformers layers -------------------------------------------------------------------------------------
 
 def _tiny(family):
-    import transformers as T
-
-    cfgs = {
-        "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
-        "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"head_dim": 8}),
-        "mistral": (T.MistralConfig, T.MistralForCausalLM, {}),
-        "phi3": (T.Phi3Config, T.Phi3ForCausalLM, {"pad_token_id": 0}),
-        "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, {"head_dim": 8}),
-        "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM, {}),
-    }
-    config_cls, model_cls, extra = cfgs[family]
-    torch.manual_seed(0)
-    cfg = config_cls(vocab_size=64, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, max_position_embeddings=64, **extra)
-    return model_cls(cfg).eval().to(DEVICE)
+    return hf_models.tiny_decoder(family, DEVICE)
 
 
-def _logits(model, ids):
-    with torch.no_grad():
-        prefill = model(ids).logits
-        cache = model(ids[:, :-1], use_cache=True).past_key_values
-        step = model(ids[:, -1:], past_key_values=cache).logits
-    return prefill, step
+_logits = hf_models.prefill_and_step
 
 
 @pytest.mark.parametrize("family,fused", [("llama", True), ("qwen3", True), ("mistral", True), ("phi3", False),
