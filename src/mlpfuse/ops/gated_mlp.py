@@ -431,6 +431,13 @@ _gated_mlp_backward_op = torch.library.custom_op("mlpfuse::gated_mlp_backward", 
 @_gated_mlp_backward_op.register_fake
 def _(dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, g, u, h, activation, backend, recompute,
       need_dx, need_dw, need_dgate_bias, need_dup_bias, need_ddown_bias):
+    return _backward_fake(x, gate_weight, up_weight, down_weight, need_dx, need_dw, need_dgate_bias, need_dup_bias,
+                          need_ddown_bias)
+
+
+def _backward_fake(x, gate_weight, up_weight, down_weight, need_dx, need_dw, need_dgate_bias, need_dup_bias,
+                   need_ddown_bias):
+    """The backward ops' seven outputs as shapes (empty placeholders where not needed)."""
     def like(t, need):
         return torch.empty_like(t) if need else nothing(x)
 
@@ -482,6 +489,98 @@ def _backward_train(ctx, dy, _dh, _dg, _du):
 
 _gated_mlp_op.register_autograd(_backward_inference, setup_context=_setup)
 _gated_mlp_train_op.register_autograd(_backward_train, setup_context=_setup)
+
+
+# Training with g and u kept in the FP8 recipe (save="fp8"), as a graph records it: the forward's outputs are y and
+# g, u as (e4m3 values, fp32 scale_inv per row and 128 columns), which is what AOTAutograd then saves for the
+# backward op.
+@torch.library.custom_op("mlpfuse::gated_mlp_train_fp8", mutates_args=())
+def _gated_mlp_train_fp8_op(
+    x: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    gate_bias: Optional[Tensor],
+    up_bias: Optional[Tensor],
+    down_bias: Optional[Tensor],
+    activation: str,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    args = (x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias)
+    y, _, (gq, gs), (uq, us) = _forward(*args, activation, backend, True, True, fp8_save=True)
+    return y, gq, gs, uq, us
+
+
+@_gated_mlp_train_fp8_op.register_fake
+def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend):
+    y = _fake_output(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation)
+    m, hidden = leading(x), gate_weight.shape[0]
+    values = [x.new_empty(m, hidden, dtype=fp8.DTYPE) for _ in range(2)]
+    scales = [x.new_empty(m, -(-hidden // fp8.GROUP), dtype=fp8.SCALE_DTYPE) for _ in range(2)]
+    return y, values[0], scales[0], values[1], scales[1]
+
+
+@torch.library.custom_op("mlpfuse::gated_mlp_backward_fp8", mutates_args=())
+def _gated_mlp_backward_fp8_op(
+    dy: Tensor,
+    x: Tensor,
+    gate_weight: Tensor,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    gate_bias: Optional[Tensor],
+    up_bias: Optional[Tensor],
+    g: Tensor,
+    g_scale: Tensor,
+    u: Tensor,
+    u_scale: Tensor,
+    activation: str,
+    backend: str,
+    need_dx: bool,
+    need_dw: bool,
+    need_dgate_bias: bool,
+    need_dup_bias: bool,
+    need_ddown_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The seven gradients (empty placeholders where not needed) from FP8-kept g and u: the Triton paths' GLU pass
+    reads them as they are; elsewhere they are dequantized first."""
+    x2 = rows(x)
+    path = dispatch.gated_mlp_path(backend, x2, gate_weight.shape[0], True)
+    if path in (dispatch.GATED, dispatch.SPLIT) and x2.shape[0] > 0:
+        grads = _triton_backward(rows(dy.to(x.dtype)), x2, gate_weight, up_weight, down_weight,
+                                 [(g, g_scale), (u, u_scale)], None, activations.get(activation).id, need_dx,
+                                 need_dw, (need_dgate_bias, need_dup_bias, need_ddown_bias), False)
+        dx = grads[0].reshape(x.shape) if grads[0] is not None else None
+        return tuple(t if t is not None else nothing(x) for t in (dx, *grads[1:]))
+    gd, ud = (fp8.dequantize_activation(v, sc, x.dtype) for v, sc in ((g, g_scale), (u, u_scale)))
+    return _gradients((dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, gd, ud, nothing(x), activation,
+                       backend, False, need_dx, need_dw, need_dgate_bias, need_dup_bias, need_ddown_bias))
+
+
+@_gated_mlp_backward_fp8_op.register_fake
+def _(dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, g, g_scale, u, u_scale, activation, backend,
+      need_dx, need_dw, need_dgate_bias, need_dup_bias, need_ddown_bias):
+    return _backward_fake(x, gate_weight, up_weight, down_weight, need_dx, need_dw, need_dgate_bias, need_dup_bias,
+                          need_ddown_bias)
+
+
+def _setup_fp8(ctx, inputs, output):
+    x, wg, wu, wd, bg, bu, bd, activation, backend = inputs
+    ctx.activation, ctx.backend = activation, backend
+    ctx.save_for_backward(x, wg, wu, wd, bg, bu, bd, *output[1:5])
+    ctx.set_materialize_grads(False)
+
+
+def _backward_train_fp8(ctx, dy, *_):
+    x, wg, wu, wd, bg, bu, bd, gq, gs, uq, us = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    grads = torch.ops.mlpfuse.gated_mlp_backward_fp8(
+        dy, x, wg, wu, wd, bg, bu, gq, gs, uq, us, ctx.activation, ctx.backend, need[0],
+        need[1] or need[2] or need[3], bg is not None and need[4], bu is not None and need[5],
+        bd is not None and need[6])
+    return (*(t if need[i] else None for i, t in enumerate(grads)), None, None)
+
+
+_gated_mlp_train_fp8_op.register_autograd(_backward_train_fp8, setup_context=_setup_fp8)
 
 
 class _EagerTraining(torch.autograd.Function):
@@ -707,8 +806,8 @@ def gated_mlp_call(
     mlpfuse.patching.residual); in inference the down projection's epilogue adds it (`residual_fits`), anywhere
     else it is added as the layer added it. `save_fp8`: eager training keeps g and u for the backward in the FP8
     recipe (mlpfuse.fp8: e4m3 values, one fp32 scale per row and 128 columns; written by the gated GEMM's epilogue),
-    half the bytes of x's dtype; the backward's GLU pass dequantizes them as it reads them. Compiled training (the
-    registered ops) keeps them in x's dtype.
+    half the bytes of x's dtype; the backward's GLU pass dequantizes them as it reads them. Compiled, the graph
+    records `mlpfuse::gated_mlp_train_fp8`, whose FP8 outputs are what it saves for the backward.
     """
     if residual is not None and not residual_fits(residual, x, down_weight):
         return residual + gated_mlp_call(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias,
@@ -729,7 +828,7 @@ def gated_mlp_call(
         if plan is not None:
             _checks.module_input(x, gate_weight, "gate_proj.weight")
         y = registered_call(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation,
-                            backend, recompute)
+                            backend, recompute, save_fp8)
         return y if residual is None else residual + y
     if profiling():
         with op_span("mlpfuse::gated_mlp"):
@@ -784,9 +883,11 @@ def registered_call(
     activation: str,
     backend: str,
     recompute: bool = False,
+    save_fp8: bool = False,
 ) -> Tensor:
     """The call as a graph records it: `mlpfuse::gated_mlp_train` when a gradient is needed (it keeps g, u and h for
-    the backward, unless `recompute`), else `mlpfuse::gated_mlp`, which computes inference only.
+    the backward, unless `recompute`; `mlpfuse::gated_mlp_train_fp8` with `save_fp8`: g and u in the FP8 recipe),
+    else `mlpfuse::gated_mlp`, which computes inference only.
     TorchScript-compatible (a scripted module calls it directly). Weights the kernels cannot read
     (`_checks.foreign`) take the module's own math instead, in the graph, with no break."""
     if not torch.jit.is_scripting():
@@ -800,6 +901,9 @@ def registered_call(
             cast = cast_all([x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias], low)
             x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias = cast
     if needs_grad([x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias]):
+        if save_fp8 and not recompute and dispatch.SAVE_PREACT:
+            return torch.ops.mlpfuse.gated_mlp_train_fp8(x, gate_weight, up_weight, down_weight, gate_bias, up_bias,
+                                                         down_bias, activation, backend)[0]
         return torch.ops.mlpfuse.gated_mlp_train(
             x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend,
             dispatch.SAVE_PREACT and not recompute,

@@ -103,7 +103,7 @@ class GatedBlock(PatchedBlock):
                  gate_second: bool = False, recompute: bool = False):
         super().__init__(source, family, activation, backend, dropout)
         self.fused_recompute = recompute  # training keeps only x; the backward recomputes g and u
-        self.fused_save = "high"  # "fp8": eager training keeps g and u in the FP8 recipe (patch(save="fp8"))
+        self.fused_save = "high"  # "fp8": training keeps g and u in the FP8 recipe (patch(save="fp8"))
         self.fused_packed = len(linears) == 2
         self.fused_gate_second = gate_second  # packed halves in (up, gate) order (Moonshine's fc1)
         self.fused_linears = linears

@@ -41,7 +41,7 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
     its FP8 output met the recipe's error bound on its own weights (mlpfuse.patching.quantize); the report gives
     the measured error of each and says which blocks stayed in their dtype, and why. Their state_dict keys gain
     `weight_scale_inv` beside `weight` (transformers' FP8Linear layout); `unpatch` dequantizes (lossy).
-    save: "high" or "fp8": the swapped gated blocks' eager training keeps g and u in the FP8 recipe (written by the
+    save: "high" or "fp8": the swapped gated blocks' training keeps g and u in the FP8 recipe (written by the
     gated GEMM's epilogue; half their memory), as GatedMLP(save="fp8").
     Parameters are reused (same objects), state_dict keys do not change, a second call changes nothing, and
     `unpatch(model)` puts the original modules back.
