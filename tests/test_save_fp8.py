@@ -165,11 +165,13 @@ def test_patch_save_fp8_reaches_the_blocks():
             assert _cos(p.grad, q.grad) >= 0.99, name
 
 
-def test_compiled_training_records_the_fp8_op_and_equals_eager():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_training_records_the_fp8_op_and_equals_eager(backend):
     """Compiled: one `mlpfuse::gated_mlp_train_fp8` node whose FP8 outputs are what the graph saves, with outputs and
     gradients equal to the eager step's."""
+    torch._dynamo.reset()
     _, low = _pair(DTYPES[0])
-    compiled = torch.compile(low, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(low, backend=backend, fullgraph=True)
     x = torch.randn(300, 64, device=DEVICE).to(DTYPES[0])
     grads = []
     for fn in (low, compiled):

@@ -236,9 +236,9 @@ class GatedMLP(nn.Module):
     backend: "auto" | "triton" | "torch" | "cuda", or None to read MLPFUSE_BACKEND at each call (else "auto").
     recompute: in training keep only the input for the backward, which recomputes the pre-activations with the
     forward's kernels (three [tokens, hidden] tensors less per block, two GEMMs more), eager and compiled.
-    save: "high" (default: training keeps the pre-activations g and u in the weights' dtype) or "fp8" (training, eager
-    and compiled, keeps them in the FP8 recipe, written by the gated GEMM's epilogue: half their bytes; the backward reads them
-    dequantized — mlpfuse.ops.gated_mlp.gated_mlp_call); not with recompute or precision="fp8".
+    save: "high" (default: training keeps the pre-activations g and u in the weights' dtype) or "fp8" (training,
+    eager and compiled, keeps them in the FP8 recipe, written by the gated GEMM's epilogue: half their bytes; the
+    backward reads them dequantized — mlpfuse.ops.gated_mlp.gated_mlp_call); not with recompute or precision="fp8".
     """
 
     def __init__(

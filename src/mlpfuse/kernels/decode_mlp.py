@@ -66,9 +66,9 @@ NORM_NONE, NORM_WEIGHT_AFTER, NORM_ONE_PLUS = C.NORM_NONE, C.NORM_WEIGHT_AFTER, 
 @triton.jit
 def _finalize(acc_ptr, out_ptr, bd_ptr, res_ptr, M, D, stride_om, stride_od, stride_rm, HAS_BD: tl.constexpr,
               HAS_RES: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One program: y = acc (+ bd) (+ residual) cast to the output dtype, over the flattened [M, D], then acc re-zeroed for the
-    next call. Wide steps (BLOCK_T elements, many loads in flight per thread): this runs on one SM after all the
-    others are done, so its few dependent steps are the kernel's tail."""
+    """One program: y = acc (+ bd) (+ residual) cast to the output dtype, over the flattened [M, D], then acc
+    re-zeroed for the next call. Wide steps (BLOCK_T elements, many loads in flight per thread): this runs on one
+    SM after all the others are done, so its few dependent steps are the kernel's tail."""
     offs = tl.arange(0, BLOCK_T)
     total = M * D
     for start in range(0, total, BLOCK_T):
@@ -650,7 +650,8 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
                      deterministic: bool = False, allow_tf32: bool = True,
                      norm_weight=None, norm_eps: float = 0.0, norm_kind: int = NORM_NONE, residual=None,
                      _mode: int | None = None, _config: tuple | None = None):
-    """y [M, D] = down(act(x·w_gateᵀ + b_gate) · (x·w_upᵀ + b_up)) + b_down (+ residual) in one or two small launches.
+    """y [M, D] = down(act(x·w_gateᵀ + b_gate) · (x·w_upᵀ + b_up)) + b_down (+ residual), in one or two small
+    launches.
 
     x [M, D] with M <= MAX_M; w_gate, w_up [H, D]; w_down [D, H]; biases [H], [H], [D] or None; all one dtype
     (bf16/fp16/fp32) and device, any strides. `deterministic=True` gives bit-identical results run to run (the
