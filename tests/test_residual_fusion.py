@@ -313,3 +313,26 @@ def test_compiled_equals_eager_with_the_hand_over():
 def test_residual_rewrite_is_cached_per_class_and_block():
     assert residual.rewritten(_TwoStatements, "mlp") is residual.rewritten(_TwoStatements, "mlp")
     assert residual.rewritten(_TwoStatements, "other") is None  # the forward never calls it
+
+
+def test_the_hand_over_is_checked_on_numbers_before_it_is_kept():
+    _, patched, report = _pair(_TwoStatements)
+    block = patched.layers[0].mlp
+    assert residual.verify_residual(block) is None
+
+    class _Twice(type(block)):  # a block that adds the residual twice: a wrong epilogue
+        def forward(self, hidden_states, residual=None):
+            y = super().forward(hidden_states, residual)
+            return y if residual is None else y + residual
+
+    block.__class__ = _Twice
+    assert "differs from residual + its output" in residual.verify_residual(block)
+    torch.manual_seed(0)
+    fresh = _Stack(_TwoStatements).to(DEVICE)
+    swaps = mlpfuse.patch(fresh, backend="torch", fuse_residuals=False)
+    for s in swaps.swapped:
+        fresh.get_submodule(s.path).__class__ = _Twice
+    report = type(swaps)(swaps.model, swaps.backend, swapped=swaps.swapped)
+    residual.fuse_residuals(fresh, report)
+    assert report.residuals == [] and all("differs" in k.reason for k in report.residuals_kept)
+    assert type(fresh.layers[0]) is _TwoStatements

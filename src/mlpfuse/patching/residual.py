@@ -14,6 +14,10 @@ or something hooks it (a forward hook then sees the MLP's own output, as before)
 add — a dropout (Phi-3's resid_mlp_dropout), a post-norm (Gemma 2/3), a scale — leaves the layer as it is, and the
 patch report says which statement kept it.
 
+Before a layer is rewritten, its block's call with a residual is checked on numbers against the residual plus its
+plain call (`verify_residual`: random rows, the block's dtype and device, so the decode kernels' epilogue is what
+runs on a GPU); a block that fails keeps the layer's add, with why.
+
 The rewritten forward is the layer's own function compiled again from its source file with those statements
 changed, in its module's globals and under its own decorators; it is installed on a subclass of the layer's class
 (so every other layer of that class, patched or not, is untouched), which `unpatch` swaps back. A forward that
@@ -29,11 +33,12 @@ import inspect
 import textwrap
 from typing import Optional
 
+import torch
 import torch.nn as nn
 
 from mlpfuse.patching import blocks
 from mlpfuse.patching.report import FusedResidual, Left
-from mlpfuse.patching.verify import one_line
+from mlpfuse.patching.verify import one_line, row_error
 
 HELPER = "_mlpfuse_mlp_residual"
 
@@ -55,8 +60,37 @@ def fuse_residuals(model: nn.Module, report) -> None:
         if isinstance(found, str):
             report.residuals_kept.append(Left(parent_path, cls.__name__, found))
             continue
+        reason = verify_residual(parent._modules[name])
+        if reason is not None:
+            report.residuals_kept.append(Left(parent_path, cls.__name__, reason))
+            continue
         parent.__class__ = found
         report.residuals.append(FusedResidual(parent_path, swapped.path))
+
+
+def verify_residual(block: "blocks.GatedBlock") -> Optional[str]:
+    """None when the block's call with a residual equals the residual plus its plain call on random rows of its
+    input width, in its dtype and on its device (the path decode-sized calls take: the decode kernels' epilogue),
+    within a few roundings of the dtype; else why not. Blocks on the meta device are taken at their word."""
+    weight = block._modules[block.fused_linears[0]].weight
+    if weight.device.type == "meta":
+        return None
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    width = weight.shape[1]
+    x, res = (torch.randn(2, 3, width, generator=gen).to(weight.device, weight.dtype) for _ in range(2))
+    try:
+        with torch.no_grad():
+            got = block(x, residual=res)
+            want = res + block(x)
+    except Exception as exc:  # noqa: BLE001 - a block that cannot take the residual keeps the layer's add
+        return f"the block's call with the residual failed: {one_line(exc)}"
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return "the block's call with the residual returned another shape"
+    err = row_error(got, want)
+    bound = 4 * torch.finfo(weight.dtype).eps if weight.is_floating_point() else 0.0
+    if not err <= bound:  # NaN fails too
+        return f"the block's call with the residual differs from residual + its output (relative error {err:.2g})"
+    return None
 
 
 def restore_residuals(model: nn.Module) -> list[str]:
