@@ -186,3 +186,21 @@ def test_compiled_training_records_the_fp8_op_and_equals_eager(backend):
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
         compiled(x.clone().requires_grad_(True))
     assert kept.count((fp8.DTYPE, (300, 384))) == 2 and kept.count((fp8.SCALE_DTYPE, (300, 3))) == 2
+
+
+def test_activation_checkpointing_of_a_save_fp8_block_gives_the_same_gradients():
+    """Under torch.utils.checkpoint the block's FP8 g and u go through the saved-tensor hooks (recomputed in the
+    backward): the same gradients as the plain save="fp8" step."""
+    from torch.utils.checkpoint import checkpoint
+
+    _, low = _pair(DTYPES[0])
+    x = torch.randn(200, 64, device=DEVICE).to(DTYPES[0])
+    grads = []
+    for wrap in (False, True):
+        xi = x.clone().requires_grad_(True)
+        low.zero_grad(set_to_none=True)
+        y = checkpoint(low, xi, use_reentrant=False) if wrap else low(xi)
+        y.square().sum().backward()
+        grads.append((xi.grad, low.gate_proj.weight.grad, low.down_proj.weight.grad))
+    for plain, ckpt in zip(*grads):
+        torch.testing.assert_close(ckpt, plain, rtol=0, atol=0)
