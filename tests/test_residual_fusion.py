@@ -336,3 +336,40 @@ def test_the_hand_over_is_checked_on_numbers_before_it_is_kept():
     residual.fuse_residuals(fresh, report)
     assert report.residuals == [] and all("differs" in k.reason for k in report.residuals_kept)
     assert type(fresh.layers[0]) is _TwoStatements
+
+
+def test_a_layer_whose_source_changed_on_disk_keeps_its_add(tmp_path, monkeypatch):
+    """The rewrite compiles the layer's forward from its file: if that file no longer matches the loaded code, the
+    layer is left as it is (a forward built from other source would silently run other code)."""
+    import importlib
+    import linecache
+    import sys
+
+    src = '''import torch.nn as nn
+
+
+class Layer(nn.Module):
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, h):
+        residual = h
+        h = h * 2.0
+        h = self.mlp(h)
+        h = residual + h
+        return h
+'''
+    path = tmp_path / "mlpfuse_layer_on_disk.py"
+    path.write_text(src)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("mlpfuse_layer_on_disk")
+    try:
+        assert isinstance(residual.rewritten(module.Layer, "mlp"), type)  # source and loaded code agree
+        residual.rewritten.cache_clear()
+        path.write_text(src.replace("h * 2.0", "h * 3.0"))
+        linecache.checkcache(str(path))
+        assert "no longer compiles to the loaded forward" in residual.rewritten(module.Layer, "mlp")
+    finally:
+        residual.rewritten.cache_clear()
+        sys.modules.pop("mlpfuse_layer_on_disk", None)

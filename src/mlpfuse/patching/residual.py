@@ -21,7 +21,8 @@ runs on a GPU); a block that fails keeps the layer's add, with why.
 The rewritten forward is the layer's own function compiled again from its source file with those statements
 changed, in its module's globals and under its own decorators; it is installed on a subclass of the layer's class
 (so every other layer of that class, patched or not, is untouched), which `unpatch` swaps back. A forward that
-closes over variables (`super()`, a closure cell) is left alone: its function cannot be rebuilt outside its class.
+closes over variables (`super()`, a closure cell) is left alone: its function cannot be rebuilt outside its class;
+so is one whose source file no longer compiles to the loaded function (edited or upgraded on disk since import).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import __future__
 import ast
 import functools
 import inspect
+import linecache
 import textwrap
 from typing import Optional
 
@@ -117,6 +119,8 @@ def rewritten(layer_cls: type, block_name: str):
     func = tree.body[0] if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else None
     if func is None:
         return None
+    if not _same_code(raw):
+        return "its source file no longer compiles to the loaded forward (changed on disk since import?)"
     rewriter = _Rewriter(block_name)
     rewriter.visit(func)
     if not rewriter.fused:
@@ -137,6 +141,28 @@ def rewritten(layer_cls: type, block_name: str):
         return f"its forward could not be rebuilt ({one_line(exc)})"
     forward = namespace[func.name]
     return _subclass(layer_cls, block_name, forward, rewriter.fused)
+
+
+def _same_code(raw) -> bool:
+    """Whether the source file on disk compiles to the very function the class holds (its bytecode, names and
+    constants), so that the rewrite changes nothing but the two statements. The whole file is compiled (the opcodes
+    of a call depend on what the module imports), not run."""
+    path = raw.__code__.co_filename
+    try:
+        module = compile("".join(linecache.getlines(path)), path, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError):
+        return False
+    want = raw.__code__
+    found, todo = None, [module]
+    while todo and found is None:
+        for c in todo.pop().co_consts:
+            if isinstance(c, type(module)):
+                if c.co_name == want.co_name and c.co_firstlineno == want.co_firstlineno:
+                    found = c
+                    break
+                todo.append(c)
+    return found is not None and all(getattr(found, a) == getattr(want, a) for a in (
+        "co_code", "co_names", "co_varnames", "co_argcount", "co_consts", "co_flags"))
 
 
 def _subclass(layer_cls: type, block_name: str, forward, count: int) -> type:
