@@ -167,7 +167,8 @@ def test_matching_layers_hand_their_add_to_the_block(layer_cls):
         assert seen == [True, True]
         torch.testing.assert_close(got, model(x), rtol=0, atol=0)  # the torch backend: the layer's own ops
     assert "2 residual adds fused" in report.summary()
-    assert report.to_dict()["residuals"][0] == {"path": "layers.0", "into": "layers.0.mlp"}
+    assert report.to_dict()["residuals"][0] == {"path": "layers.0", "into": "layers.0.mlp",
+                                                "by": "its down projection's epilogue"}
 
 
 def test_the_other_branch_of_a_matching_forward_keeps_its_own_math():
@@ -373,3 +374,15 @@ class Layer(nn.Module):
     finally:
         residual.rewritten.cache_clear()
         sys.modules.pop("mlpfuse_layer_on_disk", None)
+
+
+def test_fp8_blocks_take_the_add_after_their_output_and_the_report_says_so():
+    model = _tiny("llama")
+    ref = copy.deepcopy(model)
+    patched = copy.deepcopy(model)
+    mlpfuse.patch(ref, backend="torch", precision="fp8", fuse_residuals=False)
+    report = mlpfuse.patch(patched, backend="torch", precision="fp8")
+    assert [r.by for r in report.residuals] == ["the block, after its FP8 output"] * 2
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    for got, want in zip(_logits(patched, ids), _logits(ref, ids)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -40,6 +40,7 @@ class FusedNorm:
 class FusedResidual:
     path: str  # the layer whose forward now hands its residual add to the block (mlpfuse.patching.residual)
     into: str  # the block whose down projection adds it
+    by: str = "its down projection's epilogue"  # FP8 blocks: added to their output (no FP8 epilogue for it yet)
 
 
 @dataclass
@@ -113,8 +114,7 @@ class PatchReport:
             groups.setdefault(("norm", f"{item.source} kept: {item.reason}"), []).append(item.path)
         for r in self.residuals:
             into = r.into.rpartition(".")[2]
-            groups.setdefault(("residual", f"the add after {into} done in its down projection's epilogue"),
-                              []).append(r.path)
+            groups.setdefault(("residual", f"the add after {into} done by {r.by}"), []).append(r.path)
         for item in self.residuals_kept:
             groups.setdefault(("residual", f"{item.source} keeps its add: {item.reason}"), []).append(item.path)
         for item in self.fp8_kept:

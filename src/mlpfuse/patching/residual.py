@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from mlpfuse import fp8
 from mlpfuse.patching import blocks
 from mlpfuse.patching.report import FusedResidual, Left
 from mlpfuse.patching.verify import one_line, row_error
@@ -67,19 +68,23 @@ def fuse_residuals(model: nn.Module, report) -> None:
             report.residuals_kept.append(Left(parent_path, cls.__name__, reason))
             continue
         parent.__class__ = found
-        report.residuals.append(FusedResidual(parent_path, swapped.path))
+        by = "the block, after its FP8 output" if parent._modules[name].fused_precision == "fp8" else None
+        report.residuals.append(FusedResidual(parent_path, swapped.path, *((by,) if by else ())))
 
 
 def verify_residual(block: "blocks.GatedBlock") -> Optional[str]:
     """None when the block's call with a residual equals the residual plus its plain call on random rows of its
     input width, in its dtype and on its device (the path decode-sized calls take: the decode kernels' epilogue),
     within a few roundings of the dtype; else why not. Blocks on the meta device are taken at their word."""
-    weight = block._modules[block.fused_linears[0]].weight
+    first = block._modules[block.fused_linears[0]]
+    weight = first.weight
     if weight.device.type == "meta":
         return None
+    # The block's input dtype: the weights', or for FP8 projections (modules.Fp8Linear) the dtype they came from.
+    dtype = first.dtype if weight.dtype == fp8.DTYPE else weight.dtype
     gen = torch.Generator(device="cpu").manual_seed(0)
     width = weight.shape[1]
-    x, res = (torch.randn(2, 3, width, generator=gen).to(weight.device, weight.dtype) for _ in range(2))
+    x, res = (torch.randn(2, 3, width, generator=gen).to(weight.device, dtype) for _ in range(2))
     try:
         with torch.no_grad():
             got = block(x, residual=res)
@@ -89,7 +94,7 @@ def verify_residual(block: "blocks.GatedBlock") -> Optional[str]:
     if not isinstance(got, torch.Tensor) or got.shape != want.shape:
         return "the block's call with the residual returned another shape"
     err = row_error(got, want)
-    bound = 4 * torch.finfo(weight.dtype).eps if weight.is_floating_point() else 0.0
+    bound = 4 * torch.finfo(dtype).eps
     if not err <= bound:  # NaN fails too
         return f"the block's call with the residual differs from residual + its output (relative error {err:.2g})"
     return None
@@ -119,14 +124,14 @@ def rewritten(layer_cls: type, block_name: str):
     func = tree.body[0] if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else None
     if func is None:
         return None
-    if not _same_code(raw):
-        return "its source file no longer compiles to the loaded forward (changed on disk since import?)"
     rewriter = _Rewriter(block_name)
     rewriter.visit(func)
     if not rewriter.fused:
         if rewriter.calls == 0:
             return None
         return rewriter.why or "the layer's forward does not add a residual to the MLP's output"
+    if not _same_code(raw):
+        return "its source file no longer compiles to the loaded forward (changed on disk since import?)"
     if raw.__code__.co_freevars:
         return f"its forward closes over {', '.join(raw.__code__.co_freevars)}: it cannot be rebuilt outside its class"
     ast.fix_missing_locations(tree)
