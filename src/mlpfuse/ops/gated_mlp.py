@@ -282,8 +282,9 @@ def _backward_impl(
 def _gradients(args: tuple, held: Optional[list] = None, path: str = ""):
     """All seven gradients (empty placeholders where not needed) for the backward op's arguments `args`. `held`:
     eager training's [g, u], handed over to be overwritten with dg and du and released as soon as their last reader
-    ran (g and u are then placeholders). `path`: the one the forward took (else chosen again, as the forward
-    would)."""
+    ran (g and u are then placeholders); FP8-kept ones come as (values, scale_inv) pairs, which the Triton paths'
+    GLU pass reads as they are and the others dequantize first. `path`: the one the forward took (else chosen
+    again, as the forward would)."""
     (dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, g, u, h, activation, backend, recompute, need_dx,
      need_dw, need_dgate_bias, need_dup_bias, need_ddown_bias) = args
     del args  # no second reference to g and u in this frame: each dies with its name below
@@ -296,6 +297,8 @@ def _gradients(args: tuple, held: Optional[list] = None, path: str = ""):
     if consume:
         g, u = held
         held.clear()  # the caller's list: no reference to g and u may outlive their last use below
+        if isinstance(g, tuple) and not triton:
+            g, u = (fp8.dequantize_activation(v, sc, x.dtype) for v, sc in (g, u))
     if fused and not triton:
         return _cuda_backward(dy2, x, x2, gate_weight, up_weight, down_weight, gate_bias, up_bias, g, u, h, act.id,
                               recompute, consume, need_dx, need_dw, need_dgate_bias, need_dup_bias, need_ddown_bias)
@@ -541,19 +544,11 @@ def _gated_mlp_backward_fp8_op(
     need_dup_bias: bool,
     need_ddown_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The seven gradients (empty placeholders where not needed) from FP8-kept g and u: the Triton paths' GLU pass
-    reads them as they are; elsewhere they are dequantized first."""
-    x2 = rows(x)
-    path = dispatch.gated_mlp_path(backend, x2, gate_weight.shape[0], True)
-    if path in (dispatch.GATED, dispatch.SPLIT) and x2.shape[0] > 0:
-        grads = _triton_backward(rows(dy.to(x.dtype)), x2, gate_weight, up_weight, down_weight,
-                                 [(g, g_scale), (u, u_scale)], None, activations.get(activation).id, need_dx,
-                                 need_dw, (need_dgate_bias, need_dup_bias, need_ddown_bias), False)
-        dx = grads[0].reshape(x.shape) if grads[0] is not None else None
-        return tuple(t if t is not None else nothing(x) for t in (dx, *grads[1:]))
-    gd, ud = (fp8.dequantize_activation(v, sc, x.dtype) for v, sc in ((g, g_scale), (u, u_scale)))
-    return _gradients((dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, gd, ud, nothing(x), activation,
-                       backend, False, need_dx, need_dw, need_dgate_bias, need_dup_bias, need_ddown_bias))
+    """The seven gradients (empty placeholders where not needed) from FP8-kept g and u (`_gradients`)."""
+    empty = nothing(x)
+    return _gradients((dy, x, gate_weight, up_weight, down_weight, gate_bias, up_bias, empty, empty, empty, activation,
+                       backend, False, need_dx, need_dw, need_dgate_bias, need_dup_bias, need_ddown_bias),
+                      [(g, g_scale), (u, u_scale)])
 
 
 @_gated_mlp_backward_fp8_op.register_fake
@@ -625,8 +620,6 @@ class _EagerTraining(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, dy):
         saved, held = take_held(ctx)
-        if held is not None and isinstance(held[0], tuple) and ctx.path not in (dispatch.GATED, dispatch.SPLIT):
-            held = [fp8.dequantize_activation(v, sc, saved[0].dtype) for v, sc in held]  # FP8-saved, other paths
         if held is None or ctx.path not in (dispatch.GATED, dispatch.SPLIT):
             ctx.recompute = held is None
             empty = nothing(dy)

@@ -145,7 +145,7 @@ def rewritten(layer_cls: type, block_name: str):
     except Exception as exc:  # noqa: BLE001 - a forward that cannot be rebuilt keeps its add, with why
         return f"its forward could not be rebuilt ({one_line(exc)})"
     forward = namespace[func.name]
-    return _subclass(layer_cls, block_name, forward, rewriter.fused)
+    return _subclass(layer_cls, block_name, forward)
 
 
 def _same_code(raw) -> bool:
@@ -170,7 +170,7 @@ def _same_code(raw) -> bool:
         "co_code", "co_names", "co_varnames", "co_argcount", "co_consts", "co_flags"))
 
 
-def _subclass(layer_cls: type, block_name: str, forward, count: int) -> type:
+def _subclass(layer_cls: type, block_name: str, forward) -> type:
     def mlp_residual(self, x, residual):
         block = self._modules[block_name]
         if isinstance(block, blocks.GatedBlock) and not blocks._hooked(block):
