@@ -144,6 +144,52 @@ def test_weight_only_kernels_are_the_dequantized_weights_in_fp32(m):
     assert bool(((y.double() - ref).abs() <= yb + 2.0**-24 * ref.abs()).all())
 
 
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("m", [1, 6])
+def test_weight_only_kernels_take_bf16_x_through_fp16_mmas(monkeypatch, tma, m):
+    """bf16 x goes to fp16 MMAs as x·2^-6 against W·2^-15 (both exact, W always; x from 2^-8 up, an absolute 2^-19
+    below). Against float64 of the same bf16 x, with x spanning 1e-5..1e6 in magnitude: the fp32 sums
+    (K·2^-24 Σ|x||w|), that absolute error through Σ|w|, and one bf16 ulp (2^-7 relative) for the output's rounding
+    (the interpreter's fp32 → bf16 store truncates; the GPU rounds to nearest, within half of that)."""
+    kern = _k()
+    monkeypatch.setattr(kern, "WEIGHT_TMA", tma)
+    x, (wg, wu, wd), (bg, bu, bd) = _case(21, m, 260, 200, bias=True, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(22)
+    x, hx = ((t.float().cpu() * 10.0 ** torch.randint(-5, 6, t.shape, generator=gen)).to(DEVICE, torch.bfloat16)
+             for t in (x, torch.randn(m, 200, generator=gen)))
+    act = activations.get("silu")
+    h = kern.fp8_weight_gemm(x, wg.values, wg.scale_inv, wu.values, wu.scale_inv, bg, bu, activation=act.id)
+    x64 = x.double()
+    wgd, wud, wdd = (w.dequantize(torch.float64) for w in (wg, wu, wd))
+    g, u = x64 @ wgd.T + bg.double(), x64 @ wud.T + bu.double()
+    h64 = act.forward(g) * u
+
+    def err(xa, w, b):  # fp32 sums, the smallest elements' fp16 rounding, the bias
+        return 270 * 2.0**-24 * (xa.abs() @ w.abs().T + b.double().abs()) + 2.0**-19 * w.abs().sum(1)
+
+    eg, eu = err(x64, wgd, bg), err(x64, wud, bu)
+    bound = 1.2 * eg * (u.abs() + eu) + act.forward(g).abs() * eu + 2.0**-7 * h64.abs()
+    assert bool(((h.double() - h64).abs() <= bound).all())
+    y = kern.fp8_weight_gemm(hx, wd.values, wd.scale_inv, None, None, bd, activation=activations.IDENTITY)
+    ref = hx.double() @ wdd.T + bd.double()
+    assert bool(((y.double() - ref).abs() <= err(hx.double(), wdd, bd) + 2.0**-7 * ref.abs()).all())
+
+
+@pytest.mark.parametrize("big", [float("inf"), 2.0 * 65520 * 2.0**6])
+def test_a_bf16_token_past_the_fp16_range_gives_no_finite_answer(big):
+    """An inf, or a magnitude past FP16_X_LIMIT, in one bf16 token: that token's outputs are not finite (never a
+    finite wrong value), and the other tokens' are those of a call without it, bit for bit."""
+    kern = _k()
+    assert big >= kern.FP16_X_LIMIT
+    x, (wg, wu, _), _ = _case(23, 3, 256, 128, dtype=torch.bfloat16)
+    args = (wg.values, wg.scale_inv, wu.values, wu.scale_inv)
+    clean = kern.fp8_weight_gemm(x, *args, activation=activations.SILU)
+    x[1, 5] = big
+    h = kern.fp8_weight_gemm(x, *args, activation=activations.SILU)
+    assert not bool(h[1].isfinite().any())
+    assert torch.equal(h[[0, 2]], clean[[0, 2]])
+
+
 @pytest.mark.parametrize("m", [3, 40])
 def test_a_nan_token_spoils_its_own_outputs_only(m):
     from mlpfuse.ops import fp8_mlp

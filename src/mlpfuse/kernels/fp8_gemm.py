@@ -183,23 +183,42 @@ def mlpfuse_fp8_gemm_kernel(
             tl.store(out + rm[:, None] * s_om + rn[None, :], z.to(out.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _widen(w, dt: tl.constexpr, shift: tl.constexpr):
+    """e4m3 → dt, times the power of two `shift` (exact: see the weight-only kernel's F16)."""
+    if shift == 1.0:
+        return w.to(dt)
+    return w.to(dt) * shift
+
+
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_fp8_weight_gemm_kernel(
     x, w1, s1, w2, s2, b1, b2, out, part, nw,
     M, N, K, K_PER, s_xm, s_w1, s_s1, s_w2, s_s2, s_om, eps,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, I64: tl.constexpr,
+    F16: tl.constexpr, TMA: tl.constexpr,
 ):
     """Weight-only: outᵀ [BLOCK_N, M] = Wq[slice] · xᵀ, the weight the MMA's left operand ("swap AB") so that a tiny M
     is the MMA's narrow side. BLOCK_N divides 128, so the program's rows share one row of weight scales. With SPLIT,
     program (n, s) sums the K range [s·K_PER, (s+1)·K_PER) and writes its fp32 partial sums to part [splits, 2, M, N]
     (the second weight's at 1); mlpfuse_fp8_split_reduce_kernel adds them in a fixed order and applies the epilogue.
 
+    F16 (16-bit x): the MMA runs in fp16 — e4m3 widens to fp16 in one conversion per two weights (to bf16 it takes
+    three instructions per weight, and that widening, not the bytes, bounded the kernel). The operands go scaled by
+    powers of two, W·2^-15 and x·2^-6, each step's sums by 2^21 back: every e4m3 value times 2^-15 is an fp16
+    value (the smallest, 2^-9, becomes fp16's smallest, 2^-24), and the tensor cores' products and their partial
+    sums stay far inside fp16's range (|W·2^-15| < 2^-6, |x·2^-6| < 2^16: unscaled, e4m3's 448 times bf16 x past
+    ~10^4 overflowed them to NaN). x keeps fp16's 11 significant bits from 2^-8 up (more than bf16's 8), an
+    absolute error under 2^-19 below; |x| ≥ FP16_X_LIMIT (about 4.2·10^6) becomes ±inf in fp16, so that token's
+    outputs are inf or NaN — never a finite wrong value; NaN and ±inf in x propagate.
+    TMA: the weight tiles through tensor descriptors (w1, w2 are then descriptors of [N, K] blocks [BLOCK_N, 128]).
+
     NORM (1: weight·norm(x), Llama's RMSNorm; 2: norm(x)·(1 + weight), Gemma's): x is read through an RMSNorm of
     weight nw. Its row scale r = 1/sqrt(mean(x²) + eps) factors out of the dot products, so the MMA takes x·nw
-    (or x·(1 + nw)) in x's dtype and the sums are scaled by r at the end: no pass over x before the weights stream
-    (the bf16 decode kernel's prologue, kernels.decode_mlp). A split program sums x² over all of K (x is a few
-    rows, read from L2)."""
+    (or x·(1 + nw)) and the sums are scaled by r at the end: no pass over x before the weights stream (the bf16
+    decode kernel's prologue, kernels.decode_mlp). A split program sums x² over all of K (x is a few rows, read
+    from L2)."""
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -211,7 +230,10 @@ def mlpfuse_fp8_weight_gemm_kernel(
     nmask = rn < N
     mmask = rm < M
     srow = (pid * BLOCK_N) // 128
-    dt = x.dtype.element_ty
+    dt = tl.float16 if F16 else x.dtype.element_ty
+    X_SHIFT: tl.constexpr = 2.0**-6 if F16 else 1.0
+    W_SHIFT: tl.constexpr = 2.0**-15 if F16 else 1.0
+    UNDO: tl.constexpr = 2.0**21 if F16 else 1.0
     k_lo = tl.program_id(1) * K_PER
     k_hi = tl.minimum(K, k_lo + K_PER)
     acc1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -222,17 +244,27 @@ def mlpfuse_fp8_weight_gemm_kernel(
         kmask = rk < k_hi
         kb = k0 // 128
         xt = tl.load(x + rm[None, :] * s_xm + rk[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
+        xf = xt.to(tl.float32)
         if NORM != 0:
-            xf = xt.to(tl.float32)
             if not SPLIT:  # a split program sums x² over the whole row below
                 sq += tl.sum(xf * xf, axis=0)
             g = tl.load(nw + rk, mask=kmask, other=0.0).to(tl.float32)[:, None]
-            xt = (xf * (g if NORM == 1 else 1.0 + g)).to(dt)
-        wt = tl.load(w1 + rn[:, None] * s_w1 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        acc1 += tl.dot(wt.to(dt), xt, input_precision=DOT_PREC) * tl.load(s1 + srow * s_s1 + kb)
+            xf = xf * (g if NORM == 1 else 1.0 + g)
+        xt = (xf * X_SHIFT).to(dt)
+        if TMA:  # rows past N and columns past K come back as zeros
+            wt = w1.load([pid * BLOCK_N, k0])
+        else:
+            wt = tl.load(w1 + rn[:, None] * s_w1 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        sw1 = tl.load(s1 + srow * s_s1 + kb) * UNDO
+        acc1 += tl.dot(_widen(wt, dt, W_SHIFT), xt, input_precision=DOT_PREC) * sw1
         if GATED:
-            wt2 = tl.load(w2 + rn[:, None] * s_w2 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            acc2 += tl.dot(wt2.to(dt), xt, input_precision=DOT_PREC) * tl.load(s2 + srow * s_s2 + kb)
+            if TMA:
+                wt2 = w2.load([pid * BLOCK_N, k0])
+            else:
+                wt2 = tl.load(w2 + rn[:, None] * s_w2 + rk[None, :], mask=nmask[:, None] & kmask[None, :],
+                              other=0.0)
+            sw2 = tl.load(s2 + srow * s_s2 + kb) * UNDO
+            acc2 += tl.dot(_widen(wt2, dt, W_SHIFT), xt, input_precision=DOT_PREC) * sw2
     if NORM != 0:
         if SPLIT:  # the whole row's x², not only this program's K range
             for k0 in range(0, K, 128):
@@ -518,30 +550,61 @@ def _keep_gemm_plan(plan_key, key, grid, args, consts, use_tma: bool, quant_out:
 def _weight_config(m: int, n: int, k: int, gated: bool, sms: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_M, num_warps, num_stages, SPLITS) for the weight-only kernel: 64-row slices, 4 warps, one
     scale block per step, and K split into up to 8 parts (a power of two) where the slices alone would leave SMs
-    idle. From `benchmarks/fp8_tune.py --weight-only` on an H200 at 1 and 16 rows × 4096×14336
-    (benchmarks/results/nvidia-h200/fp8-prefill/5-, 6-weight-only-*.txt): gate+up 60 µs (224 slices; split 4 ways
-    60, 2 ways 65; 32- and 128-row slices 84–117; two or four scale blocks per step 76–110); down 33.5 µs split 8
-    ways (64 slices), 85 unsplit. The interpreter splits K in two (the CPU tests run both forms)."""
+    idle. From `benchmarks/fp8_stream_probe.py` on an H200 at 1 and 16 rows × 4096×14336 with fp16 MMAs and TMA
+    (benchmarks/results/nvidia-h200/fp8-stream/): gate+up 43.5 µs unsplit, 3 stages (split 2 ways, 128-row slices
+    of 8 warps, 5 stages: within 1 µs); down 25.1 µs split 8 ways, 4 stages (4 ways 26.3). The interpreter splits K
+    in two (the CPU tests run both forms)."""
     block_m = max(16, triton.next_power_of_2(m))
     if C.INTERPRET:
         return 32, block_m, 4, 1, 2
     slices = triton.cdiv(n, 64)
     splits = 1 if slices >= sms else min(8, triton.next_power_of_2(4 * sms // slices + 1) // 2, triton.cdiv(k, 128))
-    return 64, block_m, 4, 3, max(1, splits)
+    splits = max(1, splits)
+    return 64, block_m, 4, 3 if splits == 1 else 4, splits
 
 
 WEIGHT_ONLY_MAX_M = 64  # the weight-only kernel's largest M (its tiles keep M whole)
+FP16_X_LIMIT = 65520 * 2.0**6  # 16-bit x at or past this magnitude overflows the kernel's fp16 copy
+WEIGHT_TMA = True  # weight tiles through TMA descriptors where the card and the weights allow (tests switch it off)
 _REDUCE_BLOCK = 1024
 NORM_NONE, NORM_WEIGHT_AFTER, NORM_ONE_PLUS = C.NORM_NONE, C.NORM_WEIGHT_AFTER, C.NORM_ONE_PLUS
 
 
-class _WeightPlan:
-    """fp8_weight_gemm's launches for one layout (C.PointerPlan each: the kernel, and the split reduction when K is
-    split), the output's and the partial sums' shapes. Holds no tensor."""
+class _TmaLaunch:
+    """The weight-only kernel's launch for one layout with its weights' TMA maps encoded once (the weights' addresses
+    are in the plan's key); the other tensors go as addresses. Holds no tensor."""
 
-    __slots__ = ("main", "reduce", "out_cols", "part_shape")
+    __slots__ = ("raw", "index", "grid", "flat_w1", "flat_w2", "tail")
+
+    def launch(self, tensors) -> None:
+        x, _, s1, _, s2, b1, b2, out, part, nw = tensors
+        self.raw(self.grid, torch._C._cuda_getCurrentRawStream(self.index),
+                 (x.data_ptr(), *self.flat_w1, s1.data_ptr(), *self.flat_w2, s2.data_ptr(), b1.data_ptr(),
+                  b2.data_ptr(), out.data_ptr(), part.data_ptr(), nw.data_ptr(), *self.tail))
+
+
+def _tma_launch(key, grid, ints, consts, device, w1, d1, w2, d2):
+    """A _TmaLaunch once the kernel's compiled form exists and its C launcher can be called directly; else None."""
+    index = C.device_index(device)
+    raw = _weight_launch.raw(key, index)
+    if raw is None:
+        return None
+    plan = _TmaLaunch()
+    plan.raw, plan.index, plan.grid, plan.tail = raw, index, grid, (*ints, *consts)
+    plan.flat_w1 = raw.encode(1, w1.data_ptr(), d1.shape, d1.strides)
+    plan.flat_w2 = raw.encode(3, w2.data_ptr(), d2.shape, d2.strides)
+    return plan
+
+
+class _WeightPlan:
+    """fp8_weight_gemm's launches for one layout (the kernel's — a _TmaLaunch or a C.PointerPlan — and the split
+    reduction's when K is split), the output's and the partial sums' shapes. Holds no tensor."""
+
+    __slots__ = ("main", "reduce", "out_cols", "part_shape", "tma")
 
     def run(self, x, w1, s1, w2, s2, b1, b2, norm_weight):
+        if self.tma and C.launch_hooks_set():
+            return None  # a profiler's launch hook: the full path launches through Triton with descriptors
         out = torch.empty(x.shape[0], self.out_cols, device=x.device, dtype=x.dtype)
         part = torch.empty(self.part_shape, device=x.device, dtype=torch.float32) if self.reduce else out
         w2, s2 = (w1, s1) if w2 is None else (w2, s2)
@@ -569,7 +632,9 @@ def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
                          norm_kind)
     plan = _plans.get(plan_key) if plan_key is not None else None
     if plan is not None:
-        return plan.run(x, w1, s1, w2, s2, b1, b2, norm_weight)
+        done = plan.run(x, w1, s1, w2, s2, b1, b2, norm_weight)
+        if done is not None:
+            return done
     _check_act(x)
     m, k = x.shape
     if m > WEIGHT_ONLY_MAX_M:
@@ -586,8 +651,11 @@ def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
     bb1, bb2 = x if b1 is None else b1, x if b2 is None else b2
     nw = x if norm_weight is None else norm_weight
     i64 = C.needs_i64(x, out, w1, w2, part)
+    f16 = x.dtype != torch.float32
+    use_tma = WEIGHT_TMA and C.tma_capable(x.device) and C.tma_ok(w1) and C.tma_ok(w2)
+    wa1, wa2 = (C.desc(w1, [block_n, GROUP]), C.desc(w2, [block_n, GROUP])) if use_tma else (w1, w2)
     consts = (activation, gated, b1 is not None, b2 is not None, C.dot_precision(x.dtype, allow_tf32), block_n,
-              block_m, splits > 1, norm_kind, i64)
+              block_m, splits > 1, norm_kind, i64, f16, use_tma)
     key = (consts, x.dtype, n, k, k_per, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0),
            out.stride(0), C.align16(x), C.align16(out), C.align16(w1), C.align16(s1), C.align16(w2), C.align16(s2),
            C.align16(part), C.align16(nw), b1 is None or (b1.dtype, C.align16(b1)),
@@ -595,7 +663,7 @@ def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
     ints = (m, n, k, k_per, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0), out.stride(0),
             float(norm_eps))
     grid = (triton.cdiv(n, block_n), splits)
-    _weight_launch(key, grid, (x, w1, s1, w2, s2, bb1, bb2, out, part, nw, *ints), consts, num_warps=warps,
+    _weight_launch(key, grid, (x, wa1, s1, wa2, s2, bb1, bb2, out, part, nw, *ints), consts, num_warps=warps,
                    num_stages=stages)
     reduce = None
     if splits > 1:
@@ -605,9 +673,15 @@ def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
         r_grid, r_ints = (triton.cdiv(m * n, _REDUCE_BLOCK),), (m, n, splits, out.stride(0))
         _reduce_launch(r_key, r_grid, (part, bb1, bb2, out, *r_ints), r_consts, num_warps=4, num_stages=1)
         reduce = _pointer_launch(_reduce_launch, r_key, r_grid, r_ints, r_consts, 4, 1, x.device)
-    main = _pointer_launch(_weight_launch, key, grid, ints, consts, warps, stages, x.device)
-    if plan_key is not None and main is not None and (splits == 1 or reduce is not None):
+    if plan_key is None:
+        return out
+    if use_tma:
+        main = _tma_launch(key, grid, ints, consts, x.device, w1, wa1, w2, wa2)
+    else:
+        main = _pointer_launch(_weight_launch, key, grid, ints, consts, warps, stages, x.device)
+    if main is not None and (splits == 1 or reduce is not None):
         plan = _WeightPlan()
         plan.main, plan.reduce, plan.out_cols, plan.part_shape = main, reduce, n, tuple(part.shape)
+        plan.tma = use_tma
         C.keep_plan(_plans, plan_key, plan)
     return out

@@ -49,12 +49,13 @@ WEIGHT_ONLY_MAX_M = 16
 DECODE_KERNEL = False
 
 # Whether the weight-only path applies a handed-over RMSNorm in its gate+up kernel's prologue (kernels.fp8_gemm,
-# NORM): measured on an H200, 32-layer Llama-3-8B-shaped decode step replayed from a CUDA graph (`mlpfuse bench
-# --model llama3-8b --mode decode-step --tokens 1x128 --variants eager,mlpfuse,mlpfuse-fp8`;
-# benchmarks/results/nvidia-h200/bench-fp8/): 7.047 ms with the norm in the kernel against 6.927 ms with the norm's
-# own module in front (eager's graph 7.414). Off: at decode sizes the norm module runs first, outside the op, where
-# torch.compile can fuse it; above WEIGHT_ONLY_MAX_M tokens the quantization's pass applies it.
-NORM_IN_WEIGHT_ONLY = False
+# NORM), or runs the norm's own module in front (outside the op, where torch.compile can fuse it). Measured on an
+# H200, 32-layer Llama-3-8B-shaped decode step replayed from a CUDA graph (`mlpfuse bench --model llama3-8b --mode
+# decode-step --tokens 1x128,8x128 --variants eager,mlpfuse,mlpfuse-fp8,mlpfuse-fp8-nonorm`;
+# benchmarks/results/nvidia-h200/fp8-stream/): with the fp16-MMA kernels, 5.805 / 6.818 ms in the prologue against
+# 5.975 / 7.234 ms in front (batch 1 / 8). (With the earlier bf16-widening kernels it was the other way round, 7.047
+# against 6.927.) Above WEIGHT_ONLY_MAX_M tokens the quantization's pass applies the norm either way.
+NORM_IN_WEIGHT_ONLY = True
 
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89) and Hopper (sm_90) onwards
 
