@@ -194,7 +194,7 @@ def _widen(w, dt: tl.constexpr, shift: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_fp8_weight_gemm_kernel(
     x, w1, s1, w2, s2, b1, b2, out, part, nw,
-    M, N, K, K_PER, s_xm, s_w1, s_s1, s_w2, s_s2, s_om, eps,
+    M, N, K, K_PER, s_xm, s_w1, s_s1, s_w2, s_s2, s_om, eps, x_shift,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, I64: tl.constexpr,
     F16: tl.constexpr, TMA: tl.constexpr,
@@ -209,9 +209,11 @@ def mlpfuse_fp8_weight_gemm_kernel(
     powers of two, W·2^-15 and x·2^-6, each step's sums by 2^21 back: every e4m3 value times 2^-15 is an fp16
     value (the smallest, 2^-9, becomes fp16's smallest, 2^-24), and the tensor cores' products and their partial
     sums stay far inside fp16's range (|W·2^-15| < 2^-6, |x·2^-6| < 2^16: unscaled, e4m3's 448 times bf16 x past
-    ~10^4 overflowed them to NaN). x keeps fp16's 11 significant bits from 2^-8 up (more than bf16's 8), an
-    absolute error under 2^-19 below; |x| ≥ FP16_X_LIMIT (about 4.2·10^6) becomes ±inf in fp16, so that token's
-    outputs are inf or NaN — never a finite wrong value; NaN and ±inf in x propagate.
+    ~10^4 would overflow them). x keeps fp16's 11 significant bits from 2^-8 up (more than bf16's 8), an absolute
+    error under 2^-19 below; |x| ≥ FP16_X_LIMIT (about 4.2·10^6) becomes ±inf in fp16, so that token's outputs are
+    inf or NaN — never a finite wrong value; NaN and ±inf in x propagate. x's factor comes as an argument
+    (x_shift = 2^-6), not a constant: with a constant, the compiler narrowed fp16(fp32(x)·2^-6) to fp16(x)·2^-6,
+    and bf16 x past fp16's 65504 became inf before its scaling (measured on an H200).
     TMA: the weight tiles through tensor descriptors (w1, w2 are then descriptors of [N, K] blocks [BLOCK_N, 128]).
 
     NORM (1: weight·norm(x), Llama's RMSNorm; 2: norm(x)·(1 + weight), Gemma's): x is read through an RMSNorm of
@@ -231,7 +233,6 @@ def mlpfuse_fp8_weight_gemm_kernel(
     mmask = rm < M
     srow = (pid * BLOCK_N) // 128
     dt = tl.float16 if F16 else x.dtype.element_ty
-    X_SHIFT: tl.constexpr = 2.0**-6 if F16 else 1.0
     W_SHIFT: tl.constexpr = 2.0**-15 if F16 else 1.0
     UNDO: tl.constexpr = 2.0**21 if F16 else 1.0
     k_lo = tl.program_id(1) * K_PER
@@ -250,7 +251,10 @@ def mlpfuse_fp8_weight_gemm_kernel(
                 sq += tl.sum(xf * xf, axis=0)
             g = tl.load(nw + rk, mask=kmask, other=0.0).to(tl.float32)[:, None]
             xf = xf * (g if NORM == 1 else 1.0 + g)
-        xt = (xf * X_SHIFT).to(dt)
+        if F16:
+            xt = (xf * x_shift).to(dt)
+        else:
+            xt = xf.to(dt)
         if TMA:  # rows past N and columns past K come back as zeros
             wt = w1.load([pid * BLOCK_N, k0])
         else:
@@ -564,7 +568,8 @@ def _weight_config(m: int, n: int, k: int, gated: bool, sms: int) -> tuple[int, 
 
 
 WEIGHT_ONLY_MAX_M = 64  # the weight-only kernel's largest M (its tiles keep M whole)
-FP16_X_LIMIT = 65520 * 2.0**6  # 16-bit x at or past this magnitude overflows the kernel's fp16 copy
+_X_SHIFT = 2.0**-6  # 16-bit x's factor before its fp16 rounding in the weight-only kernel (its F16)
+FP16_X_LIMIT = 65520 / _X_SHIFT  # 16-bit x at or past this magnitude overflows the kernel's fp16 copy
 WEIGHT_TMA = True  # weight tiles through TMA descriptors where the card and the weights allow (tests switch it off)
 _REDUCE_BLOCK = 1024
 NORM_NONE, NORM_WEIGHT_AFTER, NORM_ONE_PLUS = C.NORM_NONE, C.NORM_WEIGHT_AFTER, C.NORM_ONE_PLUS
@@ -661,7 +666,7 @@ def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
            C.align16(part), C.align16(nw), b1 is None or (b1.dtype, C.align16(b1)),
            b2 is None or (b2.dtype, C.align16(b2)), warps, stages)
     ints = (m, n, k, k_per, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0), out.stride(0),
-            float(norm_eps))
+            float(norm_eps), _X_SHIFT)
     grid = (triton.cdiv(n, block_n), splits)
     _weight_launch(key, grid, (x, wa1, s1, wa2, s2, bb1, bb2, out, part, nw, *ints), consts, num_warps=warps,
                    num_stages=stages)
