@@ -52,8 +52,8 @@ DECODE_KERNEL = False
 # NORM), or runs the norm's own module in front (outside the op, where torch.compile can fuse it). Measured on an
 # H200, 32-layer Llama-3-8B-shaped decode step replayed from a CUDA graph (`mlpfuse bench --model llama3-8b --mode
 # decode-step --tokens 1x128,8x128 --variants eager,mlpfuse,mlpfuse-fp8,mlpfuse-fp8-nonorm`;
-# benchmarks/results/nvidia-h200/fp8-stream/): with the fp16-MMA kernels, 5.805 / 6.818 ms in the prologue against
-# 5.975 / 7.234 ms in front (batch 1 / 8). (With the earlier bf16-widening kernels it was the other way round, 7.047
+# benchmarks/results/nvidia-h200/fp8-stream/): with the fp16-MMA kernels, 5.869 / 6.840 ms in the prologue against
+# 6.077 / 7.274 ms in front (batch 1 / 8). (With the earlier bf16-widening kernels it was the other way round, 7.047
 # against 6.927.) Above WEIGHT_ONLY_MAX_M tokens the quantization's pass applies the norm either way.
 NORM_IN_WEIGHT_ONLY = True
 

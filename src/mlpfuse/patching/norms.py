@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
+from mlpfuse.ops import fp8_mlp
 from mlpfuse.ops.norm import KINDS, ONE_PLUS, WEIGHT_AFTER, RMSNormPrologue, rms_norm
 from mlpfuse.patching import blocks
 from mlpfuse.patching.report import FusedNorm, Left
@@ -57,8 +58,14 @@ def fuse_norms(model: nn.Module, report) -> None:
         original = type(norm).forward
         norm.__class__ = _passthrough(type(norm))
         block.fused_norm = RMSNormPrologue(norm, original, kind, eps)
-        by = "FP8 quantization pass (its own module at decode sizes)" if block.fused_precision else "decode kernels"
+        by = _fp8_norm_by() if block.fused_precision else "decode kernels"
         report.norms.append(FusedNorm(norm_path, swapped.path, KINDS[kind], by))
+
+
+def _fp8_norm_by() -> str:
+    """Where an FP8 block applies a handed-over norm (ops.fp8_mlp.NORM_IN_WEIGHT_ONLY picks the decode sizes' way)."""
+    decode = "the gate+up kernel's prologue" if fp8_mlp.NORM_IN_WEIGHT_ONLY else "its own module"
+    return f"FP8 quantization pass ({decode} at decode sizes)"
 
 
 def restore_norms(model: nn.Module) -> list[str]:
