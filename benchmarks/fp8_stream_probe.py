@@ -14,7 +14,10 @@ and the down projection (e4m3 [4096, 14336], K split) shapes.
 Local reading (sm_90 SASS from Triton 3.6, compiled without a GPU): the production loop is 465 instructions per
 thread per step, 128 of them F2F (f16 → bf16) and 67 two-byte shared loads; WIDEN=1 is 273-314, WIDEN=2 122.
 
-    PYTHONPATH=src python3 benchmarks/fp8_stream_probe.py [--quick]
+    PYTHONPATH=src python3 benchmarks/fp8_stream_probe.py [--quick | --unroll]
+
+UNROLL (--unroll): two 128-wide scale blocks per loop step (each its own MMA and scale), so each pipeline stage
+carries twice the weight bytes, as the bf16 decode kernel's 128×128 bf16 tiles do.
 
 Prints µs (do_bench median), GB/s of weight bytes and the error against the float64 product of the same e4m3
 weights, then the best per WIDEN, and the production kernel (kernels.fp8_gemm.fp8_weight_gemm) and a device copy
@@ -36,7 +39,7 @@ from mlpfuse.kernels import fp8_gemm as K
 @triton.jit
 def probe(x, xq, xs, xq2, xs2, w1, s1, w2, s2, out, M, N, K, K_PER, s_w, s_s,
           BN: tl.constexpr, BM: tl.constexpr, WIDEN: tl.constexpr, SCALES: tl.constexpr, TMA: tl.constexpr,
-          GATED: tl.constexpr, SPLIT: tl.constexpr):
+          GATED: tl.constexpr, SPLIT: tl.constexpr, UNROLL: tl.constexpr = 1):
     pid = tl.program_id(0)
     off_n = pid * BN
     rn = off_n + tl.arange(0, BN)
@@ -51,50 +54,52 @@ def probe(x, xq, xs, xq2, xs2, w1, s1, w2, s2, out, M, N, K, K_PER, s_w, s_s,
     acc2 = tl.zeros((BN, BM), dtype=tl.float32)
     n1 = tl.load(s1 + srow * s_s + k_lo // 128)
     n2 = tl.load(s2 + srow * s_s + k_lo // 128)
-    for k0 in range(k_lo, k_hi, 128):
-        rk = k0 + rk0
-        kb = k0 // 128
-        if SCALES == 1:
-            a1 = n1
-            a2 = n2
-            nxt = tl.minimum(kb + 1, nkb - 1)
-            n1 = tl.load(s1 + srow * s_s + nxt)
-            n2 = tl.load(s2 + srow * s_s + nxt)
-        else:
-            a1 = tl.load(s1 + srow * s_s + kb)
-            a2 = tl.load(s2 + srow * s_s + kb)
-        if TMA:
-            wt = w1.load([off_n, k0])
-            wt2 = w2.load([off_n, k0])
-        else:
-            wt = tl.load(w1 + rn[:, None] * s_w + rk[None, :])
-            wt2 = tl.load(w2 + rn[:, None] * s_w + rk[None, :])
-        if WIDEN >= 2:
-            qt = tl.load(xq + rm[None, :] * K + rk[:, None], mask=mmask[None, :], other=0.0)
-            qs = tl.load(xs + rm * nkb + kb, mask=mmask, other=0.0)[None, :]
-            d1 = tl.dot(wt, qt) * qs
-            if GATED:
-                d2 = tl.dot(wt2, qt) * qs
-            if WIDEN == 3:
-                qt2 = tl.load(xq2 + rm[None, :] * K + rk[:, None], mask=mmask[None, :], other=0.0)
-                qs2 = tl.load(xs2 + rm * nkb + kb, mask=mmask, other=0.0)[None, :]
-                d1 += tl.dot(wt, qt2) * qs2
-                if GATED:
-                    d2 += tl.dot(wt2, qt2) * qs2
-        else:
-            xt = tl.load(x + rm[None, :] * K + rk[:, None], mask=mmask[None, :], other=0.0)
-            if WIDEN == 0:
-                d1 = tl.dot(wt.to(tl.bfloat16), xt)
-                if GATED:
-                    d2 = tl.dot(wt2.to(tl.bfloat16), xt)
+    for kk in range(k_lo, k_hi, 128 * UNROLL):
+        for u in tl.static_range(UNROLL):
+            k0 = kk + 128 * u
+            rk = k0 + rk0
+            kb = k0 // 128
+            if SCALES == 1:
+                a1 = n1
+                a2 = n2
+                nxt = tl.minimum(kb + 1, nkb - 1)
+                n1 = tl.load(s1 + srow * s_s + nxt)
+                n2 = tl.load(s2 + srow * s_s + nxt)
             else:
-                xh = (xt.to(tl.float32) * 0.00390625).to(tl.float16)
-                d1 = tl.dot(wt.to(tl.float16), xh) * 256.0
+                a1 = tl.load(s1 + srow * s_s + kb)
+                a2 = tl.load(s2 + srow * s_s + kb)
+            if TMA:
+                wt = w1.load([off_n, k0])
+                wt2 = w2.load([off_n, k0])
+            else:
+                wt = tl.load(w1 + rn[:, None] * s_w + rk[None, :])
+                wt2 = tl.load(w2 + rn[:, None] * s_w + rk[None, :])
+            if WIDEN >= 2:
+                qt = tl.load(xq + rm[None, :] * K + rk[:, None], mask=mmask[None, :], other=0.0)
+                qs = tl.load(xs + rm * nkb + kb, mask=mmask, other=0.0)[None, :]
+                d1 = tl.dot(wt, qt) * qs
                 if GATED:
-                    d2 = tl.dot(wt2.to(tl.float16), xh) * 256.0
-        acc1 += d1 * a1
-        if GATED:
-            acc2 += d2 * a2
+                    d2 = tl.dot(wt2, qt) * qs
+                if WIDEN == 3:
+                    qt2 = tl.load(xq2 + rm[None, :] * K + rk[:, None], mask=mmask[None, :], other=0.0)
+                    qs2 = tl.load(xs2 + rm * nkb + kb, mask=mmask, other=0.0)[None, :]
+                    d1 += tl.dot(wt, qt2) * qs2
+                    if GATED:
+                        d2 += tl.dot(wt2, qt2) * qs2
+            else:
+                xt = tl.load(x + rm[None, :] * K + rk[:, None], mask=mmask[None, :], other=0.0)
+                if WIDEN == 0:
+                    d1 = tl.dot(wt.to(tl.bfloat16), xt)
+                    if GATED:
+                        d2 = tl.dot(wt2.to(tl.bfloat16), xt)
+                else:
+                    xh = (xt.to(tl.float32) * 0.00390625).to(tl.float16)
+                    d1 = tl.dot(wt.to(tl.float16), xh) * 256.0
+                    if GATED:
+                        d2 = tl.dot(wt2.to(tl.float16), xh) * 256.0
+            acc1 += d1 * a1
+            if GATED:
+                acc2 += d2 * a2
     omask = mmask[None, :] & (rn[:, None] < N)
     if SPLIT:
         at = (tl.program_id(1) * 2 * M + rm[None, :]) * N + rn[:, None]
@@ -129,8 +134,9 @@ def sweep(name, m, x, wa, wb, gated, configs, bw, log):
         ref = torch.nn.functional.silu(ref) * (x.double() @ _dense(wb).T)
     nbytes = (2 if gated else 1) * n * k
     best = {}
-    for widen, scales, tma, bn, warps, stages, splits in configs:
-        k_per = triton.cdiv(k // 128, splits) * 128
+    for widen, scales, tma, bn, warps, stages, splits, *rest in configs:
+        unroll = rest[0] if rest else 1
+        k_per = triton.cdiv(k // (128 * unroll), splits) * 128 * unroll
         out = torch.full((splits, 2, m, n) if splits > 1 else (m, n), float("nan"), device="cuda")
         if tma:
             wd1, wd2 = C.desc(wa.values, [bn, 128]), C.desc(wb.values, [bn, 128])
@@ -140,8 +146,9 @@ def sweep(name, m, x, wa, wb, gated, configs, bw, log):
         def call():
             probe[(triton.cdiv(n, bn), splits)](x, q1, t1, q2, t2, wd1, wa.scale_inv, wd2, wb.scale_inv, out, m, n, k,
                                                 k_per, k, wa.scale_inv.stride(0), bn, 16, widen, scales, tma, gated,
-                                                splits > 1, num_warps=warps, num_stages=stages)
-        tag = f"{name} m={m:2d} widen={widen} scales={scales} tma={tma} bn={bn:3d} w={warps} s={stages} split={splits}"
+                                                splits > 1, unroll, num_warps=warps, num_stages=stages)
+        tag = (f"{name} m={m:2d} widen={widen} scales={scales} tma={tma} bn={bn:3d} w={warps} s={stages} "
+               f"split={splits} unroll={unroll}")
         try:
             call()
             t = triton.testing.do_bench(call, warmup=10, rep=40, return_mode="median") * 1e3
@@ -163,6 +170,8 @@ def sweep(name, m, x, wa, wb, gated, configs, bw, log):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a handful of candidates (a smoke run)")
+    ap.add_argument("--unroll", action="store_true",
+                    help="fp16 widening only: two scale blocks per step (twice the bytes per pipeline stage) or one")
     a = ap.parse_args()
     d, h = 4096, 14336
     torch.manual_seed(0)
@@ -189,7 +198,13 @@ def main():
             t = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
             nb = (2 if nm == "gate+up" else 1) * h * d
             log(f"production {nm} m={m:2d}: {t:7.1f} us {nb / t / 1e3:6.0f} GB/s")
-    if a.quick:
+    if a.unroll:
+        pairs = ((64, 4), (128, 8))
+        gu = [(1, 1, 1, bn, wp, st, sp, un)
+              for (bn, wp), st, sp, un in itertools.product(pairs, (2, 3, 4), (1, 2), (1, 2))]
+        dn = [(1, 1, 1, bn, wp, st, sp, un)
+              for (bn, wp), st, sp, un in itertools.product(pairs, (3, 4), (4, 8), (1, 2))]
+    elif a.quick:
         gu = [(w, 1, 1, 64, 4, 3, 1) for w in (0, 1, 2, 3)]
         dn = [(w, 1, 1, 64, 4, 3, 4) for w in (0, 1, 2)]
     else:

@@ -17,8 +17,9 @@
 #        CUDA graph beside eager in one), fp8-tests, fp8-tune, fp8-block, fp8-graphs, fp8-bench, fp8-decode-step,
 #        residual-tests, decode-step-ab (the residual add in the decode kernels' epilogue and programmatic dependent
 #        launch: their tests on the GPU, and the 32-layer decode step with each switched off in the same run),
-#        fp8-prefill, fp8-lm (FP8: the GPU tests, the tile sweeps, the block in eager / graphs / the bench's harness
-#        with the peers (torchao from .whl/), the 32-layer decode step and prefill, the trained-model perplexity).
+#        fp8-prefill, fp8-lm, fp8-stream, fp8-stream-unroll (FP8: the GPU tests, the tile sweeps, the block in
+#        eager / graphs / the bench's harness with the peers (torchao from .whl/), the 32-layer decode step and
+#        prefill, the trained-model perplexity, the weight-only kernel's streaming probes).
 #        benchmarks/README.md says what each answers and where its latest result is.
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
@@ -132,6 +133,8 @@ for spec in "$@"; do
         fp8-prefill) run_step fp8-prefill "$secs" python3 -m mlpfuse bench --model llama3-8b --mode prefill \
             --tokens 1x8192 --variants eager,mlpfuse,mlpfuse-fp8 --rounds 5 --out "$W/model-fp8-prefill" ;;
         fp8-lm) run_step fp8-lm "$secs" python3 benchmarks/stdlib_lm.py "$W/stdlib-lm" ;;
+        fp8-stream) run_step fp8-stream "$secs" python3 benchmarks/fp8_stream_probe.py ;;
+        fp8-stream-unroll) run_step fp8-stream-unroll "$secs" python3 benchmarks/fp8_stream_probe.py --unroll ;;
         *) echo "unknown step $step" >> "$SUMMARY" ;;
     esac
 done
