@@ -190,6 +190,22 @@ def test_a_bf16_token_past_the_fp16_range_gives_no_finite_answer(big):
     assert torch.equal(h[[0, 2]], clean[[0, 2]])
 
 
+@pytest.mark.parametrize("k", [128, 384])  # one K range; split in parts summed by the reduce kernel
+def test_the_weight_only_epilogue_adds_the_residual_before_rounding(k):
+    """y = x·Wᵀ + b + residual against float64: the fp32 sums and one rounding of the result, in the kernel's own
+    epilogue (K whole) and in the split sums' reduction (K split)."""
+    kern = _k()
+    x, (w, _, _), (b, _, _) = _case(31, 5, k, 200, bias=True)
+    res = torch.randn(5, 200, generator=torch.Generator().manual_seed(32)).to(DEVICE) * 10
+    y = kern.fp8_weight_gemm(x, w.values, w.scale_inv, None, None, b, activation=activations.IDENTITY, residual=res)
+    wd = w.dequantize(torch.float64)
+    ref = x.double() @ wd.T + b.double() + res.double()
+    bound = 270 * 2.0**-24 * (x.double().abs() @ wd.abs().T + b.double().abs()) + 2.0**-23 * ref.abs()
+    assert bool(((y.double() - ref).abs() <= bound).all())
+    with pytest.raises(InputError, match="residual: expected a contiguous tensor of \\(5, 200\\)"):
+        kern.fp8_weight_gemm(x, w.values, w.scale_inv, activation=activations.IDENTITY, residual=res[:, :100])
+
+
 @pytest.mark.parametrize("m", [3, 40])
 def test_a_nan_token_spoils_its_own_outputs_only(m):
     from mlpfuse.ops import fp8_mlp

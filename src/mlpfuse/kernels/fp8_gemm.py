@@ -193,16 +193,17 @@ def _widen(w, dt: tl.constexpr, shift: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_fp8_weight_gemm_kernel(
-    x, w1, s1, w2, s2, b1, b2, out, part, nw,
-    M, N, K, K_PER, s_xm, s_w1, s_s1, s_w2, s_s2, s_om, eps, x_shift,
+    x, w1, s1, w2, s2, b1, b2, out, part, nw, res,
+    M, N, K, K_PER, s_xm, s_w1, s_s1, s_w2, s_s2, s_om, s_rm, eps, x_shift,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, I64: tl.constexpr,
-    F16: tl.constexpr, TMA: tl.constexpr,
+    F16: tl.constexpr, TMA: tl.constexpr, HAS_RES: tl.constexpr,
 ):
     """Weight-only: outᵀ [BLOCK_N, M] = Wq[slice] · xᵀ, the weight the MMA's left operand ("swap AB") so that a tiny M
     is the MMA's narrow side. BLOCK_N divides 128, so the program's rows share one row of weight scales. With SPLIT,
     program (n, s) sums the K range [s·K_PER, (s+1)·K_PER) and writes its fp32 partial sums to part [splits, 2, M, N]
     (the second weight's at 1); mlpfuse_fp8_split_reduce_kernel adds them in a fixed order and applies the epilogue.
+    HAS_RES: z + res (a residual of out's shape), added in fp32 before the one rounding to out's dtype.
 
     F16 (16-bit x): the MMA runs in fp16 — e4m3 widens to fp16 in one conversion per two weights (to bf16 it takes
     three instructions per weight, and that widening, not the bytes, bounded the kernel). The operands go scaled by
@@ -294,14 +295,17 @@ def mlpfuse_fp8_weight_gemm_kernel(
             z = act_fwd(acc1, ACT) * acc2
         else:
             z = act_fwd(acc1, ACT)
+        if HAS_RES:
+            z += tl.load(res + rm[None, :] * s_rm + rn[:, None], mask=mask, other=0.0).to(tl.float32)
         tl.store(out + rm[None, :] * s_om + rn[:, None], z.to(out.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
-def mlpfuse_fp8_split_reduce_kernel(part, b1, b2, out, M, N, SPLITS, s_om, ACT: tl.constexpr, GATED: tl.constexpr,
-                                    HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, BLOCK: tl.constexpr,
-                                    I64: tl.constexpr):
-    """The weight-only kernel's split sums added in split order (deterministic), then its epilogue."""
+def mlpfuse_fp8_split_reduce_kernel(part, b1, b2, out, res, M, N, SPLITS, s_om, s_rm, ACT: tl.constexpr,
+                                    GATED: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,
+                                    BLOCK: tl.constexpr, I64: tl.constexpr, HAS_RES: tl.constexpr):
+    """The weight-only kernel's split sums added in split order (deterministic), then its epilogue (the residual
+    too, HAS_RES)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     if I64:
         offs = offs.to(tl.int64)
@@ -320,6 +324,8 @@ def mlpfuse_fp8_split_reduce_kernel(part, b1, b2, out, M, N, SPLITS, s_om, ACT: 
         if HAS_B2:
             acc2 += tl.load(b2 + n, mask=mask, other=0.0).to(tl.float32)
         z = z * acc2
+    if HAS_RES:
+        z += tl.load(res + (offs // N) * s_rm + n, mask=mask, other=0.0).to(tl.float32)
     tl.store(out + (offs // N) * s_om + n, z.to(out.dtype.element_ty), mask=mask)
 
 
@@ -582,10 +588,10 @@ class _TmaLaunch:
     __slots__ = ("raw", "index", "grid", "flat_w1", "flat_w2", "tail")
 
     def launch(self, tensors) -> None:
-        x, _, s1, _, s2, b1, b2, out, part, nw = tensors
+        x, _, s1, _, s2, b1, b2, out, part, nw, res = tensors
         self.raw(self.grid, torch._C._cuda_getCurrentRawStream(self.index),
                  (x.data_ptr(), *self.flat_w1, s1.data_ptr(), *self.flat_w2, s2.data_ptr(), b1.data_ptr(),
-                  b2.data_ptr(), out.data_ptr(), part.data_ptr(), nw.data_ptr(), *self.tail))
+                  b2.data_ptr(), out.data_ptr(), part.data_ptr(), nw.data_ptr(), res.data_ptr(), *self.tail))
 
 
 def _tma_launch(key, grid, ints, consts, device, w1, d1, w2, d2):
@@ -607,16 +613,17 @@ class _WeightPlan:
 
     __slots__ = ("main", "reduce", "out_cols", "part_shape", "tma")
 
-    def run(self, x, w1, s1, w2, s2, b1, b2, norm_weight):
+    def run(self, x, w1, s1, w2, s2, b1, b2, norm_weight, residual):
         if self.tma and C.launch_hooks_set():
             return None  # a profiler's launch hook: the full path launches through Triton with descriptors
         out = torch.empty(x.shape[0], self.out_cols, device=x.device, dtype=x.dtype)
         part = torch.empty(self.part_shape, device=x.device, dtype=torch.float32) if self.reduce else out
         w2, s2 = (w1, s1) if w2 is None else (w2, s2)
         b1, b2 = x if b1 is None else b1, x if b2 is None else b2
-        self.main.launch((x, w1, s1, w2, s2, b1, b2, out, part, x if norm_weight is None else norm_weight))
+        res = out if residual is None else residual
+        self.main.launch((x, w1, s1, w2, s2, b1, b2, out, part, x if norm_weight is None else norm_weight, res))
         if self.reduce is not None:
-            self.reduce.launch((part, b1, b2, out))
+            self.reduce.launch((part, b1, b2, out, res))
         return out
 
 
@@ -630,14 +637,16 @@ def _check_norm(norm_weight, norm_eps, norm_kind: int, x: torch.Tensor) -> None:
 def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor | None = None,
                     s2: torch.Tensor | None = None, b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                     *, activation: int, allow_tf32: bool = False, norm_weight: torch.Tensor | None = None,
-                    norm_eps: float = 0.0, norm_kind: int = NORM_NONE) -> torch.Tensor:
+                    norm_eps: float = 0.0, norm_kind: int = NORM_NONE,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
     """z = act(x·W1ᵀ + b1) [· (x·W2ᵀ + b2)] for x [M ≤ 64, K] in bf16/fp16/fp32, the weights read as e4m3; with
-    `norm_kind` (NORM_WEIGHT_AFTER or NORM_ONE_PLUS) x is first read through an RMSNorm of weight `norm_weight`."""
-    plan_key = _plan_key("weight", (x,), (w1, s1, w2, s2, b1, b2, norm_weight), activation, allow_tf32, norm_eps,
-                         norm_kind)
+    `norm_kind` (NORM_WEIGHT_AFTER or NORM_ONE_PLUS) x is first read through an RMSNorm of weight `norm_weight`;
+    with `residual` (contiguous, z's shape and x's dtype) z + residual, added before the output's rounding."""
+    plan_key = _plan_key("weight", (x, residual), (w1, s1, w2, s2, b1, b2, norm_weight), activation, allow_tf32,
+                         norm_eps, norm_kind)
     plan = _plans.get(plan_key) if plan_key is not None else None
     if plan is not None:
-        done = plan.run(x, w1, s1, w2, s2, b1, b2, norm_weight)
+        done = plan.run(x, w1, s1, w2, s2, b1, b2, norm_weight, residual)
         if done is not None:
             return done
     _check_act(x)
@@ -646,6 +655,11 @@ def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
         raise InputError(f"x: the weight-only kernel takes at most {WEIGHT_ONLY_MAX_M} rows, got {m}")
     n, gated, w2, s2 = _check_operands(w1, s1, w2, s2, b1, b2, k, x)
     _check_norm(norm_weight, norm_eps, norm_kind, x)
+    if residual is not None and (not isinstance(residual, torch.Tensor) or residual.shape != (m, n)
+                                 or residual.dtype != x.dtype or residual.device != x.device
+                                 or not residual.is_contiguous()):
+        raise InputError(f"residual: expected a contiguous tensor of ({m}, {n}) and dtype {x.dtype} on {x.device}, "
+                         f"got {tuple(getattr(residual, 'shape', ()))} {getattr(residual, 'dtype', type(residual))}")
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0 or n == 0:
         return out
@@ -655,28 +669,29 @@ def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
     part = torch.empty(splits, 2, m, n, device=x.device, dtype=torch.float32) if splits > 1 else out
     bb1, bb2 = x if b1 is None else b1, x if b2 is None else b2
     nw = x if norm_weight is None else norm_weight
+    res = out if residual is None else residual
     i64 = C.needs_i64(x, out, w1, w2, part)
     f16 = x.dtype != torch.float32
     use_tma = WEIGHT_TMA and C.tma_capable(x.device) and C.tma_ok(w1) and C.tma_ok(w2)
     wa1, wa2 = (C.desc(w1, [block_n, GROUP]), C.desc(w2, [block_n, GROUP])) if use_tma else (w1, w2)
     consts = (activation, gated, b1 is not None, b2 is not None, C.dot_precision(x.dtype, allow_tf32), block_n,
-              block_m, splits > 1, norm_kind, i64, f16, use_tma)
+              block_m, splits > 1, norm_kind, i64, f16, use_tma, residual is not None)
     key = (consts, x.dtype, n, k, k_per, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0),
            out.stride(0), C.align16(x), C.align16(out), C.align16(w1), C.align16(s1), C.align16(w2), C.align16(s2),
-           C.align16(part), C.align16(nw), b1 is None or (b1.dtype, C.align16(b1)),
+           C.align16(part), C.align16(nw), C.align16(res), b1 is None or (b1.dtype, C.align16(b1)),
            b2 is None or (b2.dtype, C.align16(b2)), warps, stages)
     ints = (m, n, k, k_per, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0), out.stride(0),
-            float(norm_eps), _X_SHIFT)
+            res.stride(0), float(norm_eps), _X_SHIFT)
     grid = (triton.cdiv(n, block_n), splits)
-    _weight_launch(key, grid, (x, wa1, s1, wa2, s2, bb1, bb2, out, part, nw, *ints), consts, num_warps=warps,
+    _weight_launch(key, grid, (x, wa1, s1, wa2, s2, bb1, bb2, out, part, nw, res, *ints), consts, num_warps=warps,
                    num_stages=stages)
     reduce = None
     if splits > 1:
-        r_consts = (activation, gated, b1 is not None, b2 is not None, _REDUCE_BLOCK, i64)
-        r_key = (r_consts, x.dtype, n, out.stride(0), C.align16(out), b1 is None or (b1.dtype, C.align16(b1)),
-                 b2 is None or (b2.dtype, C.align16(b2)))
-        r_grid, r_ints = (triton.cdiv(m * n, _REDUCE_BLOCK),), (m, n, splits, out.stride(0))
-        _reduce_launch(r_key, r_grid, (part, bb1, bb2, out, *r_ints), r_consts, num_warps=4, num_stages=1)
+        r_consts = (activation, gated, b1 is not None, b2 is not None, _REDUCE_BLOCK, i64, residual is not None)
+        r_key = (r_consts, x.dtype, n, out.stride(0), C.align16(out), C.align16(res),
+                 b1 is None or (b1.dtype, C.align16(b1)), b2 is None or (b2.dtype, C.align16(b2)))
+        r_grid, r_ints = (triton.cdiv(m * n, _REDUCE_BLOCK),), (m, n, splits, out.stride(0), res.stride(0))
+        _reduce_launch(r_key, r_grid, (part, bb1, bb2, out, res, *r_ints), r_consts, num_warps=4, num_stages=1)
         reduce = _pointer_launch(_reduce_launch, r_key, r_grid, r_ints, r_consts, 4, 1, x.device)
     if plan_key is None:
         return out

@@ -34,6 +34,7 @@ from mlpfuse import activations, fp8, reference
 from mlpfuse.errors import InputError
 from mlpfuse.ops import dispatch
 from mlpfuse.ops._util import needs_grad, op_span, plain_eager, profiling
+from mlpfuse.ops.gated_mlp import residual_fits
 from mlpfuse.ops.norm import rms_norm
 
 # Tokens up to which the weight-only kernels run (their tiles keep every row; they take up to 64).
@@ -107,7 +108,7 @@ def _weight(values: Tensor, scale: Tensor, dtype: torch.dtype) -> fp8.Fp8Weight:
 
 
 def _gated_impl(x, wg, sg, wu, su, wd, sd, bg, bu, bd, activation: str, backend: str, norm_weight=None,
-                norm_eps: float = 0.0, norm_kind: int = 0) -> Tensor:
+                norm_eps: float = 0.0, norm_kind: int = 0, residual=None) -> Tensor:
     act = activations.get(activation)
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -121,21 +122,25 @@ def _gated_impl(x, wg, sg, wu, su, wd, sd, bg, bu, bd, activation: str, backend:
             y = reference.gated_mlp_fp8_weight_only(x2, *w, act.name, bg, bu, bd)
         else:
             y = reference.gated_mlp_fp8(x2, *w, act.name, bg, bu, bd)
-        return y.reshape(*x.shape[:-1], wd.shape[0])
+        y = y.reshape(*x.shape[:-1], wd.shape[0])
+        return y if residual is None else residual + y
     kern = _kernels()
     x2 = x2.contiguous()
     if m <= WEIGHT_ONLY_MAX_M and DECODE_KERNEL and wu is not None:  # the decode kernel: h stays on chip
         y = dispatch.kernel("decode_mlp").decode_gated_mlp_fp8(x2, wg, sg, wu, su, wd, sd, bg, bu, bd,
                                                                 activation=act.id, **norm)
-    elif m <= WEIGHT_ONLY_MAX_M:  # the RMSNorm, if any, in the first kernel's prologue
+    elif m <= WEIGHT_ONLY_MAX_M:  # the RMSNorm, if any, in the first kernel's prologue; the residual in the last's
         h = kern.fp8_weight_gemm(x2, wg, sg, wu, su, bg, bu, activation=act.id, **norm)
-        y = kern.fp8_weight_gemm(h, wd, sd, None, None, bd, activation=activations.IDENTITY)
+        y = kern.fp8_weight_gemm(h, wd, sd, None, None, bd, activation=activations.IDENTITY,
+                                 residual=None if residual is None else residual.reshape(m, -1))
+        return y.reshape(*x.shape[:-1], wd.shape[0])
     else:  # the RMSNorm, if any, in the quantization's pass
         xq, xs = kern.quantize(x2, **norm)
         hq, hs = kern.fp8_gemm(xq, xs, wg, sg, wu, su, bg, bu, activation=act.id, quant_out=True)
         y = kern.fp8_gemm(hq, hs, wd, sd, None, None, bd, activation=activations.IDENTITY, quant_out=False,
                           out_dtype=x.dtype)
-    return y.reshape(*x.shape[:-1], wd.shape[0])
+    y = y.reshape(*x.shape[:-1], wd.shape[0])
+    return y if residual is None else y.add_(residual)
 
 
 def _linear_impl(x, w, s, b, activation: str, backend: str) -> Tensor:
@@ -164,14 +169,14 @@ def _linear_impl(x, w, s, b, activation: str, backend: str) -> Tensor:
 def _gated_op(x: Tensor, gate_weight: Tensor, gate_scale: Tensor, up_weight: Optional[Tensor],
               up_scale: Optional[Tensor], down_weight: Tensor, down_scale: Tensor, gate_bias: Optional[Tensor],
               up_bias: Optional[Tensor], down_bias: Optional[Tensor], activation: str, backend: str,
-              norm_weight: Optional[Tensor], norm_eps: float, norm_kind: int) -> Tensor:
+              norm_weight: Optional[Tensor], norm_eps: float, norm_kind: int, residual: Optional[Tensor]) -> Tensor:
     return _gated_impl(x, gate_weight, gate_scale, up_weight, up_scale, down_weight, down_scale, gate_bias, up_bias,
-                       down_bias, activation, backend, norm_weight, norm_eps, norm_kind)
+                       down_bias, activation, backend, norm_weight, norm_eps, norm_kind, residual)
 
 
 @_gated_op.register_fake
 def _(x, gate_weight, gate_scale, up_weight, up_scale, down_weight, down_scale, gate_bias, up_bias, down_bias,
-      activation, backend, norm_weight, norm_eps, norm_kind):
+      activation, backend, norm_weight, norm_eps, norm_kind, residual):
     return x.new_empty(*x.shape[:-1], down_weight.shape[0])
 
 
@@ -204,19 +209,26 @@ def fp8_gated_mlp(x: Tensor, gate_weight: Tensor, gate_scale: Tensor, up_weight:
                   up_scale: Optional[Tensor], down_weight: Tensor, down_scale: Tensor,
                   gate_bias: Optional[Tensor] = None, up_bias: Optional[Tensor] = None,
                   down_bias: Optional[Tensor] = None, activation: str = "silu", backend: str = "",
-                  norm=None) -> Tensor:
+                  norm=None, residual: Optional[Tensor] = None) -> Tensor:
     """y = down(act(gate(x))·up(x)), each weight as e4m3 values and fp32 128×128 scales (the fields of an
     fp8.Fp8Weight), any leading dimensions, y in x's dtype; with `up_weight` None the two-layer MLP
     y = down(act(gate(x))) (GPT-2's c_fc / c_proj). `norm` (ops.norm.RMSNormPrologue): the block's input
     is norm(x): above WEIGHT_ONLY_MAX_M tokens the quantization's pass normalises x; at decode sizes the norm runs as
-    its own module first (NORM_IN_WEIGHT_ONLY), as does a norm whose weight is not in x's dtype."""
+    its own module first (NORM_IN_WEIGHT_ONLY), as does a norm whose weight is not in x's dtype. `residual` (the
+    layer's add after the MLP, mlpfuse.patching.residual): y + residual, added in the weight-only down projection's
+    epilogue at decode sizes (before its one rounding), to the down GEMM's output above them."""
     _check_call(x, gate_weight, (gate_bias, up_bias, down_bias))
+    if residual is not None and not residual_fits(residual, x, down_weight):
+        raise InputError(f"residual: expected a contiguous tensor of shape {(*x.shape[:-1], down_weight.shape[0])} "
+                         f"and dtype {x.dtype} on {x.device}, without a gradient; got "
+                         f"{tuple(getattr(residual, 'shape', ()))} {getattr(residual, 'dtype', type(residual))}")
     if norm is not None and (norm.key(x) is None or (not NORM_IN_WEIGHT_ONLY
                                                      and x.numel() <= WEIGHT_ONLY_MAX_M * x.shape[-1])):
         x, norm = norm(x), None
     n = (None, 0.0, 0) if norm is None else (norm.weight, norm.eps, norm.kind)
     return _run("fp8_gated_mlp", _gated_impl, (x, gate_weight, gate_scale, up_weight, up_scale, down_weight,
-                                               down_scale, gate_bias, up_bias, down_bias, activation, backend, *n))
+                                               down_scale, gate_bias, up_bias, down_bias, activation, backend, *n,
+                                               residual))
 
 
 def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, bias: Optional[Tensor] = None, activation: str = "identity",

@@ -39,7 +39,7 @@ from torch.nn.modules import module as _module
 from mlpfuse.modules import _sharded, _weight_bias
 from mlpfuse.ops import _checks, dispatch, fp8_mlp
 from mlpfuse.ops._util import linear2d, rows, unrows
-from mlpfuse.ops.gated_mlp import CallPlan, gated_mlp_call
+from mlpfuse.ops.gated_mlp import CallPlan, gated_mlp_call, residual_fits
 from mlpfuse.ops.linear_act import LinearActPlan, linear_act_call
 
 
@@ -130,9 +130,9 @@ class GatedBlock(PatchedBlock):
         first, second = t[:rows], t[rows:]
         return (second, first) if self.fused_gate_second else (first, second)
 
-    def fp8_call(self, x: Tensor, children=None, norm=None) -> Tensor:
+    def fp8_call(self, x: Tensor, children=None, norm=None, residual=None) -> Tensor:
         """The MLP on FP8 projections (modules.Fp8Linear): this block's, or `children` in its layout's order; `norm`
-        the RMSNorm in front, which the FP8 kernels apply."""
+        the RMSNorm in front, which the FP8 kernels apply; `residual` (ops.gated_mlp.residual_fits) added by them."""
         mods = children if children is not None else [self._modules[n] for n in self.fused_linears]
         d = mods[-1]
         if self.fused_packed:
@@ -143,7 +143,7 @@ class GatedBlock(PatchedBlock):
             g, u = mods[0], mods[1]
             wg, sg, bg, wu, su, bu = g.weight, g.weight_scale_inv, g.bias, u.weight, u.weight_scale_inv, u.bias
         return fp8_mlp.fp8_gated_mlp(x, wg, sg, wu, su, d.weight, d.weight_scale_inv, bg, bu, d.bias,
-                                     self.fused_activation, self.fused_backend, norm)
+                                     self.fused_activation, self.fused_backend, norm, residual)
 
     def forward(self, hidden_states: Tensor, residual: Optional[Tensor] = None) -> Tensor:
         """The block's output; with `residual` (the layer's add handed to the block, mlpfuse.patching.residual),
@@ -155,6 +155,8 @@ class GatedBlock(PatchedBlock):
         if self.fused_precision == "fp8":
             if self._dropout_active():
                 y = self._source_forward(hidden_states if norm is None else norm(hidden_states))
+            elif residual is not None and residual_fits(residual, hidden_states, mods[self.fused_linears[-1]].weight):
+                return self.fp8_call(hidden_states, norm=norm, residual=residual)
             else:
                 y = self.fp8_call(hidden_states, norm=norm)
             return y if residual is None else residual + y

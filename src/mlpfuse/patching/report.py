@@ -40,7 +40,7 @@ class FusedNorm:
 class FusedResidual:
     path: str  # the layer whose forward now hands its residual add to the block (mlpfuse.patching.residual)
     into: str  # the block whose down projection adds it
-    by: str = "its down projection's epilogue"  # FP8 blocks: added to their output (no FP8 epilogue for it yet)
+    by: str = "its down projection's epilogue"  # FP8 blocks: in the weight-only epilogue at decode sizes only
 
 
 @dataclass

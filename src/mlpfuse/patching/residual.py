@@ -68,7 +68,8 @@ def fuse_residuals(model: nn.Module, report) -> None:
             report.residuals_kept.append(Left(parent_path, cls.__name__, reason))
             continue
         parent.__class__ = found
-        by = "the block, after its FP8 output" if parent._modules[name].fused_precision == "fp8" else None
+        fp8_block = parent._modules[name].fused_precision == "fp8"
+        by = "its down projection's epilogue at decode sizes (added to its output above them)" if fp8_block else None
         report.residuals.append(FusedResidual(parent_path, swapped.path, *((by,) if by else ())))
 
 
