@@ -266,6 +266,48 @@ def test_the_decode_kernel_with_e4m3_weights_is_the_weight_only_recipe(mode):
     assert bool(((y.double() - ref).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_the_decode_kernel_runs_bf16_x_through_fp16_mmas(deterministic):
+    """bf16 x, e4m3 weights, h on chip: x·2^-6 and h·2^-6 against W·2^-15 in fp16 MMAs, as the weight-only kernel.
+    Against float64 on the dequantized weights with x over 1e-3..1e3: fp32 sums (K·2^-24 Σ|x||w|), the fp16 copies'
+    absolute 2^-19 below 2^-8 (through Σ|w|), h's and y's bf16 roundings (one ulp, 2^-7: the interpreter truncates)."""
+    from mlpfuse.kernels import decode_mlp
+
+    x, (wg, wu, wd), (bg, bu, bd) = _case(41, 5, 256, 384, bias=True, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(42)
+    x = (x.float().cpu() * 10.0 ** torch.randint(-3, 4, x.shape, generator=gen)).to(DEVICE, torch.bfloat16)
+    act = activations.get("silu")
+    args = (x, wg.values, wg.scale_inv, wu.values, wu.scale_inv, wd.values, wd.scale_inv, bg, bu, bd)
+    y = decode_mlp.decode_gated_mlp_fp8(*args, activation=act.id, deterministic=deterministic)
+    x64 = x.double()
+    dq = [w.dequantize(torch.float64) for w in (wg, wu, wd)]
+    g, u = x64 @ dq[0].T + bg.double(), x64 @ dq[1].T + bu.double()
+    h64 = act.forward(g) * u
+
+    def err(a, w, b):
+        return 270 * 2.0**-24 * (a.abs() @ w.abs().T + b.double().abs()) + 2.0**-19 * w.abs().sum(1)
+
+    eg, eu = err(x64, dq[0], bg), err(x64, dq[1], bu)
+    eh = 1.2 * eg * (u.abs() + eu) + act.forward(g).abs() * eu + 2.0**-7 * h64.abs()
+    ref = h64 @ dq[2].T + bd.double()
+    bound = eh @ dq[2].abs().T + err(h64.abs() + eh, dq[2], bd) + 2.0**-7 * ref.abs()
+    assert bool(((y.double() - ref).abs() <= bound).all())
+
+
+def test_the_decode_kernel_with_e4m3_weights_adds_the_residual_in_its_epilogue():
+    """y(residual) against y + residual: the same sums, one fp32 rounding apart (the epilogue rounds z + residual
+    once, the unfused add rounds y, then y + residual)."""
+    from mlpfuse.kernels import decode_mlp
+
+    x, ws, bs = _case(43, 3, 256, 384, bias=True)
+    res = torch.randn(3, 256, generator=torch.Generator().manual_seed(44)).to(DEVICE)
+    args = (x, *[t for w in ws for t in (w.values, w.scale_inv)], *bs)
+    y = decode_mlp.decode_gated_mlp_fp8(*args, activation=activations.SILU, deterministic=True)
+    yr = decode_mlp.decode_gated_mlp_fp8(*args, activation=activations.SILU, deterministic=True, residual=res)
+    want = y.double() + res.double()
+    assert bool(((yr.double() - want).abs() <= 2.0**-23 * (want.abs() + y.double().abs())).all())
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="launch plans are kept for CUDA tensors only")
 def test_a_planned_call_equals_the_full_path_and_serves_only_its_layout(monkeypatch):
     """A repeated call with the same layout goes straight to the compiled kernel (its plan); its result is bit for

@@ -397,3 +397,24 @@ def check_norm(x: torch.Tensor, weight, eps, kind) -> None:
         raise InputError(f"norm_weight: expected a contiguous floating-point [{d}] tensor on {x.device}")
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
         raise InputError(f"norm_eps: expected a non-negative number, got {eps!r}")
+
+
+# FP8 weights against 16-bit activations run fp16 MMAs (kernels.fp8_gemm's weight-only kernel, F16; the decode
+# kernel's W8): the weights go as W·2^-15 (every e4m3 value is then an fp16 value), the activations as
+# x·FP16_X_SHIFT rounded to fp16 (a runtime argument: as a constant, the compiler rounded x before scaling it), and
+# each scale block's sums are multiplied back by 2^21 with the block's scale. Why and the range: fp8_gemm's kernel.
+FP16_X_SHIFT = 2.0**-6
+FP16_X_LIMIT = 65520 / FP16_X_SHIFT  # 16-bit x at or past this magnitude overflows its fp16 copy (±inf)
+FP16_UNDO = tl.constexpr(2.0**21)
+
+
+@triton.jit
+def fp16_weights(w):
+    """An e4m3 tile as fp16 times 2^-15: exact (e4m3's smallest value, 2^-9, becomes fp16's smallest, 2^-24)."""
+    return w.to(tl.float16) * 3.0517578125e-05
+
+
+@triton.jit
+def fp16_activations(v, shift):
+    """A 16-bit or fp32 activation tile as fp16 times `shift` (FP16_X_SHIFT, passed at run time), scaled in fp32."""
+    return (v.to(tl.float32) * shift).to(tl.float16)

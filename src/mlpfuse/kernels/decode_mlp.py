@@ -45,6 +45,7 @@ from mlpfuse import activations, fp8
 from mlpfuse.activations import act_fwd
 from mlpfuse.errors import InputError
 from mlpfuse.kernels import _common as C
+from mlpfuse.kernels._common import FP16_UNDO, fp16_activations, fp16_weights
 
 # Largest M for which `auto` dispatch should use these kernels. Measured on an H200 by benchmarks/bench_decode.py,
 # retired since (benchmarks/README.md; benchmarks/results/decode-h200.md): up to 64 rows they beat eager, torch.compile
@@ -124,7 +125,7 @@ def _pdl_release():
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_decode_mlp_kernel(
     x_ptr, wg_ptr, wu_ptr, wd_ptr, bg_ptr, bu_ptr, bd_ptr, out_ptr, acc_ptr, part_ptr, cnt_ptr, h_ptr, nw_ptr, eps,
-    sg_ptr, su_ptr, sd_ptr, res_ptr,
+    x_shift, sg_ptr, su_ptr, sd_ptr, res_ptr,
     M, D, H,
     stride_xm, stride_xd, stride_gh, stride_gd, stride_uh, stride_ud, stride_dd, stride_dh, stride_om, stride_od,
     stride_sg, stride_su, stride_sd, stride_rm,
@@ -177,11 +178,16 @@ def mlpfuse_decode_mlp_kernel(
                 xt = (xf * nw).to(xt.dtype)
             else:  # x · (1 + weight) (Gemma's)
                 xt = (xf * (1.0 + nw)).to(xt.dtype)
-        if W8:  # e4m3 weights: widened exactly to x's dtype; BLOCK_H and BLOCK_D divide 128: one scale per tile
+        if W8:  # e4m3 weights, BLOCK_H and BLOCK_D dividing 128: one scale per tile
             sg = tl.load(sg_ptr + (pid * BLOCK_H // 128) * stride_sg + d0 // 128)
             su = tl.load(su_ptr + (pid * BLOCK_H // 128) * stride_su + d0 // 128)
-            acc_g += tl.dot(wg.to(xt.dtype), xt, input_precision=DOT_PRECISION) * sg
-            acc_u += tl.dot(wu.to(xt.dtype), xt, input_precision=DOT_PRECISION) * su
+            if xt.dtype == tl.float32:  # widened exactly to fp32
+                acc_g += tl.dot(wg.to(xt.dtype), xt, input_precision=DOT_PRECISION) * sg
+                acc_u += tl.dot(wu.to(xt.dtype), xt, input_precision=DOT_PRECISION) * su
+            else:  # fp16 MMAs, as kernels.fp8_gemm's weight-only kernel runs them (_common.fp16_weights)
+                xk = fp16_activations(xt, x_shift)
+                acc_g += tl.dot(fp16_weights(wg), xk) * (sg * FP16_UNDO)
+                acc_u += tl.dot(fp16_weights(wu), xk) * (su * FP16_UNDO)
         else:
             acc_g = tl.dot(wg, xt, acc_g, input_precision=DOT_PRECISION)
             acc_u = tl.dot(wu, xt, acc_u, input_precision=DOT_PRECISION)
@@ -204,6 +210,8 @@ def mlpfuse_decode_mlp_kernel(
         # Phase 2: partial y for this slice, D in chunks. Programs start at different chunks so that their
         # atomics do not all hit the same L2 lines at once.
         n_chunks = tl.cdiv(D, BLOCK_O)
+        if W8 and h_t.dtype != tl.float32:
+            h_k = fp16_activations(h_t, x_shift)
         for i in range(0, n_chunks):
             c = (i + pid) % n_chunks
             offs_o = c * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -214,7 +222,10 @@ def mlpfuse_decode_mlp_kernel(
                          mask=mask_o[:, None] & mask_h[None, :], other=0.0)
             if W8:  # BLOCK_O divides 128 too
                 sd = tl.load(sd_ptr + (c * BLOCK_O // 128) * stride_sd + pid * BLOCK_H // 128)
-                y_t = tl.dot(wd.to(h_t.dtype), h_t, input_precision=DOT_PRECISION) * sd
+                if h_t.dtype == tl.float32:
+                    y_t = tl.dot(wd.to(h_t.dtype), h_t, input_precision=DOT_PRECISION) * sd
+                else:
+                    y_t = tl.dot(fp16_weights(wd), h_k) * (sd * FP16_UNDO)
             else:
                 y_t = tl.dot(wd, h_t, input_precision=DOT_PRECISION)  # [BLOCK_O, BLOCK_M]
             y_off = offs_m[None, :] * D + offs_o[:, None]
@@ -727,11 +738,12 @@ def _describe(t) -> str:
 
 def decode_gated_mlp_fp8(x, w_gate, s_gate, w_up, s_up, w_down, s_down, b_gate=None, b_up=None, b_down=None, *,
                          activation: int, deterministic: bool = False, allow_tf32: bool = False,
-                         norm_weight=None, norm_eps: float = 0.0, norm_kind: int = NORM_NONE):
+                         norm_weight=None, norm_eps: float = 0.0, norm_kind: int = NORM_NONE, residual=None):
     """`decode_gated_mlp` with weights in the FP8 recipe (mlpfuse.fp8): e4m3 values [H, D], [H, D], [D, H] and their
     fp32 128×128 scales. Weight-only: each weight tile is widened exactly to x's dtype on chip and its block's scale
-    applied to the tile's partial sums; x, h and y stay in x's dtype. The atomic modes (0, 3), or the deterministic
-    partials (2): the split mode's down kernel takes K tiles wider than a scale block."""
+    applied to the tile's partial sums (16-bit x: fp16 MMAs, _common.fp16_weights); x, h and y stay in x's dtype.
+    The atomic modes (0, 3), or the deterministic partials (2): the split mode's down kernel takes K tiles wider
+    than a scale block. `residual` as in decode_gated_mlp."""
     if x.dim() != 2 or x.dtype not in _DTYPES:
         raise InputError(f"x: expected a 2-D bfloat16, float16 or float32 tensor, got {x.dtype} {tuple(x.shape)}")
     m, d = x.shape
@@ -749,23 +761,27 @@ def decode_gated_mlp_fp8(x, w_gate, s_gate, w_up, s_up, w_down, s_down, b_gate=N
         if b is not None and (tuple(b.shape) != (n,) or b.dtype != x.dtype or b.device != x.device):
             raise InputError(f"{name}: expected a [{n}] tensor of dtype {x.dtype} on {x.device} or None")
     C.check_norm(x, norm_weight, norm_eps, norm_kind)
+    check_residual(x, residual)
     out = torch.empty((m, d), dtype=x.dtype, device=x.device)
     if m == 0 or d == 0 or h == 0:
-        return out.zero_() if b_down is None else out.copy_(b_down.expand(m, d))
+        out = out.zero_() if b_down is None else out.copy_(b_down.expand(m, d))
+        return out if residual is None else out.add_(residual)
     bucket = _bucket(m)
     mode = 2 if deterministic else (_POLICY[(_size_class(d, h), bucket, False)] if bucket <= 16 else 3)
     mode = 3 if mode == 4 else mode
     scales = (s_gate, s_up, s_down)
     key = ("fp8", _key(bucket, activation, mode, allow_tf32, None, x, w_gate, w_up, w_down, b_gate, b_up, b_down,
-                       norm_kind, norm_weight, None), *(_tensor_key(s) for s in scales))
+                       norm_kind, norm_weight, residual), *(_tensor_key(s) for s in scales))
     plan = _plans.get(key)
+    has_res = residual is not None
     if plan is None:
         plan = _plans[key] = _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow_tf32,
-                                   bucket, None, norm_kind, scales)
+                                   bucket, None, norm_kind, scales, has_res)
         if mode == 0:  # as in decode_gated_mlp: a captured call takes the atomic mode's two launches
             plan.captured = _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, 3, allow_tf32, bucket,
-                                  None, norm_kind, scales)
-    return run_plan(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, norm_weight, norm_eps, out, scales)
+                                  None, norm_kind, scales, has_res)
+    return run_plan(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, norm_weight, norm_eps, out, scales,
+                    residual)
 
 
 def held_plan(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, activation: int,
@@ -827,7 +843,7 @@ def run_plan(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, norm_weight=No
     res = out if residual is None else residual
     _launch(plan, "", (n_progs, 1), (
         x, w_gate, w_up, w_down, out if b_gate is None else b_gate, out if b_up is None else b_up, bd, out, acc,
-        part, cnt, hbuf, out if norm_weight is None else norm_weight, float(norm_eps),
+        part, cnt, hbuf, out if norm_weight is None else norm_weight, float(norm_eps), C.FP16_X_SHIFT,
         *(scales if scales is not None else (out, out, out)), res, m, d, h, sm, sd, *plan.w_strides, d), stream)
     if mode == 4:
         _launch(plan, "down_", (plan.down_grid, 1), (hbuf, w_down, bd, out, res, m, d, h, plan.w_strides[4],

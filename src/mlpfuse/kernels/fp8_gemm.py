@@ -35,7 +35,7 @@ from mlpfuse import fp8
 from mlpfuse.activations import act_fwd
 from mlpfuse.errors import InputError
 from mlpfuse.kernels import _common as C
-from mlpfuse.kernels._common import tile_coords
+from mlpfuse.kernels._common import FP16_UNDO, fp16_activations, fp16_weights, tile_coords
 
 GROUP = fp8.GROUP  # the K step and the output tile width of QUANT_OUT: one scale group
 _EMULATE = C.INTERPRET
@@ -184,11 +184,12 @@ def mlpfuse_fp8_gemm_kernel(
 
 
 @triton.jit
-def _widen(w, dt: tl.constexpr, shift: tl.constexpr):
-    """e4m3 → dt, times the power of two `shift` (exact: see the weight-only kernel's F16)."""
-    if shift == 1.0:
-        return w.to(dt)
-    return w.to(dt) * shift
+def _block_sum(w, xt, scale, dt: tl.constexpr, F16: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One scale block's contribution: e4m3 tile w [BN, 128] against xt [128, BM] (fp16 MMAs when F16, see the
+    weight-only kernel), times the block's scale."""
+    if F16:
+        return tl.dot(fp16_weights(w), xt) * (scale * FP16_UNDO)
+    return tl.dot(w.to(dt), xt, input_precision=DOT_PREC) * scale
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -234,8 +235,6 @@ def mlpfuse_fp8_weight_gemm_kernel(
     mmask = rm < M
     srow = (pid * BLOCK_N) // 128
     dt = tl.float16 if F16 else x.dtype.element_ty
-    W_SHIFT: tl.constexpr = 2.0**-15 if F16 else 1.0
-    UNDO: tl.constexpr = 2.0**21 if F16 else 1.0
     k_lo = tl.program_id(1) * K_PER
     k_hi = tl.minimum(K, k_lo + K_PER)
     acc1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -252,24 +251,19 @@ def mlpfuse_fp8_weight_gemm_kernel(
                 sq += tl.sum(xf * xf, axis=0)
             g = tl.load(nw + rk, mask=kmask, other=0.0).to(tl.float32)[:, None]
             xf = xf * (g if NORM == 1 else 1.0 + g)
-        if F16:
-            xt = (xf * x_shift).to(dt)
-        else:
-            xt = xf.to(dt)
+        xt = fp16_activations(xf, x_shift) if F16 else xf.to(dt)
         if TMA:  # rows past N and columns past K come back as zeros
             wt = w1.load([pid * BLOCK_N, k0])
         else:
             wt = tl.load(w1 + rn[:, None] * s_w1 + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        sw1 = tl.load(s1 + srow * s_s1 + kb) * UNDO
-        acc1 += tl.dot(_widen(wt, dt, W_SHIFT), xt, input_precision=DOT_PREC) * sw1
+        acc1 += _block_sum(wt, xt, tl.load(s1 + srow * s_s1 + kb), dt, F16, DOT_PREC)
         if GATED:
             if TMA:
                 wt2 = w2.load([pid * BLOCK_N, k0])
             else:
                 wt2 = tl.load(w2 + rn[:, None] * s_w2 + rk[None, :], mask=nmask[:, None] & kmask[None, :],
                               other=0.0)
-            sw2 = tl.load(s2 + srow * s_s2 + kb) * UNDO
-            acc2 += tl.dot(_widen(wt2, dt, W_SHIFT), xt, input_precision=DOT_PREC) * sw2
+            acc2 += _block_sum(wt2, xt, tl.load(s2 + srow * s_s2 + kb), dt, F16, DOT_PREC)
     if NORM != 0:
         if SPLIT:  # the whole row's x², not only this program's K range
             for k0 in range(0, K, 128):
@@ -574,8 +568,7 @@ def _weight_config(m: int, n: int, k: int, gated: bool, sms: int) -> tuple[int, 
 
 
 WEIGHT_ONLY_MAX_M = 64  # the weight-only kernel's largest M (its tiles keep M whole)
-_X_SHIFT = 2.0**-6  # 16-bit x's factor before its fp16 rounding in the weight-only kernel (its F16)
-FP16_X_LIMIT = 65520 / _X_SHIFT  # 16-bit x at or past this magnitude overflows the kernel's fp16 copy
+FP16_X_LIMIT = C.FP16_X_LIMIT  # 16-bit x at or past this magnitude overflows the kernel's fp16 copy
 WEIGHT_TMA = True  # weight tiles through TMA descriptors where the card and the weights allow (tests switch it off)
 _REDUCE_BLOCK = 1024
 NORM_NONE, NORM_WEIGHT_AFTER, NORM_ONE_PLUS = C.NORM_NONE, C.NORM_WEIGHT_AFTER, C.NORM_ONE_PLUS
@@ -681,7 +674,7 @@ def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
            C.align16(part), C.align16(nw), C.align16(res), b1 is None or (b1.dtype, C.align16(b1)),
            b2 is None or (b2.dtype, C.align16(b2)), warps, stages)
     ints = (m, n, k, k_per, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0), out.stride(0),
-            res.stride(0), float(norm_eps), _X_SHIFT)
+            res.stride(0), float(norm_eps), C.FP16_X_SHIFT)
     grid = (triton.cdiv(n, block_n), splits)
     _weight_launch(key, grid, (x, wa1, s1, wa2, s2, bb1, bb2, out, part, nw, res, *ints), consts, num_warps=warps,
                    num_stages=stages)
