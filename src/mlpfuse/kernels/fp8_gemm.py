@@ -8,9 +8,10 @@
                       epilogue: biases (fp32), then either z in the output dtype, or z quantized again (QUANT_OUT):
                       a BN = 128 tile is exactly one scale group per row, so its row amax is known on chip and
                       the next GEMM's operand (hq, sh) leaves it already in FP8 — no pass of its own over h
-    fp8_weight_gemm   decode sizes (M ≤ 64): weight-only — W read once as e4m3 and widened to x's dtype in
-                      registers, each 128×128 block's scale applied to its partial sum; x and the output stay in
-                      x's dtype (the bytes are the weights; quantizing x would only add a pass and error); K split
+    fp8_weight_gemm   decode sizes (M ≤ 64): weight-only — W read once as e4m3 and widened in registers (to
+                      fp16 for 16-bit x, the MMAs in fp16; to fp32 for fp32 x), each 128×128 block's scale applied
+                      to its partial sum; x and the output stay in x's dtype (the bytes are the weights; quantizing
+                      x would only add a pass and error); the residual, if given, added before rounding; K split
                       where the output rows alone leave SMs idle, the parts added in a fixed order by a second launch
 
 The K step is 128 (the scale group), so each step's tensor-core sum is one block's, scaled by one activation scale
