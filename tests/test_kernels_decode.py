@@ -78,6 +78,28 @@ def test_every_m_fp32(d, h, mode):
         assert_close(y, x, *w, *b, A.GELU_TANH, f"M={m}")
 
 
+@pytest.mark.parametrize("mode", [0, 2, 3, 4], ids=lambda v: MODES[v])
+def test_balanced_rows_mask_the_tiles_tail(monkeypatch, mode):
+    """BALANCED_ROWS: programs own fewer hidden units than their tile (here 16 of a 64-row tile: the interpreter
+    reports no SM limit), the rest masked; every mode still computes the MLP."""
+    monkeypatch.setattr(K, "BALANCED_ROWS", True)
+    gen = torch.Generator().manual_seed(77 + mode)
+    x_all, w, b = make(17, 24, 40, torch.float32, True, gen)
+    for m in (1, 5, 17):
+        x = x_all[:m].clone()
+        y = run_poisoned(x, w, b, activation=A.SILU, allow_tf32=False, _mode=mode)
+        assert_close(y, x, *w, *b, A.SILU, f"M={m}")
+    plan = next(p for k, p in K._plans.items() if k[6] is True and k[2] == mode)
+    assert plan.consts[-1] == 16 and plan.n_progs == 3
+
+
+def test_balanced_rows_spread_the_hidden_units_over_the_sms():
+    assert K._rows(14336, 128, 132) == 112  # 112 programs of 128 rows become 128 of 112
+    assert K._rows(14336, 128, 100) == 128  # the tiles already fill the SMs
+    assert K._rows(3072, 64, 132) == 32
+    assert K._rows(40, 64, 1 << 30) == 16  # never below one MMA's 16 rows
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("act", [A.IDENTITY, A.GELU_TANH, A.GELU, A.SILU, A.RELU, A.RELU2, A.QUICK_GELU] if HAS_TRITON else [])

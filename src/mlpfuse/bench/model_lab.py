@@ -22,6 +22,9 @@ Variants, each on its own copy of the model's module tree sharing one set of wei
                       mlpfuse-fp8 with a handed-over RMSNorm run by its own module in front of the FP8 decode kernels
                       instead of in their prologue (ops.fp8_mlp.NORM_IN_WEIGHT_ONLY off; decode-step only, as
                       above); by name only
+    mlpfuse-balanced, mlpfuse-compile-balanced
+                      mlpfuse (compiled) with the decode kernels' plans made under kernels.decode_mlp.BALANCED_ROWS
+                      (fewer hidden units per program where whole tiles leave SMs idle); decode-step, by name only
     mlpfuse-fp8-onekernel
                       mlpfuse-fp8 with each decode-sized MLP in kernels.decode_mlp's one kernel reading e4m3 weights
                       (h on chip; ops.fp8_mlp.DECODE_KERNEL on; its atomic modes are not bit-reproducible);
@@ -71,7 +74,7 @@ DEFAULT_VARIANTS = ("eager", "compile", "liger", "mlpfuse", "mlpfuse-compile")
 VARIANTS = (*DEFAULT_VARIANTS, "mlpfuse-recompute", "mlpfuse-recompute-compile", "compile-checkpoint", "mlpfuse-fp8",
             "mlpfuse-fp8-compile", "mlpfuse-noresidual", "mlpfuse-compile-noresidual", "mlpfuse-nopdl",
             "mlpfuse-compile-nopdl", "compile-pdl", "mlpfuse-compile-pdl", "mlpfuse-save-fp8", "mlpfuse-fp8-nonorm",
-            "mlpfuse-fp8-onekernel")
+            "mlpfuse-fp8-onekernel", "mlpfuse-balanced", "mlpfuse-compile-balanced")
 FP8_VARIANTS = ("eager", "compile", "mlpfuse", "mlpfuse-compile", "mlpfuse-fp8", "mlpfuse-fp8-compile")
 _MODE_ALIASES = {"fwd": "prefill", "forward": "prefill", "generate": "decode", "fwd+bwd": "train",
                  "step": "decode-step"}
@@ -566,15 +569,18 @@ def _switches(variant: str):
     from mlpfuse.kernels import decode_mlp
     from mlpfuse.ops import fp8_mlp
 
-    kept = decode_mlp.PDL, inductor.triton.enable_pdl, fp8_mlp.NORM_IN_WEIGHT_ONLY, fp8_mlp.DECODE_KERNEL
+    kept = (decode_mlp.PDL, inductor.triton.enable_pdl, fp8_mlp.NORM_IN_WEIGHT_ONLY, fp8_mlp.DECODE_KERNEL,
+            decode_mlp.BALANCED_ROWS)
     decode_mlp.PDL = kept[0] and "nopdl" not in variant
     inductor.triton.enable_pdl = kept[1] or variant.endswith("compile-pdl")
     fp8_mlp.NORM_IN_WEIGHT_ONLY = kept[2] and variant != "mlpfuse-fp8-nonorm"
     fp8_mlp.DECODE_KERNEL = kept[3] or variant == "mlpfuse-fp8-onekernel"
+    decode_mlp.BALANCED_ROWS = kept[4] or variant.endswith("balanced")
     try:
         yield
     finally:
-        decode_mlp.PDL, inductor.triton.enable_pdl, fp8_mlp.NORM_IN_WEIGHT_ONLY, fp8_mlp.DECODE_KERNEL = kept
+        (decode_mlp.PDL, inductor.triton.enable_pdl, fp8_mlp.NORM_IN_WEIGHT_ONLY, fp8_mlp.DECODE_KERNEL,
+         decode_mlp.BALANCED_ROWS) = kept
 
 
 def _prepare_checked(v, built, case, ids, settings, device, row, ref, outputs) -> Prepared | None:

@@ -133,17 +133,20 @@ def mlpfuse_decode_mlp_kernel(
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_F: tl.constexpr, FENCE: tl.constexpr, I64: tl.constexpr, NORM: tl.constexpr,
     W8: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr, PF_LINES: tl.constexpr, PF_STEP: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_progs = tl.num_programs(0)
-    offs_h = pid * BLOCK_H + tl.arange(0, BLOCK_H)
+    # ROWS (≤ BLOCK_H, a multiple of 16) hidden units per program: fewer than the tile where BLOCK_H-row slices would
+    # leave SMs idle (BALANCED_ROWS); the tile's last BLOCK_H - ROWS rows are masked, never read.
+    offs_h = pid * ROWS + tl.arange(0, BLOCK_H)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_D)
     if I64:  # a weight or x reaching past 2**31 elements: index math in 64 bits
         offs_h = offs_h.to(tl.int64)
         offs_m = offs_m.to(tl.int64)
         offs_k = offs_k.to(tl.int64)
-    mask_h = offs_h < H
+    mask_h = (offs_h < H) & (tl.arange(0, BLOCK_H) < ROWS)
     mask_m = offs_m < M
     if PDL:
         # The first PF_LINES 128-byte lines of each of this program's gate and up rows, then the wait: the weight
@@ -179,8 +182,8 @@ def mlpfuse_decode_mlp_kernel(
             else:  # x · (1 + weight) (Gemma's)
                 xt = (xf * (1.0 + nw)).to(xt.dtype)
         if W8:  # e4m3 weights, BLOCK_H and BLOCK_D dividing 128: one scale per tile
-            sg = tl.load(sg_ptr + (pid * BLOCK_H // 128) * stride_sg + d0 // 128)
-            su = tl.load(su_ptr + (pid * BLOCK_H // 128) * stride_su + d0 // 128)
+            sg = tl.load(sg_ptr + (pid * ROWS // 128) * stride_sg + d0 // 128)
+            su = tl.load(su_ptr + (pid * ROWS // 128) * stride_su + d0 // 128)
             if xt.dtype == tl.float32:  # widened exactly to fp32
                 acc_g += tl.dot(wg.to(xt.dtype), xt, input_precision=DOT_PRECISION) * sg
                 acc_u += tl.dot(wu.to(xt.dtype), xt, input_precision=DOT_PRECISION) * su
@@ -221,7 +224,7 @@ def mlpfuse_decode_mlp_kernel(
             wd = tl.load(wd_ptr + offs_o[:, None] * stride_dd + offs_h[None, :] * stride_dh,
                          mask=mask_o[:, None] & mask_h[None, :], other=0.0)
             if W8:  # BLOCK_O divides 128 too
-                sd = tl.load(sd_ptr + (c * BLOCK_O // 128) * stride_sd + pid * BLOCK_H // 128)
+                sd = tl.load(sd_ptr + (c * BLOCK_O // 128) * stride_sd + pid * ROWS // 128)
                 if h_t.dtype == tl.float32:
                     y_t = tl.dot(wd.to(h_t.dtype), h_t, input_precision=DOT_PRECISION) * sd
                 else:
@@ -430,6 +433,11 @@ def default_config(d: int, h: int, bucket: int, elem_size: int, mode: int) -> tu
 # waits for that kernel before it reads an activation or writes anything. Read when a plan is made (a plan made
 # under one setting keeps it). Where the card lacks it: off; MLPFUSE_DECODE_PDL=0 turns it off everywhere.
 PDL = os.environ.get("MLPFUSE_DECODE_PDL", "1") != "0"
+# Fewer hidden units per program than the tile holds (`_rows`) where the tiles alone leave SMs idle: at 4096×14336
+# the 128-row tiles make 112 programs on an H200's 132 SMs, the bf16 decode block streams at 84–88 % of copy, close to
+# 112/132. Off until measured (the lab's `mlpfuse-balanced` variant turns it on for an A/B); read when a plan is made;
+# e4m3 weights keep whole 128-row tiles (one scale row per tile). MLPFUSE_DECODE_BALANCED=1 turns it on.
+BALANCED_ROWS = os.environ.get("MLPFUSE_DECODE_BALANCED", "0") == "1"
 PREFETCH_LINES = 2
 _FINAL_BLOCK = 64 if _INTERPRET else 4096  # elements per step of mode 0's tail (16 per thread at 8 warps)
 _DIRECT_LAUNCH = not _INTERPRET  # benchmarks switch it off to measure Triton's own launch path
@@ -598,6 +606,15 @@ def _check(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation):
         raise InputError(f"activation: expected an activation id from mlpfuse.activations, got {activation!r}")
 
 
+def _rows(h: int, block_h: int, sms: int) -> int:
+    """Hidden units per program under BALANCED_ROWS: the fewest multiple of 16 (≤ block_h) that spreads h over at
+    most `sms` programs, where block_h-row slices alone would leave SMs idle (14336 rows, 128-row tiles, 132 SMs:
+    112 programs become 128 of 112 rows)."""
+    if triton.cdiv(h, block_h) >= sms:
+        return block_h
+    return max(16, min(block_h, triton.cdiv(triton.cdiv(h, sms), 16) * 16))
+
+
 def _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow_tf32, bucket, config, norm_kind,
           scales=None, has_res: bool = False):
     d, h = x.shape[1], w_gate.shape[0]
@@ -612,17 +629,18 @@ def _plan(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, mode, allow
     x_reach = (MAX_M - 1) * abs(x.stride(0)) + (d - 1) * abs(x.stride(1))
     i64 = (x_reach > C.INT32_SPAN or C.needs_i64(w_gate, w_up, w_down)
            or MAX_M * max(d, h) * (triton.cdiv(h, block_h) if mode == 2 else 1) > C.INT32_SPAN)
+    rows = _rows(h, block_h, C.num_sms(x.device)) if BALANCED_ROWS and not w8 else block_h
     consts = (activation, b_gate is not None, b_up is not None, b_down is not None, mode,
               "tf32" if (not fp32 or allow_tf32) else "ieee", block_m, block_h, block_d, block_o,
-              _FINAL_BLOCK, not _INTERPRET, i64, norm_kind, w8, has_res, pdl, PREFETCH_LINES, pf_step)
+              _FINAL_BLOCK, not _INTERPRET, i64, norm_kind, w8, has_res, pdl, PREFETCH_LINES, pf_step, rows)
     block_f = 256  # a constant, not a function of M: one compile serves every M
     down = {}
     if mode == 4:
         down = dict(down_grid=triton.cdiv(d, cfg[5]),
                     down_consts=(b_down is not None, consts[5], block_m, cfg[5], cfg[6], i64, has_res, pdl,
                                  PREFETCH_LINES, pf_step))
-    block_p = 1 if mode == 3 else min(32, triton.next_power_of_2(triton.cdiv(h, block_h)))
-    return _Plan(n_progs=triton.cdiv(h, block_h), cfg=cfg, consts=consts,
+    block_p = 1 if mode == 3 else min(32, triton.next_power_of_2(triton.cdiv(h, rows)))
+    return _Plan(n_progs=triton.cdiv(h, rows), cfg=cfg, consts=consts,
                  w_strides=(w_gate.stride(0), w_gate.stride(1), w_up.stride(0), w_up.stride(1), w_down.stride(0),
                             w_down.stride(1), d, 1, *((s.stride(0) for s in scales) if w8 else (0, 0, 0))),
                  reduce_consts=(b_down is not None, block_p, block_f, mode == 3, has_res, pdl), **down)
@@ -806,9 +824,9 @@ def _policy_mode(w_down, bucket: int, deterministic: bool) -> int:
 def _key(bucket, activation, mode, allow_tf32, config, x, wg, wu, wd, bg, bu, bd, norm_kind, norm_weight, residual):
     """A plan's key: a hit means exactly these dtypes/shapes/strides/alignments/devices were validated and compiled
     before (M itself is not part of it: it is checked on every call; a residual's shape is checked with it: as y's
-    rows it is contiguous, of x's dtype and device). The PDL switch as it is now: a plan keeps the one it was made
-    under."""
-    return (bucket, activation, mode, allow_tf32, config, PDL,
+    rows it is contiguous, of x's dtype and device). The PDL and BALANCED_ROWS switches as they are now: a plan keeps
+    the ones it was made under."""
+    return (bucket, activation, mode, allow_tf32, config, PDL, BALANCED_ROWS,
             None if residual is None else (residual.dtype, residual.shape[1:], residual.stride(),
                                            residual.data_ptr() & 15, residual.get_device()),
             (x.dtype, x.dim(), x.shape[1], x.stride(), x.data_ptr() & 15, x.get_device()), _tensor_key(wg),
