@@ -399,6 +399,24 @@ def check_norm(x: torch.Tensor, weight, eps, kind) -> None:
         raise InputError(f"norm_eps: expected a non-negative number, got {eps!r}")
 
 
+
+def check_residual(residual, shape, like: torch.Tensor) -> None:
+    """A residual an epilogue can add: None, or a contiguous tensor of the output's `shape` and `like`'s dtype and
+    device."""
+    if residual is None:
+        return
+    if (not isinstance(residual, torch.Tensor) or residual.dtype != like.dtype or residual.device != like.device
+            or residual.shape != shape or not residual.is_contiguous()):
+        raise InputError(f"residual: expected a contiguous tensor of {tuple(shape)} and dtype {like.dtype} on "
+                         f"{like.device}, got {_describe(residual)}")
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    layout = "" if t.is_contiguous() else "non-contiguous "
+    return f"{layout}{tuple(t.shape)} {t.dtype} on {t.device}"
+
 # FP8 weights against 16-bit activations run fp16 MMAs (kernels.fp8_gemm's weight-only kernel, F16; the decode
 # kernel's W8): the weights go as W·2^-15 (every e4m3 value is then an fp16 value), the activations as
 # x·FP16_X_SHIFT rounded to fp16 (a runtime argument: as a constant, the compiler rounded x before scaling it), and

@@ -715,7 +715,7 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
         _check(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation)
         C.check_norm(x, norm_weight, norm_eps, norm_kind)
     if residual is not None:
-        check_residual(x, residual)  # every call: the plan's key holds the residual's layout, not its rows
+        C.check_residual(residual, x.shape, x)  # every call: the plan's key holds the residual's layout, not its rows
     d = x.shape[1]
     out = torch.empty((m, d), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -735,23 +735,6 @@ def decode_gated_mlp(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=Non
                                   _config, norm_kind, None, residual is not None)
     return run_plan(plan, x, w_gate, w_up, w_down, b_gate, b_up, b_down, norm_weight, norm_eps, out,
                     residual=residual)
-
-
-def check_residual(x: torch.Tensor, residual) -> None:
-    """A residual the epilogue can add: None, or a contiguous tensor of y's shape, dtype and device."""
-    if residual is None:
-        return
-    if (not isinstance(residual, torch.Tensor) or residual.dtype != x.dtype or residual.device != x.device
-            or residual.shape != x.shape or not residual.is_contiguous()):
-        raise InputError(f"residual: expected a contiguous tensor of {tuple(x.shape)} and dtype {x.dtype} on "
-                         f"{x.device}, got {_describe(residual)}")
-
-
-def _describe(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    layout = "" if t.is_contiguous() else "non-contiguous "
-    return f"{layout}{tuple(t.shape)} {t.dtype} on {t.device}"
 
 
 def decode_gated_mlp_fp8(x, w_gate, s_gate, w_up, s_up, w_down, s_down, b_gate=None, b_up=None, b_down=None, *,
@@ -779,7 +762,7 @@ def decode_gated_mlp_fp8(x, w_gate, s_gate, w_up, s_up, w_down, s_down, b_gate=N
         if b is not None and (tuple(b.shape) != (n,) or b.dtype != x.dtype or b.device != x.device):
             raise InputError(f"{name}: expected a [{n}] tensor of dtype {x.dtype} on {x.device} or None")
     C.check_norm(x, norm_weight, norm_eps, norm_kind)
-    check_residual(x, residual)
+    C.check_residual(residual, x.shape, x)
     out = torch.empty((m, d), dtype=x.dtype, device=x.device)
     if m == 0 or d == 0 or h == 0:
         out = out.zero_() if b_down is None else out.copy_(b_down.expand(m, d))

@@ -649,11 +649,7 @@ def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
         raise InputError(f"x: the weight-only kernel takes at most {WEIGHT_ONLY_MAX_M} rows, got {m}")
     n, gated, w2, s2 = _check_operands(w1, s1, w2, s2, b1, b2, k, x)
     _check_norm(norm_weight, norm_eps, norm_kind, x)
-    if residual is not None and (not isinstance(residual, torch.Tensor) or residual.shape != (m, n)
-                                 or residual.dtype != x.dtype or residual.device != x.device
-                                 or not residual.is_contiguous()):
-        raise InputError(f"residual: expected a contiguous tensor of ({m}, {n}) and dtype {x.dtype} on {x.device}, "
-                         f"got {tuple(getattr(residual, 'shape', ()))} {getattr(residual, 'dtype', type(residual))}")
+    C.check_residual(residual, (m, n), x)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0 or n == 0:
         return out
