@@ -115,3 +115,38 @@ def test_command_line_mistakes_are_one_line(capsys, argv):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith("mlpfuse: error: ") and "--help" in err
+
+
+def test_fp8_workload_without_fp8_tensor_cores_is_one_line(tmp_path, capsys):
+    assert main(["profile", "geglu-mlp-fp8", *TINY_MLP, "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and ("geglu-mlp-fp8: needs a CUDA GPU with FP8 tensor cores (compute "
+                                          "capability 8.9+); this run is on cpu") in err
+    assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+def _fp8_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA GPU with FP8 tensor cores")
+@pytest.mark.parametrize("variant", ["eager", "compile", "mlpfuse"])
+def test_fp8_workload_variants_compute_the_block(variant):
+    """Each FP8 variant against the bf16 block's float64 reference (same seed: same weights and x), within the
+    error FP8's rounding of x, the weights and h allows, and as far from it as a real FP8 block is."""
+    import torch
+
+    from mlpfuse.bench.variants import FP8_TOLERANCE
+
+    sizes = dict(batch=2, seq=64, dim=256, hidden=512)
+    ref = workloads.build("geglu-mlp", device="cuda", **sizes)
+    fp8 = workloads.build("geglu-mlp-fp8", variant=variant, device="cuda", **sizes)
+    assert torch.equal(fp8.x, ref.x)
+    with torch.no_grad():
+        want = ref.fn.double()(ref.x.double())
+        got = fp8.fn(fp8.x)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    err = ((got.double() - want).norm() / want.norm()).item()
+    assert 1e-2 < err < FP8_TOLERANCE, err  # FP8 rounding shows (the bf16 block stays near 4e-3)

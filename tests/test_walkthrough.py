@@ -75,10 +75,14 @@ def test_results_folder_has_traces_analyses_and_summary(results):
     for case in summary["cases"]:
         assert f"{case}.pt.trace.json.gz" in files and f"{case}.analysis.json" in files
     run = set(summary["cases"]) | set(summary["failed"])
+    fp8 = {"geglu-mlp-fp8-eager", "geglu-mlp-fp8-compile", "geglu-mlp-fp8-mlpfuse"}
     assert run == {"linear-eager", "linear-compile", "geglu-mlp-eager", "geglu-mlp-compile", "linear-mlpfuse",
-                   "geglu-mlp-mlpfuse"}
+                   "geglu-mlp-mlpfuse"} | fp8
     for reason in summary["failed"].values():
         assert reason and "\n" not in reason
+    for case in fp8:  # a CPU has no FP8 tensor cores: said, not run
+        assert summary["failed"][case] == ("unavailable: needs a CUDA GPU with FP8 tensor cores (compute "
+                                           "capability 8.9+); this run is on cpu")
 
 
 def test_cpu_walkthrough_facts(results):

@@ -43,6 +43,8 @@ class WorkloadSpec:
     build: Callable[..., tuple[nn.Module, torch.Tensor]]
     # elements alive at the peak of one forward (input, parameters, intermediates, output), from the sizes
     peak_elements: Callable[..., int]
+    # the block in FP8: eager and compile run the rowwise FP8 chain the peers run, mlpfuse its FP8 recipe
+    fp8: bool = False
 
 
 def _build_linear(*, batch, in_dim, out_dim, bias=True, device, dtype):
@@ -81,7 +83,38 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         # x and the output, three weights, and eager's [tokens, hidden] gate, up, gelu(gate) and product
         lambda batch, seq, dim, hidden: 2 * batch * seq * dim + 3 * dim * hidden + 4 * batch * seq * hidden,
     ),
+    "geglu-mlp-fp8": WorkloadSpec(
+        "geglu-mlp-fp8",
+        "the same GeGLU MLP in FP8 (e4m3): eager and compile run the rowwise chain, x and h quantized by ops of "
+        "their own around torch._scaled_mm; mlpfuse runs GatedMLP(precision='fp8'), its quantization inside its "
+        "kernels (needs a CUDA GPU with FP8 tensor cores, compute capability 8.9+)",
+        {
+            "batch": (8, 2, "sequences"),
+            "seq": (1024, 64, "tokens per sequence"),
+            "dim": (768, 128, "model width (a multiple of 16: torch._scaled_mm's rule)"),
+            "hidden": (3072, 512, "MLP hidden width (a multiple of 16)"),
+        },
+        _build_geglu,
+        # the bf16 block's peak bounds the FP8 one's (its quantized copies are smaller than what it replaces)
+        lambda batch, seq, dim, hidden: 2 * batch * seq * dim + 4 * dim * hidden + 4 * batch * seq * hidden,
+        fp8=True,
+    ),
 }
+
+
+def fp8_unavailable(device: str) -> str | None:
+    """Why `device` cannot run the FP8 workloads (None when it can): FP8 tensor cores, compute capability 8.9+."""
+    if not device.startswith("cuda"):
+        return f"needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+); this run is on {device}"
+    cap = torch.cuda.get_device_capability(torch.device(device))
+    if cap < (8, 9):
+        return f"needs FP8 tensor cores (compute capability 8.9+); {device} has {cap[0]}.{cap[1]}"
+    return None
+
+
+def unavailable(workload: str, device: str) -> str | None:
+    """Why `workload` cannot run on `device` (None when it can)."""
+    return fp8_unavailable(device) if WORKLOADS[workload].fp8 else None
 
 # ---------------------------------------------------------------- variants
 
@@ -98,12 +131,23 @@ def _always() -> tuple[bool, str]:
     return True, ""
 
 
+def _as_peers_run(workload: str, module: nn.Module):
+    """What eager and compile run: the module itself, or for an FP8 workload the rowwise FP8 chain over its
+    weights (quantized once here)."""
+    if not WORKLOADS[workload].fp8:
+        return module
+    from mlpfuse.bench.variants import rowwise_fp8_chain
+
+    return rowwise_fp8_chain(module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight,
+                             lambda t: F.gelu(t, approximate="tanh"), module.gate_proj.weight.dtype)
+
+
 def _wrap_eager(workload: str, module: nn.Module):
-    return module
+    return _as_peers_run(workload, module)
 
 
 def _wrap_compile(workload: str, module: nn.Module):
-    return torch.compile(module)
+    return torch.compile(_as_peers_run(workload, module))
 
 
 def _mlpfuse_available() -> tuple[bool, str]:
@@ -119,7 +163,8 @@ def _wrap_mlpfuse(workload: str, module: nn.Module):
 
     if workload == "linear":
         return fused.FusedLinear.from_module(module)
-    return fused.GatedMLP.from_module(module, activation="gelu_tanh")
+    block = fused.GatedMLP.from_module(module, activation="gelu_tanh")
+    return block.to_fp8() if WORKLOADS[workload].fp8 else block
 
 
 VARIANTS: dict[str, Variant] = {
@@ -233,7 +278,17 @@ class Built:
     def describe(self) -> str:
         dims = " ".join(f"{k}={v}" for k, v in self.sizes.items())
         bias = f" bias={self.bias}" if self.workload == "linear" else ""
-        return f"{self.workload} [{self.variant}] {dims}{bias} dtype={str(self.dtype).replace('torch.', '')} device={self.device}"
+        recipe = ""
+        if WORKLOADS[self.workload].fp8 and self.variant in _FP8_RECIPES:
+            recipe = f" fp8={_FP8_RECIPES[self.variant]}"
+        return (f"{self.workload} [{self.variant}] {dims}{bias}{recipe} dtype={str(self.dtype).replace('torch.', '')} "
+                f"device={self.device}")
+
+
+# What each built-in variant runs of an FP8 workload (Built.describe says it)
+_FP8_RECIPES = {"eager": "rowwise(torch._scaled_mm,separate-quantization)",
+                "compile": "rowwise(torch._scaled_mm,quantization-compiled)",
+                "mlpfuse": "1x128/128x128-blocks(quantization-in-kernels)"}
 
 
 def build(
@@ -256,6 +311,9 @@ def build(
     if not ok:
         raise InputError(f"--variant {variant}: unavailable: {reason}")
     device = resolve_device(device)
+    reason = unavailable(workload, device)
+    if reason:
+        raise InputError(f"{workload}: {reason}")
     torch_dtype = resolve_dtype(dtype, device)
     on_cuda = device.startswith("cuda")
     unknown = set(sizes) - set(spec.sizes)

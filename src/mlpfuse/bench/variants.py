@@ -379,18 +379,25 @@ def _build_fp8_gemms_alone(problem: Problem) -> Step:
     return step
 
 
-def _build_fp8_chain_compiled(problem: Problem) -> Step:
-    """The rowwise FP8 chain with its quantization ops (amax, scale, cast) around cuBLAS's FP8 GEMMs, compiled."""
-    p, dt = problem.params, problem.x.dtype
-    act = activations.get(problem.case.activation).forward
-    g, u, d = (rowwise_fp8(p[k].detach()) for k in ("gate_weight", "up_weight", "down_weight"))
+def rowwise_fp8_chain(gate_weight, up_weight, down_weight, act, dtype):
+    """The gated block in rowwise FP8 as the peers run it: the weights quantized once here; per call x and h each
+    quantized by ops of their own (amax, scale, cast) around cuBLAS's FP8 GEMMs. Returns chain(x), x [..., dim]."""
+    g, u, d = (rowwise_fp8(w.detach()) for w in (gate_weight, up_weight, down_weight))
 
     def chain(x):
-        xq, xs = rowwise_fp8(x)
-        h = act(_scaled_mm(xq, xs, *g, dt)) * _scaled_mm(xq, xs, *u, dt)
+        xq, xs = rowwise_fp8(x.reshape(-1, x.shape[-1]))
+        h = act(_scaled_mm(xq, xs, *g, dtype)) * _scaled_mm(xq, xs, *u, dtype)
         hq, hs = rowwise_fp8(h)
-        return _scaled_mm(hq, hs, *d, dt)
+        return _scaled_mm(hq, hs, *d, dtype).reshape(*x.shape[:-1], -1)
 
+    return chain
+
+
+def _build_fp8_chain_compiled(problem: Problem) -> Step:
+    """The rowwise FP8 chain with its quantization ops (amax, scale, cast) around cuBLAS's FP8 GEMMs, compiled."""
+    p = problem.params
+    chain = rowwise_fp8_chain(p["gate_weight"], p["up_weight"], p["down_weight"],
+                              activations.get(problem.case.activation).forward, problem.x.dtype)
     return as_step(torch.compile(chain, dynamic=False), problem)
 
 

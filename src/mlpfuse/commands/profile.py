@@ -18,6 +18,7 @@ from mlpfuse.profiling.steps import AUTO, SOURCES
 _SIZE_OPTIONS = {
     "linear": ("batch", "in_dim", "out_dim"),
     "geglu-mlp": ("batch", "seq", "dim", "hidden"),
+    "geglu-mlp-fp8": ("batch", "seq", "dim", "hidden"),
 }
 
 
@@ -47,7 +48,7 @@ PROFILE = """\
 Capture a trace with torch.profiler and analyse it: kernels, launches and CPU ops per step, GPU idle time, a
 verdict; --expect turns the figures into checks (exit 1 when one fails). What runs: your own script, after `--`
 (`mlpfuse profile -- python train.py ARGS`: in this process, a step ending at each optimizer.step(), or at each
-return of --step-fn NAME); a built-in workload (linear, geglu-mlp); or, with --model, a small transformers model
+return of --step-fn NAME); a built-in workload (linear, geglu-mlp, geglu-mlp-fp8); or, with --model, a small transformers model
 (one decoder layer by default) eager and after mlpfuse.patch, with what changed. Each run writes its trace,
 analysis JSON and report.html to a results folder (--out).
 """
@@ -98,16 +99,19 @@ def register(subparsers) -> None:
     from mlpfuse._host import DEFAULT_THREADS, THREADS_HELP
 
     p = add_parser(subparsers, "profile", help="profile your own script (-- python SCRIPT.py ARGS), a built-in "
-                   "workload (linear, geglu-mlp), or one layer of a transformers model before and after "
-                   "mlpfuse.patch (--model)",
+                   "workload (linear, geglu-mlp, geglu-mlp-fp8), or one layer of a transformers model before and "
+                   "after mlpfuse.patch (--model)",
                    description=PROFILE, epilog=examples(
                        ("mlpfuse profile geglu-mlp --out eager", "a GeGLU MLP, eager"),
                        ("mlpfuse profile geglu-mlp --variant mlpfuse --out fused", "the same, mlpfuse's GatedMLP"),
+                       ("mlpfuse profile geglu-mlp-fp8 --variant mlpfuse", "the same in FP8 (a GPU with FP8 tensor "
+                        "cores; --variant eager: the rowwise torch._scaled_mm chain)"),
                        ("mlpfuse profile --model llama3-8b", "one Llama-3-8B-shaped layer, eager and patched"),
                    ))
     # nargs="*": after `--` come a script and its own arguments (argparse drops the `--`); else one workload name.
     p.add_argument("workload", metavar="WORKLOAD", nargs="*",
-                   help="linear | geglu-mlp (or give --model); or `-- python SCRIPT.py ARGS` (also `-- SCRIPT.py ARGS`, "
+                   help="linear | geglu-mlp | geglu-mlp-fp8 (or give --model); or `-- python SCRIPT.py ARGS` "
+                        "(also `-- SCRIPT.py ARGS`, "
                         "`-- python -m MODULE ARGS`): your script, run in this process, a step ending at each "
                         "torch.optim.Optimizer.step()")
     p.add_argument("--step-fn", metavar="NAME",
@@ -130,13 +134,13 @@ def register(subparsers) -> None:
                             "forward: on CUDA replayed from a CUDA graph, its kernels attributed to modules through "
                             "a map of the eager step (implies --by-module)")
     sizes = p.add_argument_group("sizes (defaults: walkthrough shapes on CUDA, small ones on CPU)")
-    sizes.add_argument("--batch", type=int, help="rows of x (linear) or sequences (geglu-mlp)")
+    sizes.add_argument("--batch", type=int, help="rows of x (linear) or sequences (geglu-mlp, geglu-mlp-fp8)")
     sizes.add_argument("--in-dim", type=int, help="linear: input features")
     sizes.add_argument("--out-dim", type=int, help="linear: output features")
     sizes.add_argument("--bias", action=argparse.BooleanOptionalAction, default=None, help="linear: bias (default on)")
-    sizes.add_argument("--seq", type=int, help="geglu-mlp: tokens per sequence")
-    sizes.add_argument("--dim", type=int, help="geglu-mlp: model width")
-    sizes.add_argument("--hidden", type=int, help="geglu-mlp: hidden width")
+    sizes.add_argument("--seq", type=int, help="geglu-mlp(-fp8): tokens per sequence")
+    sizes.add_argument("--dim", type=int, help="geglu-mlp(-fp8): model width")
+    sizes.add_argument("--hidden", type=int, help="geglu-mlp(-fp8): hidden width")
     p.add_argument("--dtype", help="bf16 | fp16 | fp32 (default bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--device", help="cpu | cuda (default cuda when present)")
     p.add_argument("--compile", action="store_true", help="same as --variant compile")

@@ -23,6 +23,11 @@ CASES = [
     ("geglu-mlp-eager", "geglu-mlp", "eager"),
     ("geglu-mlp-compile", "geglu-mlp", "compile"),
     ("geglu-mlp-mlpfuse", "geglu-mlp", "mlpfuse"),
+    # the block in FP8, on GPUs with FP8 tensor cores: the rowwise chain with its quantization ops (eager,
+    # compiled) against mlpfuse's FP8 recipe, whose quantization passes live inside its GEMMs
+    ("geglu-mlp-fp8-eager", "geglu-mlp-fp8", "eager"),
+    ("geglu-mlp-fp8-compile", "geglu-mlp-fp8", "compile"),
+    ("geglu-mlp-fp8-mlpfuse", "geglu-mlp-fp8", "mlpfuse"),
 ]
 # Profiled steps per case and round. A round's step figure is the mean of its active steps: with six, one step the
 # host stalled moves it by a sixth of the stall, not a third (host stalls decided single rounds on H100 and H200).
@@ -36,14 +41,18 @@ DIFFS = [
     ("linear-eager", "linear-mlpfuse"),
     ("geglu-mlp-eager", "geglu-mlp-mlpfuse"),
     ("geglu-mlp-compile", "geglu-mlp-mlpfuse"),
+    ("geglu-mlp-fp8-eager", "geglu-mlp-fp8-mlpfuse"),
+    ("geglu-mlp-fp8-compile", "geglu-mlp-fp8-mlpfuse"),
+    ("geglu-mlp-mlpfuse", "geglu-mlp-fp8-mlpfuse"),
 ]
 
 
 DESCRIPTION = """\
 The nn.Linear -> fused MLP story, end to end, on this machine: nn.Linear and a GeGLU MLP, each eager, under
-torch.compile and through mlpfuse's fused modules, profiled in interleaved rounds; then the diffs between them
-(kernels removed, added, unchanged) and, where transformers is installed, one Llama-3-8B-shaped layer before and
-after mlpfuse.patch (toy widths on a CPU).
+torch.compile and through mlpfuse's fused modules, profiled in interleaved rounds; on a GPU with FP8 tensor cores
+the same MLP in FP8 (the rowwise torch._scaled_mm chain with its quantization ops, eager and compiled, against
+mlpfuse's FP8 block); then the diffs between them (kernels removed, added, unchanged) and, where transformers is
+installed, one Llama-3-8B-shaped layer before and after mlpfuse.patch (toy widths on a CPU).
 
 Writes the traces (open them in https://ui.perfetto.dev), each case's analysis JSON, summary.md, readme-table.md
 and report.html to a new results folder. A case that cannot run here is listed with its reason and the rest go on.
@@ -115,6 +124,9 @@ def _build_cases(device, dtype, console, failed) -> dict:
     built = {}
     for case, workload, variant in CASES:
         ok, reason = workloads.VARIANTS[variant].available()
+        if ok:
+            reason = workloads.unavailable(workload, device)
+            ok = reason is None
         if not ok:
             failed[case] = f"unavailable: {reason}"
             console.print(f"[yellow]{case}: skipped ({failed[case]})[/yellow]")
