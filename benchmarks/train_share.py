@@ -104,6 +104,7 @@ def main() -> int:
         makers["torchao-fp8-mlp-compile"] = lambda m: torch.compile(_torchao(m, True), dynamic=False)
     steps, peaks, losses = {}, {}, {}
     for name, make in makers.items():
+        before = torch.cuda.memory_allocated()  # the variants built so far stay alive (interleaved rounds)
         step = _step_fn(make(copy.deepcopy(base)), ids)
         for _ in range(3):  # compile, autotune, allocator warm
             step()
@@ -111,7 +112,7 @@ def main() -> int:
         torch.cuda.reset_peak_memory_stats()
         losses[name] = step().item()
         torch.cuda.synchronize()
-        peaks[name] = torch.cuda.max_memory_allocated() / 2**20
+        peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2**20  # its weights + its step's peak
         steps[name] = step
         print(f"ready {name}: loss {losses[name]:.4f} peak {peaks[name]:.0f} MiB", flush=True)
     rounds = {name: [] for name in steps}
