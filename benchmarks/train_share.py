@@ -3,7 +3,8 @@
     PYTHONPATH=src python3 benchmarks/train_share.py [--layers 4] [--tokens 2x2048] [--rounds 3] [--no-torchao]
 
 One bf16 model (random init, seeded), forward + cross-entropy + backward of every parameter, timed per variant
-with CUDA events (median of `--steps` steps per round, rounds interleaved), peak memory beside it:
+with CUDA events (median of `--steps` steps per round, rounds interleaved), peak memory beside it (the variant's
+own: its weights and its step's peak, above what the variants built before it hold):
 
     eager, compile                  the model as is
     eager-no-mlp, compile-no-mlp    every layer's MLP replaced by the identity (its input, the post-attention
