@@ -41,6 +41,12 @@ CASES = [
     ("mlpfuse_glu_backward_pointwise_kernel", "elementwise", "mlpfuse", {"kernel": "glu_backward_pointwise"}),
     ("mlpfuse_decode_reduce_kernel", "reduction", "mlpfuse", {"kernel": "decode_reduce"}),
     ("mlpfuse_decode_down_kernel", "gemm", "mlpfuse", {"kernel": "decode_down"}),
+    ("mlpfuse_fp8_gemm_kernel", "gemm", "mlpfuse", {"kernel": "fp8_gemm"}),
+    ("mlpfuse_fp8_weight_gemm_kernel", "gemm", "mlpfuse", {"kernel": "fp8_weight_gemm"}),
+    ("mlpfuse_fp8_quantize_kernel", "reduction", "mlpfuse", {"kernel": "fp8_quantize"}),
+    ("mlpfuse_fp8_norm_quantize_kernel", "reduction", "mlpfuse", {"kernel": "fp8_norm_quantize"}),
+    ("mlpfuse_fp8_split_reduce_kernel", "reduction", "mlpfuse", {"kernel": "fp8_split_reduce"}),
+    ("mlpfuse_glu_forward_kernel", "elementwise", "mlpfuse", {"kernel": "glu_forward"}),
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float, float, "
      "float>, unsigned int, float, 4, 4> >(at::native::ReduceOp<float, at::native::MeanOps<float, float, float, "
      "float>, unsigned int, float, 4, 4>)", "reduction", "aten", {"op": "MeanOps", "dtype": "fp32"}),

@@ -316,9 +316,9 @@ def _parse_nccl(m: re.Match, name: str) -> dict:
 
 def _mlpfuse_family(m: re.Match) -> str:
     kind = m.group("kind")
-    if kind.endswith("pointwise"):
+    if kind.endswith("pointwise") or kind == "glu_forward":  # glu_forward: h = act(g)·u, element by element
         return "elementwise"
-    if kind.endswith("reduce"):
+    if kind.endswith("reduce") or kind.endswith("quantize"):  # quantize: an amax per group, then the cast
         return "reduction"
     return "gemm"
 
