@@ -83,10 +83,10 @@ def fp8_weight(a) -> None:
     k = fp8_gemm.mlpfuse_fp8_weight_gemm_kernel
     desc = "tensordesc<fp8e4nv[64, 128]>"
     types = dict(x="*bf16", w1=desc, s1="*fp32", w2=desc, s2="*fp32", b1="*bf16", b2="*bf16", out="*bf16",
-                 part="*fp32", nw="*bf16", res="*bf16", eps="fp32", x_shift="fp32")
+                 part="*fp32", nw="*bf16", res="*bf16", w1p="*fp8e4nv", w2p="*fp8e4nv", eps="fp32", x_shift="fp32")
     types.update({n: "i32" for n in ("M", "N", "K", "K_PER", "s_xm", "s_w1", "s_s1", "s_w2", "s_s2", "s_om", "s_rm")})
     consts = dict(ACT=3, GATED=True, HAS_B1=False, HAS_B2=False, DOT_PREC="tf32", BLOCK_N=64, BLOCK_M=16,
-                  SPLIT=False, NORM=a.norm, I64=False, F16=not a.bf16_widening, TMA=True, HAS_RES=False)
+                  SPLIT=False, NORM=a.norm, I64=False, F16=not a.bf16_widening, TMA=True, HAS_RES=False, PDL=a.pdl)
     report(compile_sm90(k, types, consts, a.warps, a.stages), "fp8 weight-only gate+up")
 
 
@@ -111,6 +111,7 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--norm", type=int, default=0, choices=(0, 1))
     ap.add_argument("--w8", action="store_true", help="decode: e4m3 weights")
+    ap.add_argument("--pdl", action="store_true", help="fp8-weight: launched as a programmatic dependent")
     ap.add_argument("--bf16-widening", action="store_true", help="fp8-weight: widen e4m3 to bf16 (F16 off: the form before fp16 MMAs)")
     a = ap.parse_args()
     if a.warps is None:

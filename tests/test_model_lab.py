@@ -202,7 +202,7 @@ def test_profile_model_shows_the_layer_before_and_after(tmp_path, capsys):
     (["linear", "--model", "gpt2"], "WORKLOAD: give a workload or --model, not both"),
     (["--model", "gpt2", "--dim", "8"], "--dim: does not apply with --model"),
     (["linear", "--tiny"], "--tiny: applies with --model only"),
-    ([], "WORKLOAD: expected one of linear, geglu-mlp (or --model NAME)"),
+    ([], "WORKLOAD: expected one of linear, geglu-mlp, geglu-mlp-fp8 (or --model NAME)"),
     (["--model", "gpt2", "--tokens", "1x8,2x8"], "--tokens: expected one BATCHxSEQ shape"),
 ])
 def test_profile_model_bad_input(flags, expected, tmp_path, capsys):

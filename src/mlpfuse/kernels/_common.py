@@ -34,6 +34,29 @@ def tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def prefetch_l2(ptrs, mask, base):
+    """Ask L2 for the lines at `ptrs` (where `mask`; `base` stands in elsewhere, so no address leaves the tensor).
+    Issued before a kernel waits on the one before it: weights are constants, and their first lines arrive while that
+    kernel drains."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [tl.where(mask, ptrs, base)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def pdl_wait():
+    """Programmatic dependent launch (PDL): this kernel may start while the one before it drains; nothing it
+    writes, and no activation it reads, may be touched before this wait (which is a no-op when the launch was
+    not programmatic)."""
+    tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_release():
+    """Let the next kernel launch (it waits for this one's end before it reads what this one wrote)."""
+    tl.extra.cuda.gdc_launch_dependents()
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -47,6 +70,17 @@ INTERPRET = interpreting()
 def _device_facts(index: int) -> tuple[int, int]:
     props = torch.cuda.get_device_properties(index)
     return props.multi_processor_count, props.major
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_card(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_ok(t: torch.Tensor) -> bool:
+    """Whether kernels working on `t` can launch as programmatic dependents (PDL): CUDA sm90+, not the interpreter.
+    Where not, they launch as usual, and their PDL constexpr is off."""
+    return not INTERPRET and t.is_cuda and _pdl_card(t.get_device())
 
 
 def num_sms(device: torch.device) -> int:
@@ -196,21 +230,24 @@ class Launcher:
         self._compiled: dict = {}
         self._raw: dict = {}
 
-    def __call__(self, key, grid, args, consts, num_warps: int, num_stages: int) -> None:
+    def __call__(self, key, grid, args, consts, num_warps: int, num_stages: int, launch_pdl: bool = False) -> None:
+        # launch_pdl: launched as a programmatic dependent of the kernel before it (the compiled kernel keeps it, so
+        # the key must tell it apart: the kernels taking it have a PDL constexpr)
+        options = {"launch_pdl": True} if launch_pdl else {}
         if key is not None and DIRECT_LAUNCH and not INTERPRET:
             device = torch._C._cuda_getDevice()  # CUDA is initialized: the tensors in `args` live there
             entry = self._compiled.get((key, device))
             if entry is not None and not launch_hooks_set():
                 _run(entry, device, grid, args, consts)
                 return
-            compiled = self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
+            compiled = self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages, **options)
             # What a launch reads, resolved once (CompiledKernel.run is a property).
             raw = Raw.of(compiled)
             pointers_only = raw if raw is not None and not raw.desc_meta else None
             self._compiled[(key, device)] = (compiled.run, compiled.function, compiled.packed_metadata, pointers_only)
             self._raw[(key, device)] = raw
             return
-        self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages)
+        self.kernel[grid](*args, *consts, num_warps=num_warps, num_stages=num_stages, **options)
 
     def compiled(self, key, device_index: int):
         """A launch function for an already compiled key, for callers that keep it in their own plan (skipping even
@@ -264,11 +301,12 @@ class PointerPlan:
     arguments and constexprs decided once by the caller; the first launch goes through `launcher` (a Launcher), later
     ones straight to the compiled kernel's C launcher (Raw) with the tensors' addresses. Holds no tensor."""
 
-    __slots__ = ("launcher", "key", "grid", "ints", "consts", "warps", "stages", "index", "raw")
+    __slots__ = ("launcher", "key", "grid", "ints", "consts", "warps", "stages", "index", "raw", "pdl")
 
-    def __init__(self, launcher: Launcher, key, grid, ints, consts, warps: int, stages: int, device: torch.device):
+    def __init__(self, launcher: Launcher, key, grid, ints, consts, warps: int, stages: int, device: torch.device,
+                 pdl: bool = False):
         self.launcher, self.key, self.grid, self.ints, self.consts = launcher, key, grid, ints, consts
-        self.warps, self.stages = warps, stages
+        self.warps, self.stages, self.pdl = warps, stages, pdl
         self.index, self.raw = device_index(device), None
 
     def launch(self, tensors) -> None:
@@ -278,7 +316,7 @@ class PointerPlan:
                 (*[t.data_ptr() for t in tensors], *self.ints, *self.consts))
             return
         self.launcher(self.key, self.grid, (*tensors, *self.ints), self.consts, num_warps=self.warps,
-                      num_stages=self.stages)
+                      num_stages=self.stages, launch_pdl=self.pdl)
         if self.index >= 0:
             self.raw = self.launcher.raw(self.key, self.index)
 

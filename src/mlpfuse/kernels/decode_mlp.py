@@ -45,7 +45,7 @@ from mlpfuse import activations, fp8
 from mlpfuse.activations import act_fwd
 from mlpfuse.errors import InputError
 from mlpfuse.kernels import _common as C
-from mlpfuse.kernels._common import FP16_UNDO, fp16_activations, fp16_weights
+from mlpfuse.kernels._common import FP16_UNDO, fp16_activations, fp16_weights, pdl_release, pdl_wait, prefetch_l2
 
 # Largest M for which `auto` dispatch should use these kernels. Measured on an H200 by benchmarks/bench_decode.py,
 # retired since (benchmarks/README.md; benchmarks/results/decode-h200.md): up to 64 rows they beat eager, torch.compile
@@ -99,29 +99,6 @@ def _fence_gpu(like):
                               is_pure=False, pack=1)
 
 
-@triton.jit
-def _prefetch_l2(ptrs, mask, base):
-    """Ask L2 for the lines at `ptrs` (where `mask`; `base` stands in elsewhere, so no address leaves the tensor).
-    Issued before the kernel waits on the one before it: the weights are constants, and their first lines arrive
-    while that kernel drains."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [tl.where(mask, ptrs, base)],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _pdl_wait():
-    """Programmatic dependent launch (PDL): this kernel may start while the one before it drains; nothing it
-    writes, and no activation it reads, may be touched before this wait (which is a no-op when the launch was
-    not programmatic)."""
-    tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def _pdl_release():
-    """Let the next kernel launch (it waits for this one's end before it reads what this one wrote)."""
-    tl.extra.cuda.gdc_launch_dependents()
-
-
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_decode_mlp_kernel(
     x_ptr, wg_ptr, wu_ptr, wd_ptr, bg_ptr, bu_ptr, bd_ptr, out_ptr, acc_ptr, part_ptr, cnt_ptr, h_ptr, nw_ptr, eps,
@@ -153,9 +130,9 @@ def mlpfuse_decode_mlp_kernel(
         # stream starts while the kernel before this one (which wrote x) finishes.
         pf = tl.arange(0, PF_LINES) * PF_STEP
         pf_mask = mask_h[:, None] & (pf[None, :] < D)
-        _prefetch_l2(wg_ptr + offs_h[:, None] * stride_gh + pf[None, :] * stride_gd, pf_mask, wg_ptr)
-        _prefetch_l2(wu_ptr + offs_h[:, None] * stride_uh + pf[None, :] * stride_ud, pf_mask, wu_ptr)
-        _pdl_wait()
+        prefetch_l2(wg_ptr + offs_h[:, None] * stride_gh + pf[None, :] * stride_gd, pf_mask, wg_ptr)
+        prefetch_l2(wu_ptr + offs_h[:, None] * stride_uh + pf[None, :] * stride_ud, pf_mask, wu_ptr)
+        pdl_wait()
 
     # RMSNorm prologue (NORM): the row scale r = 1/sqrt(mean(x²) + eps) is one number per row, so it factors out of
     # the dot products: each program feeds x·w (or x·(1 + w)) to the MMA, sums x² over the same K loop, and scales
@@ -195,7 +172,7 @@ def mlpfuse_decode_mlp_kernel(
             acc_g = tl.dot(wg, xt, acc_g, input_precision=DOT_PRECISION)
             acc_u = tl.dot(wu, xt, acc_u, input_precision=DOT_PRECISION)
     if PDL:
-        _pdl_release()
+        pdl_release()
     if NORM != 0:
         rstd = 1.0 / tl.sqrt_rn(sq / D + eps)
         acc_g = acc_g * rstd[None, :]
@@ -265,7 +242,7 @@ def mlpfuse_decode_reduce_kernel(part_ptr, out_ptr, bd_ptr, res_ptr, M, D, n_par
     offs = tl.program_id(0) * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = offs < M * D
     if PDL:
-        _pdl_wait()
+        pdl_wait()
     offs_p = tl.arange(0, BLOCK_P)
     acc = tl.zeros((BLOCK_F,), tl.float32)
     for p0 in range(0, n_parts, BLOCK_P):
@@ -303,9 +280,9 @@ def mlpfuse_decode_down_kernel(h_ptr, wd_ptr, bd_ptr, out_ptr, res_ptr, M, D, H,
     mask_m = offs_m < M
     if PDL:  # the first lines of this program's rows of Wd, then wait for h
         pf = tl.arange(0, PF_LINES) * PF_STEP
-        _prefetch_l2(wd_ptr + offs_o[:, None] * stride_dd + pf[None, :] * stride_dh,
+        prefetch_l2(wd_ptr + offs_o[:, None] * stride_dd + pf[None, :] * stride_dh,
                      mask_o[:, None] & (pf[None, :] < H), wd_ptr)
-        _pdl_wait()
+        pdl_wait()
     acc = tl.zeros((BLOCK_O, BLOCK_M), tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + offs_k
@@ -315,7 +292,7 @@ def mlpfuse_decode_down_kernel(h_ptr, wd_ptr, bd_ptr, out_ptr, res_ptr, M, D, H,
         h_t = tl.load(h_ptr + offs_m[None, :] * H + k[:, None], mask=mask_k[:, None] & mask_m[None, :], other=0.0)
         acc = tl.dot(wd, h_t, acc, input_precision=DOT_PRECISION)
     if PDL:
-        _pdl_release()
+        pdl_release()
     if HAS_BD:
         acc += tl.load(bd_ptr + offs_o, mask=mask_o, other=0.0).to(tl.float32)[:, None]
     if HAS_RES:
@@ -459,13 +436,8 @@ class _Plan:
             setattr(self, k, v)
 
 
-@functools.lru_cache(maxsize=None)
-def _has_pdl(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 def _pdl(x: torch.Tensor) -> bool:
-    return PDL and not _INTERPRET and x.is_cuda and _has_pdl(x.get_device())
+    return PDL and C.pdl_ok(x)
 
 
 def _capturing(x: torch.Tensor) -> bool:

@@ -28,6 +28,8 @@ tests) converts out-of-range, tie and NaN values wrongly, so there the rounding 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -36,7 +38,8 @@ from mlpfuse import fp8
 from mlpfuse.activations import act_fwd
 from mlpfuse.errors import InputError
 from mlpfuse.kernels import _common as C
-from mlpfuse.kernels._common import FP16_UNDO, fp16_activations, fp16_weights, tile_coords
+from mlpfuse.kernels._common import (FP16_UNDO, fp16_activations, fp16_weights, pdl_release, pdl_wait, prefetch_l2,
+                                     tile_coords)
 
 GROUP = fp8.GROUP  # the K step and the output tile width of QUANT_OUT: one scale group
 _EMULATE = C.INTERPRET
@@ -195,11 +198,11 @@ def _block_sum(w, xt, scale, dt: tl.constexpr, F16: tl.constexpr, DOT_PREC: tl.c
 
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_fp8_weight_gemm_kernel(
-    x, w1, s1, w2, s2, b1, b2, out, part, nw, res,
+    x, w1, s1, w2, s2, b1, b2, out, part, nw, res, w1p, w2p,
     M, N, K, K_PER, s_xm, s_w1, s_s1, s_w2, s_s2, s_om, s_rm, eps, x_shift,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, I64: tl.constexpr,
-    F16: tl.constexpr, TMA: tl.constexpr, HAS_RES: tl.constexpr,
+    F16: tl.constexpr, TMA: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
 ):
     """Weight-only: outᵀ [BLOCK_N, M] = Wq[slice] · xᵀ, the weight the MMA's left operand ("swap AB") so that a tiny M
     is the MMA's narrow side. BLOCK_N divides 128, so the program's rows share one row of weight scales. With SPLIT,
@@ -218,6 +221,9 @@ def mlpfuse_fp8_weight_gemm_kernel(
     (x_shift = 2^-6), not a constant: with a constant, the compiler narrowed fp16(fp32(x)·2^-6) to fp16(x)·2^-6,
     and bf16 x past fp16's 65504 became inf before its scaling (measured on an H200).
     TMA: the weight tiles through tensor descriptors (w1, w2 are then descriptors of [N, K] blocks [BLOCK_N, 128]).
+    PDL: launched as a programmatic dependent of the kernel before it — the first two 128-byte lines of each of the
+    program's weight rows are asked of L2 (through w1p, w2p: the weights' addresses, also under TMA), then the wait,
+    before x, the residual or any output is touched; the next kernel may launch once the K loop is done.
 
     NORM (1: weight·norm(x), Llama's RMSNorm; 2: norm(x)·(1 + weight), Gemma's): x is read through an RMSNorm of
     weight nw. Its row scale r = 1/sqrt(mean(x²) + eps) factors out of the dot products, so the MMA takes x·nw
@@ -241,6 +247,13 @@ def mlpfuse_fp8_weight_gemm_kernel(
     acc1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if PDL:
+        pf = k_lo + tl.arange(0, 2) * 128
+        pf_mask = nmask[:, None] & (pf[None, :] < k_hi)
+        prefetch_l2(w1p + rn[:, None] * s_w1 + pf[None, :], pf_mask, w1p)
+        if GATED:
+            prefetch_l2(w2p + rn[:, None] * s_w2 + pf[None, :], pf_mask, w2p)
+        pdl_wait()
     for k0 in range(k_lo, k_hi, 128):
         rk = k0 + rk0
         kmask = rk < k_hi
@@ -275,6 +288,8 @@ def mlpfuse_fp8_weight_gemm_kernel(
         r = 1.0 / tl.sqrt_rn(sq / K + eps)
         acc1 = acc1 * r[None, :]
         acc2 = acc2 * r[None, :]
+    if PDL:
+        pdl_release()
     mask = nmask[:, None] & mmask[None, :]
     if SPLIT:
         at = (tl.program_id(1) * 2 * M + rm[None, :]) * N + rn[:, None]
@@ -298,9 +313,12 @@ def mlpfuse_fp8_weight_gemm_kernel(
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_fp8_split_reduce_kernel(part, b1, b2, out, res, M, N, SPLITS, s_om, s_rm, ACT: tl.constexpr,
                                     GATED: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr,
-                                    BLOCK: tl.constexpr, I64: tl.constexpr, HAS_RES: tl.constexpr):
+                                    BLOCK: tl.constexpr, I64: tl.constexpr, HAS_RES: tl.constexpr,
+                                    PDL: tl.constexpr):
     """The weight-only kernel's split sums added in split order (deterministic), then its epilogue (the residual
-    too, HAS_RES)."""
+    too, HAS_RES). PDL: launched as a programmatic dependent of the split kernel; waits for it before reading."""
+    if PDL:
+        pdl_wait()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     if I64:
         offs = offs.to(tl.int64)
@@ -380,9 +398,9 @@ class _GemmPlan:
         return (out, sout) if self.quant_out else out
 
 
-def _pointer_launch(launcher, key, grid, ints, consts, warps, stages, device):
+def _pointer_launch(launcher, key, grid, ints, consts, warps, stages, device, pdl: bool = False):
     """A C.PointerPlan for a kernel whose arguments are plain pointers, once its compiled form exists; else None."""
-    plan = C.PointerPlan(launcher, key, grid, ints, consts, warps, stages, device)
+    plan = C.PointerPlan(launcher, key, grid, ints, consts, warps, stages, device, pdl)
     plan.raw = launcher.raw(key, plan.index) if device.type == "cuda" else None
     return plan if plan.raw is not None else None
 
@@ -571,6 +589,10 @@ def _weight_config(m: int, n: int, k: int, gated: bool, sms: int) -> tuple[int, 
 WEIGHT_ONLY_MAX_M = 64  # the weight-only kernel's largest M (its tiles keep M whole)
 FP16_X_LIMIT = C.FP16_X_LIMIT  # 16-bit x at or past this magnitude overflows the kernel's fp16 copy
 WEIGHT_TMA = True  # weight tiles through TMA descriptors where the card and the weights allow (tests switch it off)
+# The weight-only kernel and its split reduction launch as programmatic dependents (each may start while the kernel
+# before it drains: its first weight lines asked of L2, then the wait) where the card allows (C.pdl_ok); as
+# kernels.decode_mlp.PDL, MLPFUSE_DECODE_PDL=0 turns it off; the lab's mlpfuse-fp8-nopdl variant for the A/B.
+PDL = os.environ.get("MLPFUSE_DECODE_PDL", "1") != "0"
 _REDUCE_BLOCK = 1024
 NORM_NONE, NORM_WEIGHT_AFTER, NORM_ONE_PLUS = C.NORM_NONE, C.NORM_WEIGHT_AFTER, C.NORM_ONE_PLUS
 
@@ -582,10 +604,11 @@ class _TmaLaunch:
     __slots__ = ("raw", "index", "grid", "flat_w1", "flat_w2", "tail")
 
     def launch(self, tensors) -> None:
-        x, _, s1, _, s2, b1, b2, out, part, nw, res = tensors
+        x, _, s1, _, s2, b1, b2, out, part, nw, res, w1p, w2p = tensors  # the weights' maps are in the plan
         self.raw(self.grid, torch._C._cuda_getCurrentRawStream(self.index),
                  (x.data_ptr(), *self.flat_w1, s1.data_ptr(), *self.flat_w2, s2.data_ptr(), b1.data_ptr(),
-                  b2.data_ptr(), out.data_ptr(), part.data_ptr(), nw.data_ptr(), res.data_ptr(), *self.tail))
+                  b2.data_ptr(), out.data_ptr(), part.data_ptr(), nw.data_ptr(), res.data_ptr(), w1p.data_ptr(),
+                  w2p.data_ptr(), *self.tail))
 
 
 def _tma_launch(key, grid, ints, consts, device, w1, d1, w2, d2):
@@ -615,7 +638,8 @@ class _WeightPlan:
         w2, s2 = (w1, s1) if w2 is None else (w2, s2)
         b1, b2 = x if b1 is None else b1, x if b2 is None else b2
         res = out if residual is None else residual
-        self.main.launch((x, w1, s1, w2, s2, b1, b2, out, part, x if norm_weight is None else norm_weight, res))
+        self.main.launch((x, w1, s1, w2, s2, b1, b2, out, part, x if norm_weight is None else norm_weight, res, w1,
+                          w2))
         if self.reduce is not None:
             self.reduce.launch((part, b1, b2, out, res))
         return out
@@ -637,7 +661,7 @@ def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
     `norm_kind` (NORM_WEIGHT_AFTER or NORM_ONE_PLUS) x is first read through an RMSNorm of weight `norm_weight`;
     with `residual` (contiguous, z's shape and x's dtype) z + residual, added before the output's rounding."""
     plan_key = _plan_key("weight", (x, residual), (w1, s1, w2, s2, b1, b2, norm_weight), activation, allow_tf32,
-                         norm_eps, norm_kind)
+                         norm_eps, norm_kind, PDL)
     plan = _plans.get(plan_key) if plan_key is not None else None
     if plan is not None:
         done = plan.run(x, w1, s1, w2, s2, b1, b2, norm_weight, residual)
@@ -664,8 +688,9 @@ def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
     f16 = x.dtype != torch.float32
     use_tma = WEIGHT_TMA and C.tma_capable(x.device) and C.tma_ok(w1) and C.tma_ok(w2)
     wa1, wa2 = (C.desc(w1, [block_n, GROUP]), C.desc(w2, [block_n, GROUP])) if use_tma else (w1, w2)
+    pdl = PDL and C.pdl_ok(x)
     consts = (activation, gated, b1 is not None, b2 is not None, C.dot_precision(x.dtype, allow_tf32), block_n,
-              block_m, splits > 1, norm_kind, i64, f16, use_tma, residual is not None)
+              block_m, splits > 1, norm_kind, i64, f16, use_tma, residual is not None, pdl)
     key = (consts, x.dtype, n, k, k_per, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0),
            out.stride(0), C.align16(x), C.align16(out), C.align16(w1), C.align16(s1), C.align16(w2), C.align16(s2),
            C.align16(part), C.align16(nw), C.align16(res), b1 is None or (b1.dtype, C.align16(b1)),
@@ -673,22 +698,23 @@ def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
     ints = (m, n, k, k_per, x.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0), out.stride(0),
             res.stride(0), float(norm_eps), C.FP16_X_SHIFT)
     grid = (triton.cdiv(n, block_n), splits)
-    _weight_launch(key, grid, (x, wa1, s1, wa2, s2, bb1, bb2, out, part, nw, res, *ints), consts, num_warps=warps,
-                   num_stages=stages)
+    _weight_launch(key, grid, (x, wa1, s1, wa2, s2, bb1, bb2, out, part, nw, res, w1, w2, *ints), consts,
+                   num_warps=warps, num_stages=stages, launch_pdl=pdl)
     reduce = None
     if splits > 1:
-        r_consts = (activation, gated, b1 is not None, b2 is not None, _REDUCE_BLOCK, i64, residual is not None)
+        r_consts = (activation, gated, b1 is not None, b2 is not None, _REDUCE_BLOCK, i64, residual is not None, pdl)
         r_key = (r_consts, x.dtype, n, out.stride(0), C.align16(out), C.align16(res),
                  b1 is None or (b1.dtype, C.align16(b1)), b2 is None or (b2.dtype, C.align16(b2)))
         r_grid, r_ints = (triton.cdiv(m * n, _REDUCE_BLOCK),), (m, n, splits, out.stride(0), res.stride(0))
-        _reduce_launch(r_key, r_grid, (part, bb1, bb2, out, res, *r_ints), r_consts, num_warps=4, num_stages=1)
-        reduce = _pointer_launch(_reduce_launch, r_key, r_grid, r_ints, r_consts, 4, 1, x.device)
+        _reduce_launch(r_key, r_grid, (part, bb1, bb2, out, res, *r_ints), r_consts, num_warps=4, num_stages=1,
+                       launch_pdl=pdl)
+        reduce = _pointer_launch(_reduce_launch, r_key, r_grid, r_ints, r_consts, 4, 1, x.device, pdl)
     if plan_key is None:
         return out
     if use_tma:
         main = _tma_launch(key, grid, ints, consts, x.device, w1, wa1, w2, wa2)
     else:
-        main = _pointer_launch(_weight_launch, key, grid, ints, consts, warps, stages, x.device)
+        main = _pointer_launch(_weight_launch, key, grid, ints, consts, warps, stages, x.device, pdl)
     if main is not None and (splits == 1 or reduce is not None):
         plan = _WeightPlan()
         plan.main, plan.reduce, plan.out_cols, plan.part_shape = main, reduce, n, tuple(part.shape)
