@@ -13,11 +13,13 @@ Variants, each on its own copy of the model's module tree sharing one set of wei
     mlpfuse-fp8, mlpfuse-fp8-compile
                       mlpfuse.patch(model, precision="fp8") (each swapped gated or two-layer MLP in FP8; inference
                       modes only), eager and compiled; by name, or with --precision fp8
-    mlpfuse-noresidual, mlpfuse-compile-noresidual, mlpfuse-nopdl, mlpfuse-compile-nopdl, mlpfuse-fp8-nopdl
+    mlpfuse-noresidual, mlpfuse-compile-noresidual, mlpfuse-nopdl, mlpfuse-compile-nopdl
                       A/B of one part of mlpfuse in the same run: patch(fuse_residuals=False) (each layer keeps its
-                      add after the MLP), or the decode kernels' plans made with kernels.decode_mlp.PDL and
-                      kernels.fp8_gemm.PDL off (launched without programmatic dependent launch; meant for
-                      decode-step, whose graphs are captured while the setting holds); by name only
+                      add after the MLP), or the decode kernels' plans made with kernels.decode_mlp.PDL off
+                      (launched without programmatic dependent launch; meant for decode-step, whose graphs are
+                      captured while the setting holds); by name only
+    mlpfuse-fp8-pdl   mlpfuse-fp8 with the FP8 weight-only decode kernels launched as programmatic dependents
+                      (kernels.fp8_gemm.PDL on; off by default: measured slower); decode-step, by name only
     mlpfuse-fp8-nonorm
                       mlpfuse-fp8 with a handed-over RMSNorm run by its own module in front of the FP8 decode kernels
                       instead of in their prologue (ops.fp8_mlp.NORM_IN_WEIGHT_ONLY off; decode-step only, as
@@ -74,7 +76,7 @@ DEFAULT_VARIANTS = ("eager", "compile", "liger", "mlpfuse", "mlpfuse-compile")
 VARIANTS = (*DEFAULT_VARIANTS, "mlpfuse-recompute", "mlpfuse-recompute-compile", "compile-checkpoint", "mlpfuse-fp8",
             "mlpfuse-fp8-compile", "mlpfuse-noresidual", "mlpfuse-compile-noresidual", "mlpfuse-nopdl",
             "mlpfuse-compile-nopdl", "compile-pdl", "mlpfuse-compile-pdl", "mlpfuse-save-fp8", "mlpfuse-fp8-nonorm",
-            "mlpfuse-fp8-onekernel", "mlpfuse-balanced", "mlpfuse-compile-balanced", "mlpfuse-fp8-nopdl")
+            "mlpfuse-fp8-onekernel", "mlpfuse-balanced", "mlpfuse-compile-balanced", "mlpfuse-fp8-pdl")
 FP8_VARIANTS = ("eager", "compile", "mlpfuse", "mlpfuse-compile", "mlpfuse-fp8", "mlpfuse-fp8-compile")
 _MODE_ALIASES = {"fwd": "prefill", "forward": "prefill", "generate": "decode", "fwd+bwd": "train",
                  "step": "decode-step"}
@@ -572,7 +574,7 @@ def _switches(variant: str):
     kept = (decode_mlp.PDL, inductor.triton.enable_pdl, fp8_mlp.NORM_IN_WEIGHT_ONLY, fp8_mlp.DECODE_KERNEL,
             decode_mlp.BALANCED_ROWS, fp8_gemm.PDL)
     decode_mlp.PDL = kept[0] and "nopdl" not in variant
-    fp8_gemm.PDL = kept[5] and "nopdl" not in variant
+    fp8_gemm.PDL = kept[5] or variant == "mlpfuse-fp8-pdl"
     inductor.triton.enable_pdl = kept[1] or variant.endswith("compile-pdl")
     fp8_mlp.NORM_IN_WEIGHT_ONLY = kept[2] and variant != "mlpfuse-fp8-nonorm"
     fp8_mlp.DECODE_KERNEL = kept[3] or variant == "mlpfuse-fp8-onekernel"

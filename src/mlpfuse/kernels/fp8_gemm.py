@@ -589,10 +589,12 @@ def _weight_config(m: int, n: int, k: int, gated: bool, sms: int) -> tuple[int, 
 WEIGHT_ONLY_MAX_M = 64  # the weight-only kernel's largest M (its tiles keep M whole)
 FP16_X_LIMIT = C.FP16_X_LIMIT  # 16-bit x at or past this magnitude overflows the kernel's fp16 copy
 WEIGHT_TMA = True  # weight tiles through TMA descriptors where the card and the weights allow (tests switch it off)
-# The weight-only kernel and its split reduction launch as programmatic dependents (each may start while the kernel
-# before it drains: its first weight lines asked of L2, then the wait) where the card allows (C.pdl_ok); as
-# kernels.decode_mlp.PDL, MLPFUSE_DECODE_PDL=0 turns it off; the lab's mlpfuse-fp8-nopdl variant for the A/B.
-PDL = os.environ.get("MLPFUSE_DECODE_PDL", "1") != "0"
+# PDL: the weight-only kernel and its split reduction launched as programmatic dependents (each may start while the
+# kernel before it drains: its first weight lines asked of L2, then the wait) where the card allows (C.pdl_ok). Off:
+# in the 32-layer decode step it measured slightly slower (H200, CUDA graph: 0.782 / 0.787× eager's against 0.780 /
+# 0.784× without; benchmarks/results/nvidia-h200/fp8-stream/). MLPFUSE_FP8_PDL=1 or the lab's mlpfuse-fp8-pdl
+# variant turns it on.
+PDL = os.environ.get("MLPFUSE_FP8_PDL", "0") == "1"
 _REDUCE_BLOCK = 1024
 NORM_NONE, NORM_WEIGHT_AFTER, NORM_ONE_PLUS = C.NORM_NONE, C.NORM_WEIGHT_AFTER, C.NORM_ONE_PLUS
 
