@@ -3,7 +3,12 @@ replayed from a graph — the eager step captured, the compiled step (fullgraph=
 step captured — each replay attributed to modules through the map of one eager run; then the roofline of five kernel
 families at prefill size checked against triton.testing.do_bench of the same op with the same shapes.
 
-    PYTHONPATH=src python3 benchmarks/graph_profile_gpu.py OUT [--layers 32 --batch 1 --prompt 128]
+    PYTHONPATH=src python3 benchmarks/graph_profile_gpu.py OUT [--layers 32 --batch 1 --prompt 128] [--fp8]
+        [--skip-roofline] [--skip-compiled]
+
+--fp8 adds a fourth case: the model patched with precision="fp8", its step captured. Each case's MLP row also reads
+as bytes: the MLP's weight bytes (scales included) over its time per layer, against the copy rate measured by
+mlpfuse's roofline (the floor the decode targets are stated against).
 
 Checks printed last (the issue's targets): the share of each replay's kernel time attributed to a module path
 (≥ 98 %); the depth-1 module rows plus the unattributed time against the replay's busy time (within 1 %); the MLP
@@ -217,6 +222,11 @@ def roofline_check(out, peaks, tokens):
     return rows, view
 
 
+def _mlp_bytes(mlp) -> int:
+    """The bytes a decode call of this MLP must read: its parameters and buffers (FP8 values and their scales)."""
+    return sum(t.numel() * t.element_size() for t in (*mlp.parameters(), *mlp.buffers()))
+
+
 def graphs(a, model, ids, token, dev, run_case, summary):
     """The three captured steps, each profiled right after its capture (a patch later frees the weights that the
     earlier graphs read). The MLP block alone is timed in the same form as in the step."""
@@ -226,22 +236,33 @@ def graphs(a, model, ids, token, dev, run_case, summary):
     step = decode_step.StaticStep(model, ids, token)
     map_path, n_map = graph_case("eager", a.out, model, step, model, a.layers)
     replay, _ = decode_step.capture(decode_step.inference(step), dev)
-    run_case("eager-graph", replay, map_path, n_map, *eager_block)
+    run_case("eager-graph", replay, map_path, n_map, *eager_block, _mlp_bytes(mlp))
     del replay
     # 2. the compiled step captured, attributed through the same eager map (compiled code drops module
     # annotations; its GEMMs and attention anchor the walk)
-    compiled_block = block_alone(torch.compile(mlp, fullgraph=True), a.batch)
-    cstep = decode_step.StaticStep(model, ids, token)
-    creplay, _ = decode_step.capture(decode_step.inference(torch.compile(cstep, fullgraph=True)), dev)
-    run_case("compiled-graph", creplay, map_path, n_map, *compiled_block)
-    del creplay
+    if not a.skip_compiled:
+        compiled_block = block_alone(torch.compile(mlp, fullgraph=True), a.batch)
+        cstep = decode_step.StaticStep(model, ids, token)
+        creplay, _ = decode_step.capture(decode_step.inference(torch.compile(cstep, fullgraph=True)), dev)
+        run_case("compiled-graph", creplay, map_path, n_map, *compiled_block, _mlp_bytes(mlp))
+        del creplay
     # 3. mlpfuse.patch'ed, its eager step captured, with a map of its own
     summary["patch"] = str(mlpfuse.patch(model))[:2000]
     pblock = block_alone(model.model.layers[0].mlp, a.batch)
     pstep = decode_step.StaticStep(model, ids, token)
     pmap, pn = graph_case("mlpfuse", a.out, model, pstep, model, a.layers)
     preplay, _ = decode_step.capture(decode_step.inference(pstep), dev)
-    run_case("mlpfuse-eager-graph", preplay, pmap, pn, *pblock)
+    run_case("mlpfuse-eager-graph", preplay, pmap, pn, *pblock, _mlp_bytes(model.model.layers[0].mlp))
+    if a.fp8:  # 4. the same model patched in FP8 instead (the bf16 patch undone first)
+        del preplay
+        mlpfuse.unpatch(model)
+        summary["patch_fp8"] = str(mlpfuse.patch(model, precision="fp8"))[:2000]
+        fmlp = model.model.layers[0].mlp
+        fblock = block_alone(fmlp, a.batch)
+        fstep = decode_step.StaticStep(model, ids, token)
+        fmap, fn = graph_case("mlpfuse-fp8", a.out, model, fstep, model, a.layers)
+        freplay, _ = decode_step.capture(decode_step.inference(fstep), dev)
+        run_case("mlpfuse-fp8-eager-graph", freplay, fmap, fn, *fblock, _mlp_bytes(fmlp))
 
 
 def main():
@@ -253,6 +274,8 @@ def main():
     ap.add_argument("--skip-roofline", action="store_true")
     ap.add_argument("--prefill", type=int, default=16384, help="tokens of the roofline check's prefill")
     ap.add_argument("--skip-graphs", action="store_true")
+    ap.add_argument("--skip-compiled", action="store_true", help="no compiled case (saves its compile time)")
+    ap.add_argument("--fp8", action="store_true", help="also the step patched with precision='fp8'")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     dev = torch.device("cuda")
@@ -269,7 +292,7 @@ def main():
     ids = torch.randint(0, 128256, (a.batch, a.prompt), device="cuda")
     token = torch.randint(0, 128256, (a.batch, 1), device="cuda")
 
-    def run_case(name, fn, map_path, n_map, bev, bdb):
+    def run_case(name, fn, map_path, n_map, bev, bdb, mlp_bytes):
         trace = os.path.join(a.out, f"{name}.pt.trace.json.gz")
         res = mf_profile(fn, steps=5, wait=1, warmup=1, active=3, graph_map=map_path, trace_path=trace,
                          record_shapes=False)
@@ -280,7 +303,11 @@ def main():
                     [build.Variant(name=name, analysis=data, trace_path=trace)])
         view = data["modules"]
         row = check_view(name, view, a.layers, bev)
-        row.update(map_kernels=n_map, block_alone_do_bench_us=bdb, step_us=time_replays(fn, n=20)[0])
+        row.update(map_kernels=n_map, block_alone_do_bench_us=bdb, step_us=time_replays(fn, n=20)[0],
+                   mlp_bytes=mlp_bytes)
+        if row.get("mlp_us_per_layer"):  # the MLP row as a stream: its bytes over its time, against the copy rate
+            row["mlp_gbps"] = mlp_bytes / row["mlp_us_per_layer"] / 1e3
+            row["mlp_vs_copy"] = row["mlp_gbps"] / peaks["copy_gbps"] if peaks.get("copy_gbps") else None
         summary["cases"].append(row)
         print("\n".join(modules_mod.render(view)[:60]), flush=True)
 
@@ -295,12 +322,13 @@ def main():
         json.dump(summary, f, indent=1, default=str)
     print(f"\n{summary['device']}, {a.layers} layers, batch {a.batch}, prompt {a.prompt}")
     print("case                  attributed  by-position  depth1+unattr/busy  MLP/layer us  block us (events|do_bench)"
-          "  MLP/block  step us")
+          "  MLP/block  step us  MLP GB/s (of copy)")
     for r in summary["cases"]:
         print(f"{r['case']:<21} {r['attributed_share']:10.2%} {r['between_share'] or 0:11.2%} "
               f"{r['depth1_plus_unattributed_vs_busy'] or 0:18.4f} {r['mlp_us_per_layer'] or 0:13.1f} "
               f"{r['block_alone_us']:9.1f} | {r['block_alone_do_bench_us']:7.1f} {r['mlp_vs_block'] or 0:10.3f} "
-              f"{r['step_us']:8.1f}")
+              f"{r['step_us']:8.1f}  {r.get('mlp_gbps') or 0:6.0f} ({r.get('mlp_vs_copy') or 0:.0%})")
+    print(f"copy rate (mlpfuse's roofline, read + write): {peaks.get('copy_gbps') or 0:.0f} GB/s")
     for r in roof_rows:
         in_model = (f" | in the model {r['in_model']:7.1f} ({r['in_model_ratio']:.3f}), same kernel: "
                     f"{r['kernel'] == r['kernel_alone']}" if r["in_model"] is not None else "")
