@@ -240,6 +240,7 @@ def _forward_last(module, ids, kind):
 def prepare(variant: str, built: models.Built, case: LabCase, ids: torch.Tensor, settings: LabSettings,
             device: torch.device) -> Prepared:
     module = twin(built.model)
+    module.train(case.mode == "train")  # before patch, as a user trains: patch(precision="fp8") then trains in FP8
     note = None
     if variant == "liger":
         apply_liger(module, built.model_type)

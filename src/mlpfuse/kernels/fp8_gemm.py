@@ -122,11 +122,13 @@ def mlpfuse_fp8_norm_quantize_kernel(x, nw, q, s, M, K, sxm, sqm, ssm, eps, BM: 
 
 
 @triton.jit
-def _k_sum(a, sa, w, ws, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam, s_w, TMA: tl.constexpr,
-           BM: tl.constexpr, BN: tl.constexpr):
-    """Σ_b sa[:, b]·ws[b]·(a_b·w_bᵀ) over the K blocks b of one weight: each block's tensor-core sum promoted to
-    the fp32 accumulator with its row scales and the tile's one weight scale (ws: the tile's row of weight scales;
-    BN divides 128, so a tile's columns share one weight block per K block)."""
+def _k_sum(a, sa, w, ws, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam, s_w, s_ws, TMA: tl.constexpr,
+           BM: tl.constexpr, BN: tl.constexpr, W_ROWS: tl.constexpr):
+    """Σ_b sa[:, b]·sw_b·(a_b·w_bᵀ) over the K blocks b of one weight: each block's tensor-core sum promoted to
+    the fp32 accumulator with its row scales and the weight's scales for the block: the tile's one 128×128 block
+    scale (BN divides 128, so a tile's columns share one weight block per K block), or with W_ROWS one scale per
+    weight row and K block (scales [N, ceil(K/128)], the activations' layout: the weight gradients' second
+    operand)."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for ki in range(tl.cdiv(K, 128)):
         k0 = ki * 128
@@ -139,18 +141,26 @@ def _k_sum(a, sa, w, ws, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam, s_w
             at = tl.load(a + rm[:, None] * s_am + rk[None, :], mask=mmask[:, None] & kmask, other=0.0)
             wt = tl.load(w + rn[:, None] * s_w + rk[None, :], mask=nmask[:, None] & kmask, other=0.0)
         sx = tl.load(sa + rm * s_sam + ki, mask=mmask, other=1.0)
-        acc += tl.dot(at, wt.T) * (sx * tl.load(ws + ki))[:, None]
+        if W_ROWS:
+            sw = tl.load(ws + rn * s_ws + ki, mask=nmask, other=1.0)
+            acc += tl.dot(at, wt.T) * sx[:, None] * sw[None, :]
+        else:
+            acc += tl.dot(at, wt.T) * (sx * tl.load(ws + (off_n // 128) * s_ws + ki))[:, None]
     return acc
 
 
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_fp8_gemm_kernel(
-    a, sa, w1, s1, w2, s2, b1, b2, out, sout,
+    a, sa, w1, s1, w2, s2, b1, b2, out, sout, gq, gs, uq, us,
     M, N, K, s_am, s_sam, s_w1, s_s1, s_w2, s_s2, s_om, s_som,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, QUANT_OUT: tl.constexpr,
     TMA: tl.constexpr, EMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
-    I64: tl.constexpr,
+    I64: tl.constexpr, SAVE_GU: tl.constexpr, W_ROWS: tl.constexpr,
 ):
+    """z = act(a·W1ᵀ + b1) [· (a·W2ᵀ + b2)], a e4m3 with 1×128 scales, each W e4m3 with 128×128 block scales (or, W_ROWS,
+    one per row and 128-wide K block). QUANT_OUT: z leaves quantized 1×128 (values in out, scales in sout; BN = 128).
+    SAVE_GU (gated, QUANT_OUT): the pre-activations g = a·W1ᵀ + b1 and u = a·W2ᵀ + b2 leave quantized the same way
+    too (gq/gs, uq/us, out's and sout's layout) — what FP8 training keeps for the backward."""
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)):
@@ -167,18 +177,26 @@ def mlpfuse_fp8_gemm_kernel(
         # One weight's K loop at a time (gate's, its activation held, then up's): one accumulator and one block
         # product live at once, so 128×128 tiles fit in registers; x's tile is read once per loop, as by one
         # GEMM over both weights' columns.
-        acc = _k_sum(a, sa, w1, s1 + (off_n // 128) * s_s1, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam, s_w1,
-                     TMA, BM, BN)
+        acc = _k_sum(a, sa, w1, s1, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam, s_w1, s_s1, TMA, BM, BN,
+                     W_ROWS)
         if HAS_B1:
             acc += tl.load(b1 + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        mask = mmask[:, None] & nmask[None, :]
+        if SAVE_GU:  # BN == 128: one scale group per row of the tile, columns past N kept out of the amax
+            values, scale = _quantize_rows(tl.where(nmask[None, :], acc, 0.0), EMULATE)
+            tl.store(gq + rm[:, None] * s_om + rn[None, :], values, mask=mask)
+            tl.store(gs + rm * s_som + pid_n, scale, mask=mmask)
         z = act_fwd(acc, ACT)
         if GATED:
-            acc = _k_sum(a, sa, w2, s2 + (off_n // 128) * s_s2, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam,
-                         s_w2, TMA, BM, BN)
+            acc = _k_sum(a, sa, w2, s2, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam, s_w2, s_s2, TMA, BM, BN,
+                         W_ROWS)
             if HAS_B2:
                 acc += tl.load(b2 + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            if SAVE_GU:
+                values, scale = _quantize_rows(tl.where(nmask[None, :], acc, 0.0), EMULATE)
+                tl.store(uq + rm[:, None] * s_om + rn[None, :], values, mask=mask)
+                tl.store(us + rm * s_som + pid_n, scale, mask=mmask)
             z = z * acc
-        mask = mmask[:, None] & nmask[None, :]
         if QUANT_OUT:  # BN == 128: this tile's columns are one scale group; columns past N must not raise amax
             values, scale = _quantize_rows(tl.where(nmask[None, :], z, 0.0), EMULATE)
             tl.store(out + rm[:, None] * s_om + rn[None, :], values, mask=mask)
@@ -392,9 +410,10 @@ class _GemmPlan:
         out = torch.empty(self.out_shape, device=a.device, dtype=self.out_dtype)
         sout = torch.empty(self.sout_shape, device=a.device, dtype=fp8.SCALE_DTYPE) if self.quant_out else a_scale
         ap = a.data_ptr()
+        op, sp = out.data_ptr(), sout.data_ptr()
         self.raw(self.grid, torch._C._cuda_getCurrentRawStream(self.device),
                  (*(self.a_maps(ap) if self.a_maps is not None else (ap,)), a_scale.data_ptr(), *self.w_flat,
-                  out.data_ptr(), sout.data_ptr(), *self.tail))
+                  op, sp, op, sp, op, sp, *self.tail))  # gq, gs, uq, us: unread (plans serve SAVE_GU off)
         return (out, sout) if self.quant_out else out
 
 
@@ -412,17 +431,19 @@ def _check_act(x: torch.Tensor, name: str = "x") -> None:
 
 
 def _check_weight(name: str, w: torch.Tensor, s: torch.Tensor, k: int, like: torch.Tensor,
-                  n: int | None = None) -> None:
-    """Values e4m3 [n, k] and scales fp32 [ceil(n/128), ceil(k/128)], row-major, on `like`'s device."""
-    rows = w.shape[0] if w.dim() == 2 else -1
-    if (w.dtype != fp8.DTYPE or w.dim() != 2 or w.shape[1] != k or (n is not None and rows != n)
+                  n: int | None = None, rows: bool = False) -> None:
+    """Values e4m3 [n, k] and scales fp32 [ceil(n/128), ceil(k/128)] (`rows`: [n, ceil(k/128)]), row-major, on
+    `like`'s device."""
+    n_rows = w.shape[0] if w.dim() == 2 else -1
+    if (w.dtype != fp8.DTYPE or w.dim() != 2 or w.shape[1] != k or (n is not None and n_rows != n)
             or w.stride(1) != 1 or w.device != like.device):
         raise InputError(f"{name}: expected row-major {fp8.DTYPE} values of shape ({n if n is not None else 'N'}, "
                          f"{k}) on {like.device}, got {w.dtype} {tuple(w.shape)} on {w.device}")
-    if (s.dtype != fp8.SCALE_DTYPE or tuple(s.shape) != fp8.weight_scale_shape(rows, k) or s.stride(1) != 1
-            or s.device != like.device):
-        raise InputError(f"{name}_scale: expected fp32 scales of shape {fp8.weight_scale_shape(rows, k)} on "
-                         f"{like.device}, got {s.dtype} {tuple(s.shape)} on {s.device}")
+    shape = (n_rows, -(-k // GROUP)) if rows else fp8.weight_scale_shape(n_rows, k)
+    if (s.dtype != fp8.SCALE_DTYPE or tuple(s.shape) != shape or (s.stride(1) != 1 and shape[1] > 1)
+            or s.device != like.device):  # (a one-column scale's stride is never stepped)
+        raise InputError(f"{name}_scale: expected fp32 scales of shape {shape} on {like.device}, got {s.dtype} "
+                         f"{tuple(s.shape)} on {s.device}")
 
 
 def _check_bias(name: str, b, n: int, like: torch.Tensor) -> None:
@@ -430,14 +451,14 @@ def _check_bias(name: str, b, n: int, like: torch.Tensor) -> None:
         raise InputError(f"{name}: expected a floating-point tensor of shape ({n},) on {like.device}")
 
 
-def _check_operands(w1, s1, w2, s2, b1, b2, k: int, like: torch.Tensor):
+def _check_operands(w1, s1, w2, s2, b1, b2, k: int, like: torch.Tensor, rows: bool = False):
     """Both GEMMs' weights and biases, checked: (N, gated, w2, s2), the second weight standing in for itself or, when
-    there is none, for the first (the kernel then never reads it)."""
-    _check_weight("w1", w1, s1, k, like)
+    there is none, for the first (the kernel then never reads it). `rows`: the weights' scales per row (W_ROWS)."""
+    _check_weight("w1", w1, s1, k, like, rows=rows)
     n = w1.shape[0]
     gated = w2 is not None
     if gated:
-        _check_weight("w2", w2, s2, k, like, n)
+        _check_weight("w2", w2, s2, k, like, n, rows=rows)
     else:
         w2, s2 = w1, s1
     _check_bias("b1", b1, n, like)
@@ -498,11 +519,16 @@ def _gemm_config(m: int, n: int, quant_out: bool, gated: bool) -> tuple[int, int
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
              w2: torch.Tensor | None = None, s2: torch.Tensor | None = None, b1: torch.Tensor | None = None,
              b2: torch.Tensor | None = None, *, activation: int, quant_out: bool,
-             out_dtype: torch.dtype = torch.bfloat16):
+             out_dtype: torch.dtype = torch.bfloat16, save_gu: bool = False, w_rows: bool = False):
     """z = act(a·W1ᵀ + b1) [· (a·W2ᵀ + b2) when w2 is given], a [M, K] e4m3 with 1×128 scales, each weight e4m3
-    [N, K] with its 128×128 scales; returns z in `out_dtype`, or (values, scale_inv) of z quantized 1×128 when
-    `quant_out`."""
-    plan_key = _plan_key("gemm", (a, a_scale), (w1, s1, w2, s2, b1, b2), activation, quant_out, out_dtype)
+    [N, K] with its 128×128 scales (`w_rows`: one scale per row and 128-wide K block, [N, ceil(K/128)]); returns z
+    in `out_dtype`, or (values, scale_inv) of z quantized 1×128 when `quant_out`. `save_gu` (gated, quant_out): also
+    g = a·W1ᵀ + b1 and u = a·W2ᵀ + b2 quantized 1×128, returning (z values, z scales, g values, g scales, u values,
+    u scales)."""
+    if save_gu and not (quant_out and w2 is not None):
+        raise InputError("save_gu: needs a gated call (w2) with quant_out=True")
+    plan_key = None if save_gu or w_rows else _plan_key("gemm", (a, a_scale), (w1, s1, w2, s2, b1, b2), activation,
+                                                         quant_out, out_dtype)
     plan = _plans.get(plan_key) if plan_key is not None else None
     if plan is not None:
         done = plan.run(a, a_scale)
@@ -512,18 +538,21 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch
     if a.dtype != fp8.DTYPE:
         raise InputError(f"a: expected {fp8.DTYPE} values, got {a.dtype}")
     m, k = a.shape
-    if tuple(a_scale.shape) != (m, -(-k // GROUP)) or a_scale.dtype != fp8.SCALE_DTYPE or a_scale.stride(1) != 1:
+    if (tuple(a_scale.shape) != (m, -(-k // GROUP)) or a_scale.dtype != fp8.SCALE_DTYPE
+            or (a_scale.stride(1) != 1 and a_scale.shape[1] > 1)):
         raise InputError(f"a_scale: expected fp32 scales of shape ({m}, {-(-k // GROUP)}), got {a_scale.dtype} "
                          f"{tuple(a_scale.shape)}")
-    n, gated, w2, s2 = _check_operands(w1, s1, w2, s2, b1, b2, k, a)
+    n, gated, w2, s2 = _check_operands(w1, s1, w2, s2, b1, b2, k, a, w_rows)
     if quant_out:
         out = torch.empty(m, n, device=a.device, dtype=fp8.DTYPE)
         sout = torch.empty(m, -(-n // GROUP), device=a.device, dtype=fp8.SCALE_DTYPE)
     else:
         out = torch.empty(m, n, device=a.device, dtype=out_dtype)
         sout = a_scale
+    saved = tuple(torch.empty_like(t) for t in (out, sout, out, sout)) if save_gu else (out, sout, out, sout)
+    done = (out, sout, *saved) if save_gu else (out, sout) if quant_out else out
     if m == 0 or n == 0:
-        return (out, sout) if quant_out else out
+        return done
     bm, bn, group_m, warps, stages = _gemm_config(m, n, quant_out, gated)
     use_tma = C.tma_capable(a.device) and k > 0 and C.tma_ok(a) and C.tma_ok(w1) and C.tma_ok(w2)
     aa, wa1, wa2 = a, w1, w2
@@ -531,20 +560,21 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch
         aa, wa1 = C.desc(a, [bm, GROUP]), C.desc(w1, [bn, GROUP])
         wa2 = C.desc(w2, [bn, GROUP]) if gated else wa1
     i64 = C.needs_i64(a, out, w1, w2)
-    consts = (activation, gated, b1 is not None, b2 is not None, quant_out, use_tma, _EMULATE, bm, bn, group_m, i64)
+    consts = (activation, gated, b1 is not None, b2 is not None, quant_out, use_tma, _EMULATE, bm, bn, group_m, i64,
+              save_gu, w_rows)
     key = (consts, out.dtype, n, k, a.stride(0), a_scale.stride(0), w1.stride(0), s1.stride(0), w2.stride(0),
            s2.stride(0), out.stride(0), sout.stride(0), C.align16(a), C.align16(a_scale), C.align16(out),
            C.align16(sout), C.align16(w1), C.align16(s1), C.align16(w2), C.align16(s2),
            b1 is None or (b1.dtype, C.align16(b1)), b2 is None or (b2.dtype, C.align16(b2)), warps, stages)
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     grid = (min(tiles, C.num_sms(a.device)),)
-    args = (aa, a_scale, wa1, s1, wa2, s2, a if b1 is None else b1, a if b2 is None else b2, out, sout,
+    args = (aa, a_scale, wa1, s1, wa2, s2, a if b1 is None else b1, a if b2 is None else b2, out, sout, *saved,
             m, n, k, a.stride(0), a_scale.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0),
             out.stride(0), sout.stride(0))
     _gemm_launch(key, grid, args, consts, num_warps=warps, num_stages=stages)
     if plan_key is not None:
         _keep_gemm_plan(plan_key, key, grid, args, consts, use_tma, quant_out, out, sout, (a, w1, s1, w2, s2, b1, b2))
-    return (out, sout) if quant_out else out
+    return done
 
 
 def _keep_gemm_plan(plan_key, key, grid, args, consts, use_tma: bool, quant_out: bool, out, sout, tensors) -> None:
@@ -566,7 +596,7 @@ def _keep_gemm_plan(plan_key, key, grid, args, consts, use_tma: bool, quant_out:
     plan.a_maps = C.Maps(raw, 0, aa.shape, aa.strides) if use_tma else None
     plan.w_flat = (*flat(2, w1, wa1), s1.data_ptr(), *flat(4, w2, wa2), s2.data_ptr(),
                    0 if b1 is None else b1.data_ptr(), 0 if b2 is None else b2.data_ptr())
-    plan.tail = (*args[10:], *consts)
+    plan.tail = (*args[14:], *consts)
     C.keep_plan(_plans, plan_key, plan)
 
 

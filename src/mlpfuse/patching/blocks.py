@@ -74,7 +74,9 @@ class PatchedBlock(nn.Module):
         self.fused_backend = backend
         self.fused_dropout = dropout  # a dropout child that sits inside the fused computation ('' when none)
         # "fp8" once patch(precision="fp8") quantized the projections (mlpfuse.patching.quantize): they are then
-        # modules.Fp8Linear, in this block and in the module it replaced.
+        # modules.Fp8Linear, in this block and in the module it replaced. "fp8-train" (patch(precision="fp8") on a
+        # model in train mode): the projections stay as they are, and each call quantizes their weights and runs
+        # every GEMM of the forward and the backward in FP8 (ops.fp8_train).
         self.fused_precision = ""
 
     def _dropout_active(self) -> bool:
@@ -91,7 +93,7 @@ class PatchedBlock(nn.Module):
 
     def extra_repr(self) -> str:
         backend = self.fused_backend or "env"
-        fp8 = ", precision=fp8" if self.fused_precision == "fp8" else ""
+        fp8 = {"fp8": ", precision=fp8", "fp8-train": ", precision=fp8 (training)"}.get(self.fused_precision, "")
         return f"{type(self.fused_source).__name__} fused: activation={self.fused_activation}, backend={backend}{fp8}"
 
 
@@ -130,6 +132,23 @@ class GatedBlock(PatchedBlock):
         first, second = t[:rows], t[rows:]
         return (second, first) if self.fused_gate_second else (first, second)
 
+    def fused_weights(self, w, b, wd, bd) -> tuple:
+        """(wg, wu, wd, bg, bu, bd) as the GLU reads them, from the first projection's weight and bias (w, b) and the
+        down projection's: a packed projection's halves split (views of its parameters), gate first."""
+        if self.fused_packed:
+            (wg, wu), (bg, bu) = self.fused_halves(w, self.fused_hidden), self.fused_halves(b, self.fused_hidden)
+            return wg, wu, wd, bg, bu, bd
+        wu, bu = _weight_bias(self._modules[self.fused_linears[1]])
+        return w, wu, wd, b, bu, bd
+
+    def fp8_train_call(self, x: Tensor) -> Tensor:
+        """The MLP trained in FP8 on this block's own weights (quantized in the call; ops.fp8_train)."""
+        from mlpfuse.ops import fp8_train
+
+        mods, names = self._modules, self.fused_linears
+        wg, wu, wd, bg, bu, bd = self.fused_weights(*_weight_bias(mods[names[0]]), *_weight_bias(mods[names[-1]]))
+        return fp8_train.fp8_gated_mlp_train(x, wg, wu, wd, bg, bu, bd, self.fused_activation)
+
     def fp8_call(self, x: Tensor, children=None, norm=None, residual=None) -> Tensor:
         """The MLP on FP8 projections (modules.Fp8Linear): this block's, or `children` in its layout's order; `norm`
         the RMSNorm in front, which the FP8 kernels apply; `residual` (ops.gated_mlp.residual_fits) added by them."""
@@ -160,21 +179,17 @@ class GatedBlock(PatchedBlock):
             else:
                 y = self.fp8_call(hidden_states, norm=norm)
             return y if residual is None else residual + y
+        if self.fused_precision == "fp8-train":
+            x = hidden_states if norm is None else norm(hidden_states)
+            y = self._source_forward(x) if self._dropout_active() else self.fp8_train_call(x)
+            return y if residual is None else residual + y
         names = self.fused_linears
         w, b = _weight_bias(mods[names[0]])
         wd, bd = _weight_bias(mods[names[-1]])
         if _sharded(w, wd):
             y = self._sharded_forward(hidden_states if norm is None else norm(hidden_states), w, wd)
             return y if residual is None else residual + y
-        if self.fused_packed:
-            n = self.fused_hidden
-            wg, wu = w[:n], w[n:]
-            bg, bu = (b[:n], b[n:]) if b is not None else (None, None)
-            if self.fused_gate_second:
-                wg, wu, bg, bu = wu, wg, bu, bg
-        else:
-            wg, bg = w, b
-            wu, bu = _weight_bias(mods[names[1]])
+        wg, wu, wd, bg, bu, bd = self.fused_weights(w, b, wd, bd)
         if wd.dtype is not wg.dtype or self._dropout_active():
             # T5 keeps `wo` in fp32 and casts to it; a live dropout sits between the GLU and `wo`.
             y = self._source_forward(hidden_states if norm is None else norm(hidden_states))

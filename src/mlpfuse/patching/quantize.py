@@ -1,5 +1,7 @@
 """`patch(model, precision="fp8")`: each swapped gated or two-layer block's projections quantized into the FP8 recipe
-(mlpfuse.fp8) once, at patch time, and the high-precision weights dropped.
+(mlpfuse.fp8) once, at patch time, and the high-precision weights dropped. On a model in train mode, each swapped
+gated block instead keeps its weights (the optimizer's masters) and trains in FP8: every call quantizes them and runs
+every GEMM of its forward and backward in e4m3 (ops.fp8_train), g and u kept in FP8 for the backward.
 
 A block is quantized only after its FP8 output is checked on numbers, on its own weights: random rows in the model's
 dtype, at a decode size (the weight-only kernels) and a prefill size (x and h quantized, FP8 GEMMs), against the
@@ -54,13 +56,13 @@ def quantize_blocks(model: nn.Module, report) -> None:
             report.fp8_kept.append(Left(swapped.path, type(source).__name__,
                                         f"a {block.fused_layout} block: FP8 covers gated and two-layer MLPs"))
             continue
-        if block.fused_precision == "fp8":
+        if block.fused_precision:
             continue
-        error, reason = _quantize(block)
+        error, reason = _train_in_fp8(block) if model.training else _quantize(block)
         if reason is not None:
             report.fp8_kept.append(Left(swapped.path, type(source).__name__, reason))
         else:
-            report.swapped[i] = dataclasses.replace(swapped, precision="fp8", fp8_error=error)
+            report.swapped[i] = dataclasses.replace(swapped, precision=block.fused_precision, fp8_error=error)
     for i, reason in reversed(adopted_failed):
         swapped = report.swapped.pop(i)
         parent, _, name = swapped.path.rpartition(".")
@@ -99,12 +101,49 @@ def _adopt(block, dtype: torch.dtype) -> tuple[Optional[float], Optional[str]]:
     with torch.no_grad():
         weights = [c.fp8_weight().dequantize(torch.float64) for c in children]
         biases = [None if c.bias is None else c.bias.detach() for c in children]
-        error, reason = _verify(block, weights, biases, dtype, children)
+        error, reason = _verify(block, weights, biases, dtype, lambda x: block.fp8_call(x, children))
     if reason is not None:
         return None, reason
     for name, child in zip(names, children):
         mods[name] = child
     block.fused_precision = "fp8"
+    return error, None
+
+
+def _unfit(block, weights) -> Optional[str]:
+    """Why the block's projections (`weights` in its layout) cannot run in FP8, or None."""
+    dtype = weights[0].dtype
+    if any(w.dtype != dtype for w in weights):
+        return f"projections in different dtypes ({', '.join(str(w.dtype) for w in weights)})"
+    if dtype not in _OUT_ROUNDOFF:
+        return f"weights in {dtype}"
+    if any(_sharded(w) for w in weights):
+        return "sharded (DTensor) weights: quantize before tensor parallelism"
+    if getattr(block, "fused_in_scale", 1.0) != 1.0 or getattr(block, "fused_out_scale", 1.0) != 1.0:
+        return "gate or down multipliers (scaled inputs): not in the FP8 path"
+    try:
+        fp8_mlp.check_device(weights[0].device, block.fused_backend)
+    except InputError as exc:
+        return str(exc)
+    return None
+
+
+def _train_in_fp8(block) -> tuple[Optional[float], Optional[str]]:
+    """(error, None) when the block now trains in FP8 on its own weights (checked on numbers as a quantized block
+    is), (None, why not) when it stays in its dtype."""
+    if not isinstance(block, blocks.GatedBlock):
+        return None, f"a {block.fused_layout} block: FP8 training covers gated MLPs"
+    linears = [block._modules[n] for n in block.fused_linears]
+    reason = _unfit(block, [m.weight for m in linears])
+    if reason is not None:
+        return None, reason
+    with torch.no_grad():
+        error, reason = _verify(block, [m.weight.detach() for m in linears],
+                                [None if m.bias is None else m.bias.detach() for m in linears], linears[0].weight.dtype,
+                                block.fp8_train_call)
+    if reason is not None:
+        return None, reason
+    block.fused_precision = "fp8-train"
     return error, None
 
 
@@ -116,26 +155,18 @@ def _quantize(block) -> tuple[Optional[float], Optional[str]]:
     transposed = getattr(block, "fused_transposed", False)  # GPT-2's Conv1D keeps its weight [in, out]
     weights = [m.weight.t() if transposed else m.weight for m in linears]
     dtype = weights[0].dtype
-    if any(w.dtype != dtype for w in weights):
-        return None, f"projections in different dtypes ({', '.join(str(w.dtype) for w in weights)})"
-    if dtype not in _OUT_ROUNDOFF:
-        return None, f"weights in {dtype}"
-    if any(_sharded(w) for w in weights):
-        return None, "sharded (DTensor) weights: quantize before tensor parallelism"
-    if getattr(block, "fused_in_scale", 1.0) != 1.0 or getattr(block, "fused_out_scale", 1.0) != 1.0:
-        return None, "gate or down multipliers (scaled inputs): not in the FP8 path"
+    reason = _unfit(block, weights)
+    if reason is not None:
+        return None, reason
     if getattr(block, "fused_packed", False) and block.fused_hidden % 128:
         return None, (f"a packed gate_up projection whose halves ({block.fused_hidden} rows) are not a whole number "
                       f"of 128-row scale blocks")
-    try:
-        fp8_mlp.check_device(weights[0].device, block.fused_backend)
-    except InputError as exc:
-        return None, str(exc)
     with torch.no_grad():
         fp8_children = [Fp8Linear.from_weight(w.contiguous(), m.bias) if transposed else Fp8Linear.from_linear(m)
                         for w, m in zip(weights, linears)]
         error, reason = _verify(block, [w.detach() for w in weights],
-                                [None if m.bias is None else m.bias.detach() for m in linears], dtype, fp8_children)
+                                [None if m.bias is None else m.bias.detach() for m in linears], dtype,
+                                lambda x: block.fp8_call(x, fp8_children))
     if reason is not None:
         return None, reason
     source = block.fused_source
@@ -151,9 +182,9 @@ def _quantize(block) -> tuple[Optional[float], Optional[str]]:
     return error, None
 
 
-def _verify(block, w: list, b: list, dtype: torch.dtype, fp8_children) -> tuple[Optional[float], Optional[str]]:
-    """The block on `fp8_children` against the float64 MLP of the high-precision weights `w` and biases `b` (in the
-    block's layout), inputs in `dtype`: (error, None), or (None, why) where it exceeds the recipe's bound."""
+def _verify(block, w: list, b: list, dtype: torch.dtype, call) -> tuple[Optional[float], Optional[str]]:
+    """`call` (the block's FP8 computation) against the float64 MLP of the high-precision weights `w` and biases `b`
+    (in the block's layout), inputs in `dtype`: (error, None), or (None, why) where it exceeds the recipe's bound."""
     if isinstance(block, blocks.TwoLayerBlock):  # y = proj(act(fc(x))): no up projection
         (wg, wd), (bg, bd), wu, bu = w, b, None, None
     elif block.fused_packed:
@@ -169,7 +200,7 @@ def _verify(block, w: list, b: list, dtype: torch.dtype, fp8_children) -> tuple[
     for rows in ROWS:
         x = torch.randn(rows, wg.shape[1], generator=gen, device=device).to(dtype)
         try:
-            y = block.fp8_call(x, fp8_children)
+            y = call(x)
         except Exception as exc:  # noqa: BLE001 - a block the FP8 path cannot run stays in its dtype, with why
             return None, f"the FP8 forward failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
         d = [None if t is None else t.double() for t in (wg, wu, wd, bg, bu, bd)]

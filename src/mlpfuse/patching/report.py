@@ -16,7 +16,8 @@ class Swapped:
     activation: str
     matched: str = "name"  # "name": a row of the family table; "structure": its children, proven on numbers
     roles: str = ""  # which child plays which part ("gate=w1 up=w3 down=w2")
-    precision: str = ""  # "fp8" when patch(precision="fp8") quantized the block's projections
+    precision: str = ""  # "fp8" when patch(precision="fp8") quantized the block's projections, "fp8-train" when
+    # (on a model in train mode) the block trains in FP8 on its own weights
     fp8_error: Optional[float] = None  # its measured ‖Δy‖/‖y‖ against float64 (mlpfuse.patching.quantize)
     fp8_checkpoint: bool = False  # its FP8 weights are a FineGrainedFP8 checkpoint's, run as they are
 
@@ -87,7 +88,7 @@ class PatchReport:
             parts.append(f"{len(self.norms)} norms fused")
         if self.residuals:
             parts.append(f"{len(self.residuals)} residual adds fused")
-        errors = [s.fp8_error for s in self.swapped if s.precision == "fp8"]
+        errors = [s.fp8_error for s in self.swapped if s.precision in ("fp8", "fp8-train")]
         if errors or self.fp8_kept:
             spread = f" (output error vs float64 {min(errors):.2g}–{max(errors):.2g})" if errors else ""
             parts.append(f"{len(errors)} in fp8{spread}")

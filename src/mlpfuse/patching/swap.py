@@ -37,10 +37,14 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
     recompute: the swapped gated blocks keep only their input for the backward and recompute g and u there
     (training memory: three [tokens, hidden] tensors less per block, for two GEMMs more).
     precision: None (the weights' own dtype) or "fp8": each swapped gated block's projections are then quantized
-    once into the FP8 recipe (mlpfuse.fp8; inference only) and their high-precision weights dropped, each after
+    once into the FP8 recipe (mlpfuse.fp8; inference) and their high-precision weights dropped, each after
     its FP8 output met the recipe's error bound on its own weights (mlpfuse.patching.quantize); the report gives
     the measured error of each and says which blocks stayed in their dtype, and why. Their state_dict keys gain
-    `weight_scale_inv` beside `weight` (transformers' FP8Linear layout); `unpatch` dequantizes (lossy).
+    `weight_scale_inv` beside `weight` (transformers' FP8Linear layout); `unpatch` dequantizes (lossy). On a model
+    in train mode the swapped gated blocks instead train in FP8: their weights stay as they are (the optimizer's
+    masters, state_dict unchanged), each call quantizes them and runs every GEMM of its forward and backward in
+    e4m3, keeping g and u in FP8 for the backward (ops.fp8_train; checked on numbers the same way; report precision
+    "fp8-train"); `unpatch` gives the untouched modules back.
     save: "high" or "fp8": the swapped gated blocks' training keeps g and u in the FP8 recipe (written by the
     gated GEMM's epilogue; half their memory), as GatedMLP(save="fp8").
     Parameters are reused (same objects), state_dict keys do not change, a second call changes nothing, and
@@ -55,7 +59,7 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
     precision = _check_precision(precision)
     save = check_save(save, recompute, precision)
     if precision == "fp8" and recompute:
-        raise InputError("recompute: FP8 blocks are inference-only; recompute is for training")
+        raise InputError("recompute: not with precision='fp8' (its training keeps g and u in FP8 instead)")
     report = PatchReport(type(model).__name__, backend_name or "env")
     if isinstance(model, blocks.PatchedBlock):
         report.already_patched.append("")

@@ -1,0 +1,103 @@
+"""FP8 training of the gated MLP on mlpfuse's FP8 kernels: every GEMM of the forward and of the backward in e4m3,
+the numerics of `mlpfuse.reference.gated_mlp_fp8_train` (its oracle; docs/fp8.md, "Training").
+
+    forward   x → e4m3 1×128 (kernels.fp8_gemm.quantize)
+              gate+up GEMM, the GLU and h's 1×128 quantization in its epilogue, g and u written there in e4m3 too
+              down GEMM on h → y
+    backward  dh = dy·Wd                  dy 1×128 along D, Wdᵀ's 128×128 blocks
+              dg, du from dh and the saved g, u (fp32)
+              dx = dg·Wg + du·Wu          dg, du 1×128 along H
+              dWd = dyᵀ·h, dWg = dgᵀ·x, dWu = duᵀ·x
+                                          both operands grouped 128×1 along the tokens (the GEMM's second operand
+                                          with one scale per row and K block: fp8_gemm(w_rows=True))
+
+The master weights stay in their dtype (the optimizer's); each step quantizes them (the forward, and again the
+backward: nothing weight-sized is kept between the two). What the step keeps for the backward: x in e4m3 with its
+scales, g and u in e4m3 with theirs.
+
+This first form composes the kernels with PyTorch ops between them (the GLU backward in fp32, the transposes):
+correct against the oracle, not yet tuned (no fused GLU-backward epilogue, no fused transposing quantization).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mlpfuse import activations, fp8
+
+_F32 = torch.float32
+
+
+def _kernels():
+    from mlpfuse.kernels import fp8_gemm
+
+    return fp8_gemm
+
+
+def _transposed(w: fp8.Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wᵀ in the recipe: the e4m3 values transposed, each 128×128 block's scale with them."""
+    return w.values.t().contiguous(), w.scale_inv.t().contiguous()
+
+
+def _along_tokens(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [M, N] quantized 128×1 (one scale per channel and 128 consecutive tokens), as tᵀ [N, M] with 1×128 scales:
+    the layout a GEMM contracting over the tokens reads."""
+    return _kernels().quantize(t.t().contiguous())
+
+
+class Fp8GatedMLPTrain(torch.autograd.Function):
+    """y = down(act(gate(x))·up(x)), x [M, D] (unit inner stride), every GEMM in FP8 (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str):
+        k = _kernels()
+        act = activations.get(activation)
+        qg, qu, qd = (fp8.quantize_weight(w.detach()) for w in (wg, wu, wd))
+        xq, xs = k.quantize(x)
+        hq, hs, gq, gs, uq, us = k.fp8_gemm(xq, xs, qg.values, qg.scale_inv, qu.values, qu.scale_inv, bg, bu,
+                                            activation=act.id, quant_out=True, save_gu=True)
+        y = k.fp8_gemm(hq, hs, qd.values, qd.scale_inv, None, None, bd, activation=activations.IDENTITY,
+                       quant_out=False, out_dtype=x.dtype)
+        ctx.save_for_backward(xq, xs, gq, gs, uq, us, wg, wu, wd)
+        ctx.activation, ctx.x_dtype = act.name, x.dtype
+        ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (bg, bu, bd))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        k = _kernels()
+        xq, xs, gq, gs, uq, us, wg, wu, wd = ctx.saved_tensors
+        act = activations.get(ctx.activation)
+        ident = activations.IDENTITY
+        qg, qu, qd = (fp8.quantize_weight(w.detach()) for w in (wg, wu, wd))
+        dy = dy.contiguous()
+        dh = k.fp8_gemm(*k.quantize(dy), *_transposed(qd), activation=ident, quant_out=False, out_dtype=_F32)
+        g, u = fp8.dequantize_activation(gq, gs), fp8.dequantize_activation(uq, us)
+        a = act.forward(g)
+        dg = dh * u * act.grad(g)
+        du = dh * a
+        dx = (k.fp8_gemm(*k.quantize(dg), *_transposed(qg), activation=ident, quant_out=False, out_dtype=_F32)
+              + k.fp8_gemm(*k.quantize(du), *_transposed(qu), activation=ident, quant_out=False, out_dtype=_F32))
+        x_tokens = _along_tokens(fp8.dequantize_activation(xq, xs))
+        dwd = k.fp8_gemm(*_along_tokens(dy), *_along_tokens(a * u), activation=ident, quant_out=False,
+                         out_dtype=_F32, w_rows=True)
+        dwg = k.fp8_gemm(*_along_tokens(dg), *x_tokens, activation=ident, quant_out=False, out_dtype=_F32,
+                         w_rows=True)
+        dwu = k.fp8_gemm(*_along_tokens(du), *x_tokens, activation=ident, quant_out=False, out_dtype=_F32,
+                         w_rows=True)
+        biases = [None if dt is None else t.sum(0, dtype=_F32).to(dt)
+                  for t, dt in zip((dg, du, dy), ctx.bias_dtypes)]
+        return (dx.to(ctx.x_dtype), dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype), *biases, None)
+
+
+def fp8_gated_mlp_train(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor,
+                        bg: torch.Tensor | None = None, bu: torch.Tensor | None = None,
+                        bd: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
+    """The gated MLP trained in FP8 (module docstring): x [..., D]; weights [H, D], [H, D], [D, H] in a float dtype
+    (the masters, quantized per step); returns y [..., D] in x's dtype, differentiable in x, the weights and the
+    biases."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = Fp8GatedMLPTrain.apply(x2, wg, wu, wd, bg, bu, bd, activations.get(activation).name)
+    return y.reshape(*x.shape[:-1], wd.shape[0])

@@ -1,0 +1,209 @@
+"""FP8 training on mlpfuse's kernels (ops/fp8_train.py) and the two kernel features it adds (kernels/fp8_gemm.py):
+the gated GEMM's epilogue writing g and u in e4m3 (save_gu), and a second operand with one scale per row and K block
+(w_rows, the weight gradients' layout). Oracles: float64 products of the same quantized operands, float64 autograd
+of the MLP, and the recipe's reference path (reference.gated_mlp_fp8_train). On the CPU through Triton's
+interpreter (fp32 inputs: its bf16 dot is wrong), on a GPU as they are."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import HAS_CUDA, HAS_TRITON
+from mlpfuse import activations, fp8, reference
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+
+U, SUB = fp8.UNIT_ROUNDOFF, fp8.SUBNORMAL_HALF_SPACING
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+# fp32 accumulation; on a GPU the FP8 tensor cores' own (~14 bits within a 128-wide block, reference.py)
+ACC = reference.FP8_MMA_ACCUMULATION * 132 if HAS_CUDA else None
+
+
+def _k():
+    from mlpfuse.kernels import fp8_gemm
+
+    return fp8_gemm
+
+
+def _rand(gen, *shape, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(DEVICE)
+
+
+def test_the_gated_epilogue_writes_g_and_u_each_within_one_rounding():
+    """g = x·Wgᵀ + bg and u = x·Wuᵀ + bu from the epilogue (1×128, partial last group) against float64 sums of the
+    same quantized operands: each scale amax/448 up to the fp32 sums' rounding, each value one e4m3 rounding; h is
+    what the call without save_gu returns, bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    kern = _k()
+    x = _rand(gen, 33, 300)
+    wg, wu = (fp8.quantize_weight(_rand(gen, 260, 300, scale=300**-0.5)) for _ in range(2))
+    bg, bu = _rand(gen, 260, scale=0.1), _rand(gen, 260, scale=0.1)
+    xq, xs = kern.quantize(x)
+    silu = activations.get("silu").id
+    hq, hs, gq, gs, uq, us = kern.fp8_gemm(xq, xs, wg.values, wg.scale_inv, wu.values, wu.scale_inv, bg, bu,
+                                           activation=silu, quant_out=True, save_gu=True)
+    hq2, hs2 = kern.fp8_gemm(xq, xs, wg.values, wg.scale_inv, wu.values, wu.scale_inv, bg, bu, activation=silu,
+                             quant_out=True)
+    assert torch.equal(hq.view(torch.uint8), hq2.view(torch.uint8)) and torch.equal(hs, hs2)
+    xd = fp8.dequantize_activation(xq, xs, torch.float64)
+    for q, s, w, b in ((gq, gs, wg, bg), (uq, us, wu, bu)):
+        w64 = w.dequantize(torch.float64)
+        ref = xd @ w64.T + b.double()
+        slack = (ACC or 310 * 2.0**-24) * (xd.abs() @ w64.abs().T + b.double().abs())
+        amax = F.pad(ref.abs(), (0, -ref.shape[1] % 128)).unflatten(1, (-1, 128)).amax(-1)
+        room = F.pad(slack, (0, -ref.shape[1] % 128)).unflatten(1, (-1, 128)).amax(-1)
+        assert q.dtype == fp8.DTYPE and q.shape == ref.shape and s.shape == amax.shape
+        assert bool(((s.double() - amax / 448).abs() <= (amax * 2.0**-23 + room) / 448 + 1e-300).all())
+        got = fp8.dequantize_activation(q, s, torch.float64)
+        sc = s.double().repeat_interleave(128, 1)[:, :ref.shape[1]]
+        assert bool(((got - ref).abs() <= U * ref.abs() + SUB * sc + slack * (1 + U)).all())
+
+
+def test_a_second_operand_with_row_scales_is_the_dequantized_product():
+    """w_rows: out [M, N] = a·wᵀ with a's scales 1×128 and w's one per row and K block (both along K, as the weight
+    gradients' operands are along the tokens), against the float64 product of the dequantized operands; K not a
+    multiple of 128, rows of very different scales."""
+    gen = torch.Generator().manual_seed(6)
+    kern = _k()
+    a = _rand(gen, 40, 330)
+    w = _rand(gen, 200, 330) * torch.logspace(-6, 6, 200, device=DEVICE)[:, None]
+    aq, as_ = kern.quantize(a)
+    wq, ws = kern.quantize(w)
+    out = kern.fp8_gemm(aq, as_, wq, ws, activation=activations.IDENTITY, quant_out=False, out_dtype=torch.float32,
+                        w_rows=True)
+    ad = fp8.dequantize_activation(aq, as_, torch.float64)
+    wd = fp8.dequantize_activation(wq, ws, torch.float64)
+    ref = ad @ wd.T
+    bound = (ACC or 340 * 2.0**-24) * (ad.abs() @ wd.abs().T) + 2.0**-24 * ref.abs()
+    assert bool(((out.double() - ref).abs() <= bound).all())
+    # the block-scale reading of the same bytes is another product: the flag is what makes it right
+    with pytest.raises(Exception, match="w1_scale: expected fp32 scales of shape"):
+        kern.fp8_gemm(aq, as_, wq, ws, activation=activations.IDENTITY, quant_out=False, out_dtype=torch.float32)
+
+
+def test_save_gu_needs_a_gated_quantized_call():
+    gen = torch.Generator().manual_seed(7)
+    kern = _k()
+    xq, xs = kern.quantize(_rand(gen, 8, 128))
+    w = fp8.quantize_weight(_rand(gen, 128, 128))
+    with pytest.raises(Exception, match="save_gu: needs a gated call"):
+        kern.fp8_gemm(xq, xs, w.values, w.scale_inv, activation=activations.IDENTITY, quant_out=True, save_gu=True)
+
+
+def _case(seed, m=96, d=256, h=384, bias=True):
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=1.0):
+        return _rand(gen, *shape, scale=scale).requires_grad_()
+
+    x = r(m, d)
+    ws = [r(h, d, scale=d**-0.5), r(h, d, scale=d**-0.5), r(d, h, scale=h**-0.5)]
+    bs = [r(h, scale=0.1), r(h, scale=0.1), r(d, scale=0.1)] if bias else [None] * 3
+    return x, ws, bs, _rand(gen, m, d)
+
+
+def _grads(fn, x, ws, bs, dy):
+    inputs = [x, *ws, *[b for b in bs if b is not None]]
+    y = fn(x, *ws, *bs)
+    return y, torch.autograd.grad(y, inputs, dy)
+
+
+def _train(act):
+    from mlpfuse.ops.fp8_train import fp8_gated_mlp_train
+
+    return lambda x, wg, wu, wd, bg, bu, bd: fp8_gated_mlp_train(x, wg, wu, wd, bg, bu, bd, act)
+
+
+@pytest.mark.parametrize("act,bias", [("silu", True), ("gelu_tanh", False)])
+def test_fp8_training_on_the_kernels_is_the_recipe(act, bias):
+    """Forward and every gradient against float64 autograd (the training target: cosine ≥ 0.99, a few e4m3
+    roundings norm-wise, as the reference path) and against the reference path itself: the same roundings, so the
+    two differ only where an fp32 sum in another order rounds across an e4m3 boundary — far less than FP8's own
+    error (a backward in another precision or recipe would differ by about that error)."""
+    x, ws, bs, dy = _case(1, bias=bias)
+    y, grads = _grads(_train(act), x, ws, bs, dy)
+    yr, grads_r = _grads(lambda x, *p: reference.gated_mlp_fp8_train(x, *p[:3], act, *p[3:]), x, ws, bs, dy)
+    y64, grads64 = _grads(lambda x, *p: reference.gated_mlp(x, *p[:3], act, *p[3:]), x, ws, bs, dy.double())
+    names = ["x", "gate", "up", "down", "gate bias", "up bias", "down bias"]
+    for name, g, gr, g64 in zip(names, grads, grads_r, grads64):
+        assert g.dtype == gr.dtype and g.shape == gr.shape
+        cos = float(F.cosine_similarity(g.double().flatten(), g64.flatten(), dim=0))
+        rel = float((g.double() - g64).norm() / g64.norm())
+        rel_ref = float((g.double() - gr.double()).norm() / gr.double().norm())
+        assert cos >= 0.99, (name, cos)
+        assert rel < 4 * U, (name, rel)
+        assert rel_ref < U / 4, (name, rel_ref, rel)
+    assert float((y.detach().double() - y64.detach()).norm() / y64.detach().norm()) < 2 * U
+    assert float((y.detach() - yr.detach()).norm() / yr.detach().norm()) < U / 4
+
+
+def test_fp8_training_keeps_x_g_and_u_in_e4m3_for_the_backward():
+    """What the step keeps (saved-tensor hooks): x, g and u in e4m3 with their fp32 1×128 scales, and the master
+    weights (references to the parameters, not copies): no weight-sized FP8 tensor, no [tokens, hidden] tensor in a
+    16-bit or 32-bit dtype."""
+    x, ws, bs, _ = _case(2)
+    kept = []
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _train("silu")(x, *ws, *bs)
+    m, d, h = x.shape[0], x.shape[1], ws[0].shape[0]
+    acts = sorted((tuple(t.shape), t.dtype) for t in kept if t.shape[0] == m)
+    assert acts == sorted([((m, d), fp8.DTYPE), ((m, d // 128), torch.float32), ((m, h), fp8.DTYPE),
+                           ((m, h // 128), torch.float32), ((m, h), fp8.DTYPE), ((m, h // 128), torch.float32)])
+    weights = [t for t in kept if t.shape[0] != m]
+    assert len(weights) == 3 and {t.data_ptr() for t in weights} == {w.data_ptr() for w in ws}
+
+
+def test_nan_in_the_output_gradient_reaches_the_gradients():
+    """A NaN in dy is not zeroed on its way (scales propagate NaN by the recipe's rule): dx's row and every weight
+    gradient that sums over that token see it."""
+    x, ws, bs, dy = _case(3, m=32, d=128, h=256, bias=False)
+    dy[4, 7] = float("nan")
+    _, (dx, dwg, dwu, dwd) = _grads(_train("silu"), x, ws, bs, dy)
+    assert bool(dx[4].isnan().any()) and not bool(dx[torch.arange(32) != 4].isnan().any())
+    assert bool(dwd.isnan().any()) and bool(dwg.isnan().any()) and bool(dwu.isnan().any())
+
+
+def test_patch_on_a_model_in_train_mode_trains_its_mlps_in_fp8_on_their_own_weights():
+    """patch(precision="fp8") on a Llama in train mode: each MLP checked on numbers and kept on its parameters (the
+    same objects: the optimizer's masters; state_dict unchanged), its steps in FP8 — the loss within FP8's error of the
+    unpatched model's, every MLP gradient aligned with it (cosine ≥ 0.99) but not equal (FP8 is really on); the other
+    parameters' gradients flow as before; unpatch gives the untouched modules back."""
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    import mlpfuse
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=300)
+    model = transformers.LlamaForCausalLM(cfg).to(DEVICE).train()
+    ref = copy.deepcopy(model)
+    params = {n: p for n, p in model.named_parameters()}
+    keys = list(model.state_dict())
+    report = mlpfuse.patch(model, precision="fp8")
+    assert [s.precision for s in report.swapped] == ["fp8-train", "fp8-train"]
+    assert all(0 < s.fp8_error < 2 * U for s in report.swapped) and "2 in fp8" in report.summary()
+    assert "precision=fp8 (training)" in repr(model.model.layers[0].mlp)
+    assert {n: id(p) for n, p in model.named_parameters()} == {n: id(p) for n, p in params.items()}
+    assert list(model.state_dict()) == keys
+    ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    loss_ref = ref(input_ids=ids, labels=ids).loss
+    loss_ref.backward()
+    assert abs(float(loss.detach()) - float(loss_ref.detach())) < 1e-2 * float(loss_ref.detach())
+    ref_params = dict(ref.named_parameters())
+    for name, p in params.items():
+        g, g_ref = p.grad.double().flatten(), ref_params[name].grad.double().flatten()
+        cos = float(F.cosine_similarity(g, g_ref, dim=0))
+        assert cos >= 0.99, (name, cos)
+        if ".mlp." in name:
+            assert not torch.equal(g, g_ref), name
+    mlpfuse.unpatch(model)
+    mlp = model.model.layers[0].mlp
+    assert type(mlp).__name__ == "LlamaMLP" and mlp.gate_proj.weight is params["model.layers.0.mlp.gate_proj.weight"]
