@@ -48,8 +48,8 @@ PROFILE = """\
 Capture a trace with torch.profiler and analyse it: kernels, launches and CPU ops per step, GPU idle time, a
 verdict; --expect turns the figures into checks (exit 1 when one fails). What runs: your own script, after `--`
 (`mlpfuse profile -- python train.py ARGS`: in this process, a step ending at each optimizer.step(), or at each
-return of --step-fn NAME); a built-in workload (linear, geglu-mlp, geglu-mlp-fp8); or, with --model, a small transformers model
-(one decoder layer by default) eager and after mlpfuse.patch, with what changed. Each run writes its trace,
+return of --step-fn NAME); a built-in workload (linear, geglu-mlp, geglu-mlp-fp8); or, with --model, a small
+transformers model (one decoder layer by default) eager and after mlpfuse.patch, with what changed. Each run writes its trace,
 analysis JSON and report.html to a results folder (--out).
 """
 

@@ -157,10 +157,10 @@ def mlpfuse_fp8_gemm_kernel(
     TMA: tl.constexpr, EMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
     I64: tl.constexpr, SAVE_GU: tl.constexpr, W_ROWS: tl.constexpr,
 ):
-    """z = act(a·W1ᵀ + b1) [· (a·W2ᵀ + b2)], a e4m3 with 1×128 scales, each W e4m3 with 128×128 block scales (or, W_ROWS,
-    one per row and 128-wide K block). QUANT_OUT: z leaves quantized 1×128 (values in out, scales in sout; BN = 128).
-    SAVE_GU (gated, QUANT_OUT): the pre-activations g = a·W1ᵀ + b1 and u = a·W2ᵀ + b2 leave quantized the same way
-    too (gq/gs, uq/us, out's and sout's layout) — what FP8 training keeps for the backward."""
+    """z = act(a·W1ᵀ + b1) [· (a·W2ᵀ + b2)], a e4m3 with 1×128 scales, each W e4m3 with 128×128 block scales (or,
+    W_ROWS, one per row and 128-wide K block). QUANT_OUT: z leaves quantized 1×128 (values in out, scales in sout;
+    BN = 128). SAVE_GU (gated, QUANT_OUT): the pre-activations g = a·W1ᵀ + b1 and u = a·W2ᵀ + b2 leave quantized
+    the same way too (gq/gs, uq/us, out's and sout's layout) — what FP8 training keeps for the backward."""
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)):
