@@ -111,7 +111,7 @@ def _grads(fn, x, ws, bs, dy):
 def _train(act):
     from mlpfuse.ops.fp8_train import fp8_gated_mlp_train
 
-    return lambda x, wg, wu, wd, bg, bu, bd: fp8_gated_mlp_train(x, wg, wu, wd, bg, bu, bd, act)
+    return lambda x, wg, wu, wd, bg, bu, bd: fp8_gated_mlp_train(x, wg, wu, wd, bg, bu, bd, act, backend="triton")
 
 
 @pytest.mark.parametrize("act,bias", [("silu", True), ("gelu_tanh", False)])
@@ -185,7 +185,7 @@ def test_patch_on_a_model_in_train_mode_trains_its_mlps_in_fp8_on_their_own_weig
     ref = copy.deepcopy(model)
     params = {n: p for n, p in model.named_parameters()}
     keys = list(model.state_dict())
-    report = mlpfuse.patch(model, precision="fp8")
+    report = mlpfuse.patch(model, precision="fp8", backend="triton")  # the kernels (on a CPU: the interpreter)
     assert [s.precision for s in report.swapped] == ["fp8-train", "fp8-train"]
     assert all(0 < s.fp8_error < 2 * U for s in report.swapped) and "2 in fp8" in report.summary()
     assert "precision=fp8 (training)" in repr(model.model.layers[0].mlp)
@@ -207,3 +207,14 @@ def test_patch_on_a_model_in_train_mode_trains_its_mlps_in_fp8_on_their_own_weig
     mlpfuse.unpatch(model)
     mlp = model.model.layers[0].mlp
     assert type(mlp).__name__ == "LlamaMLP" and mlp.gate_proj.weight is params["model.layers.0.mlp.gate_proj.weight"]
+
+
+def test_fp8_training_takes_the_reference_path_where_the_backend_says_torch():
+    """backend="torch" (what auto takes on a CPU) trains on the recipe's reference path: the same numbers as
+    reference.gated_mlp_fp8_train, bit for bit."""
+    from mlpfuse.ops.fp8_train import fp8_gated_mlp_train
+
+    x, ws, bs, dy = _case(4, m=40, d=128, h=256)
+    y, grads = _grads(lambda x, *p: fp8_gated_mlp_train(x, *p[:3], *p[3:], "silu", backend="torch"), x, ws, bs, dy)
+    yr, grads_r = _grads(lambda x, *p: reference.gated_mlp_fp8_train(x, *p[:3], "silu", *p[3:]), x, ws, bs, dy)
+    assert torch.equal(y, yr) and all(torch.equal(a, b) for a, b in zip(grads, grads_r))

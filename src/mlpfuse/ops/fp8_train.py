@@ -92,10 +92,18 @@ class Fp8GatedMLPTrain(torch.autograd.Function):
 
 def fp8_gated_mlp_train(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor,
                         bg: torch.Tensor | None = None, bu: torch.Tensor | None = None,
-                        bd: torch.Tensor | None = None, activation: str = "silu") -> torch.Tensor:
+                        bd: torch.Tensor | None = None, activation: str = "silu",
+                        backend: str | None = None) -> torch.Tensor:
     """The gated MLP trained in FP8 (module docstring): x [..., D]; weights [H, D], [H, D], [D, H] in a float dtype
     (the masters, quantized per step); returns y [..., D] in x's dtype, differentiable in x, the weights and the
-    biases."""
+    biases. `backend` decides as for FP8 inference (ops.fp8_mlp): the kernels ("triton"; "auto" on a GPU with FP8
+    tensor cores), or the recipe's reference path in PyTorch ops ("torch"; what "auto" takes on a CPU)."""
+    from mlpfuse.ops import fp8_mlp
+
+    if fp8_mlp._path(x.device, backend or "") == "torch":
+        from mlpfuse import reference
+
+        return reference.gated_mlp_fp8_train(x, wg, wu, wd, activation, bg, bu, bd, save="fp8")
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -147,7 +147,7 @@ class GatedBlock(PatchedBlock):
 
         mods, names = self._modules, self.fused_linears
         wg, wu, wd, bg, bu, bd = self.fused_weights(*_weight_bias(mods[names[0]]), *_weight_bias(mods[names[-1]]))
-        return fp8_train.fp8_gated_mlp_train(x, wg, wu, wd, bg, bu, bd, self.fused_activation)
+        return fp8_train.fp8_gated_mlp_train(x, wg, wu, wd, bg, bu, bd, self.fused_activation, self.fused_backend)
 
     def fp8_call(self, x: Tensor, children=None, norm=None, residual=None) -> Tensor:
         """The MLP on FP8 projections (modules.Fp8Linear): this block's, or `children` in its layout's order; `norm`

@@ -58,8 +58,12 @@ def fuse_norms(model: nn.Module, report) -> None:
         original = type(norm).forward
         norm.__class__ = _passthrough(type(norm))
         block.fused_norm = RMSNormPrologue(norm, original, kind, eps)
-        by = {"": "decode kernels", "fp8-train": "its own module (FP8 training)"}.get(block.fused_precision,
-                                                                                     None) or _fp8_norm_by()
+        if block.fused_precision == "fp8":
+            by = _fp8_norm_by()
+        elif block.fused_precision == "fp8-train":
+            by = "its own module (FP8 training)"
+        else:
+            by = "decode kernels"
         report.norms.append(FusedNorm(norm_path, swapped.path, KINDS[kind], by))
 
 
