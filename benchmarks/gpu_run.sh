@@ -19,7 +19,9 @@
 #        launch: their tests on the GPU, and the 32-layer decode step with each switched off in the same run),
 #        fp8-prefill, fp8-lm, fp8-stream, fp8-stream-unroll (FP8: the GPU tests, the tile sweeps, the block in
 #        eager / graphs / the bench's harness with the peers (torchao from .whl/), the 32-layer decode step and
-#        prefill, the trained-model perplexity, the weight-only kernel's streaming probes).
+#        prefill, the trained-model perplexity, the weight-only kernel's streaming probes), fp8-train (FP8 training's
+#        tests and the 4-layer train step), train-share (the MLPs' share of a train step, torchao beside it),
+#        graph-profile-fp8 (the decode step's MLP rows in bf16 and FP8, as bytes against the copy rate).
 #        benchmarks/README.md says what each answers and where its latest result is.
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
@@ -135,6 +137,13 @@ for spec in "$@"; do
         fp8-lm) run_step fp8-lm "$secs" python3 benchmarks/stdlib_lm.py "$W/stdlib-lm" ;;
         fp8-stream) run_step fp8-stream "$secs" python3 benchmarks/fp8_stream_probe.py ;;
         fp8-stream-unroll) run_step fp8-stream-unroll "$secs" python3 benchmarks/fp8_stream_probe.py --unroll ;;
+        fp8-train) run_step fp8-train "$secs" bash -c "python3 -m pytest -q -p no:cacheprovider \
+            tests/test_fp8_train_kernels.py tests/test_fp8_train.py && python3 -m mlpfuse bench --model llama3-8b \
+            --layers 4 --tokens 2x2048 --mode train --variants eager,compile,mlpfuse,mlpfuse-save-fp8,mlpfuse-fp8 \
+            --rounds 5 --out '$W/model-fp8-train'" ;;
+        train-share) run_step train-share "$secs" python3 benchmarks/train_share.py --json "$W/train_share.json" ;;
+        graph-profile-fp8) run_step graph-profile-fp8 "$secs" python3 benchmarks/graph_profile_gpu.py "$W/graph-profile" \
+            --fp8 --skip-roofline --skip-compiled ;;
         *) echo "unknown step $step" >> "$SUMMARY" ;;
     esac
 done
