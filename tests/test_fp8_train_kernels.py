@@ -218,3 +218,19 @@ def test_fp8_training_takes_the_reference_path_where_the_backend_says_torch():
     y, grads = _grads(lambda x, *p: fp8_gated_mlp_train(x, *p[:3], *p[3:], "silu", backend="torch"), x, ws, bs, dy)
     yr, grads_r = _grads(lambda x, *p: reference.gated_mlp_fp8_train(x, *p[:3], "silu", *p[3:]), x, ws, bs, dy)
     assert torch.equal(y, yr) and all(torch.equal(a, b) for a, b in zip(grads, grads_r))
+
+
+def test_fp8_training_compiles_whole_to_the_same_numbers():
+    """torch.compile(fullgraph=True) over a step that calls it (aot_eager: the graph AOTAutograd records, the same
+    ops run): two custom-op nodes, no graph break, output and every gradient bit for bit the eager step's."""
+    from mlpfuse.ops.fp8_train import fp8_gated_mlp_train
+
+    x, ws, bs, dy = _case(5, m=64, d=128, h=256)
+
+    def step(x, *p):
+        return fp8_gated_mlp_train(x * 1.0, *p[:3], *p[3:], "gelu_tanh", backend="triton")
+
+    y, grads = _grads(step, x, ws, bs, dy)
+    torch._dynamo.reset()
+    yc, grads_c = _grads(torch.compile(step, backend="aot_eager", fullgraph=True), x, ws, bs, dy)
+    assert torch.equal(y, yc) and all(torch.equal(a, b) for a, b in zip(grads, grads_c))

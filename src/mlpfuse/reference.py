@@ -371,54 +371,68 @@ def _round_trip_tokens(t: Tensor) -> Tensor:
     return _round_trip_rows(t.t()).t()
 
 
+def fp8_train_forward(x2: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, bg: Optional[Tensor], bu: Optional[Tensor],
+                      bd: Optional[Tensor], activation: str, save: str = "fp8") -> tuple[Tensor, ...]:
+    """The step's forward on x2 [M, D] (the scheme above): (y in fp32, x's e4m3 values and scales, then g and u as
+    kept: each as (e4m3 values, scales) for save="fp8", else in x's dtype)."""
+    from mlpfuse import fp8
+
+    f32 = torch.float32
+    xq, xs = fp8.quantize_activation(x2)
+    xd = fp8.dequantize_activation(xq, xs)
+    g = F.linear(xd, fp8.quantize_weight(wg.detach()).dequantize(f32), _at(bg, f32))
+    u = F.linear(xd, fp8.quantize_weight(wu.detach()).dequantize(f32), _at(bu, f32))
+    h = activations.get(activation).forward(g) * u
+    y = F.linear(_round_trip_rows(h), fp8.quantize_weight(wd.detach()).dequantize(f32), _at(bd, f32))
+    if save == "fp8":
+        return (y, xq, xs, *fp8.quantize_activation(g), *fp8.quantize_activation(u))
+    return y, xq, xs, g.to(x2.dtype), u.to(x2.dtype)
+
+
+def fp8_train_backward(dy2: Tensor, xq: Tensor, xs: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, kept,
+                       activation: str) -> tuple[Tensor, ...]:
+    """The step's backward from dy2 [M, D] and what the forward kept (`kept`: g and u as fp8_train_forward returned
+    them, four tensors for save="fp8", two otherwise): (dx, dWg, dWu, dWd, dbg, dbu, dbd), all in fp32."""
+    from mlpfuse import fp8
+
+    f32 = torch.float32
+    if len(kept) == 4:
+        g, u = fp8.dequantize_activation(kept[0], kept[1]), fp8.dequantize_activation(kept[2], kept[3])
+    else:
+        g, u = kept[0].float(), kept[1].float()
+    act = activations.get(activation)
+    a = act.forward(g)
+    h = a * u
+    dy2 = dy2.float()
+    wgd, wud, wdd = (fp8.quantize_weight(w.detach()).dequantize(f32) for w in (wg, wu, wd))
+    dh = _round_trip_rows(dy2) @ wdd
+    dwd = _round_trip_tokens(dy2).t() @ _round_trip_tokens(h)
+    dg = dh * u * act.grad(g)
+    du = dh * a
+    dx = _round_trip_rows(dg) @ wgd + _round_trip_rows(du) @ wud
+    x_tokens = _round_trip_tokens(fp8.dequantize_activation(xq, xs))
+    dwg = _round_trip_tokens(dg).t() @ x_tokens
+    dwu = _round_trip_tokens(du).t() @ x_tokens
+    return dx, dwg, dwu, dwd, dg.sum(0), du.sum(0), dy2.sum(0)
+
+
 class GatedMLPFp8Train(torch.autograd.Function):
     """y = down(act(gate(x))·up(x)) with every GEMM of its forward and backward in FP8 (the scheme above)."""
 
     @staticmethod
     def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str, save: str):
-        from mlpfuse import fp8
-
-        f32 = torch.float32
-        x2 = x.reshape(-1, x.shape[-1])
-        xq, xs = fp8.quantize_activation(x2)
-        xd = fp8.dequantize_activation(xq, xs)
-        g = F.linear(xd, fp8.quantize_weight(wg.detach()).dequantize(f32), _at(bg, f32))
-        u = F.linear(xd, fp8.quantize_weight(wu.detach()).dequantize(f32), _at(bu, f32))
-        h = activations.get(activation).forward(g) * u
-        y = F.linear(_round_trip_rows(h), fp8.quantize_weight(wd.detach()).dequantize(f32), _at(bd, f32))
-        if save == "fp8":
-            kept = (*fp8.quantize_activation(g), *fp8.quantize_activation(u))
-        else:
-            kept = (g.to(x.dtype), u.to(x.dtype))
+        y, xq, xs, *kept = fp8_train_forward(x.reshape(-1, x.shape[-1]), wg, wu, wd, bg, bu, bd, activation, save)
         ctx.save_for_backward(xq, xs, wg, wu, wd, *kept)
-        ctx.activation, ctx.fp8_saved, ctx.x_shape, ctx.x_dtype = activation, save == "fp8", x.shape, x.dtype
+        ctx.activation, ctx.x_shape, ctx.x_dtype = activation, x.shape, x.dtype
         ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (bg, bu, bd))
         return y.to(x.dtype).reshape(*x.shape[:-1], wd.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        from mlpfuse import fp8
-
-        f32 = torch.float32
         xq, xs, wg, wu, wd, *kept = ctx.saved_tensors
-        if ctx.fp8_saved:
-            g, u = fp8.dequantize_activation(kept[0], kept[1]), fp8.dequantize_activation(kept[2], kept[3])
-        else:
-            g, u = kept[0].float(), kept[1].float()
-        act = activations.get(ctx.activation)
-        a = act.forward(g)
-        h = a * u
-        dy2 = dy.reshape(-1, dy.shape[-1]).float()
-        wgd, wud, wdd = (fp8.quantize_weight(w.detach()).dequantize(f32) for w in (wg, wu, wd))
-        dh = _round_trip_rows(dy2) @ wdd
-        dwd = _round_trip_tokens(dy2).t() @ _round_trip_tokens(h)
-        dg = dh * u * act.grad(g)
-        du = dh * a
-        dx = _round_trip_rows(dg) @ wgd + _round_trip_rows(du) @ wud
-        x_tokens = _round_trip_tokens(fp8.dequantize_activation(xq, xs))
-        dwg = _round_trip_tokens(dg).t() @ x_tokens
-        dwu = _round_trip_tokens(du).t() @ x_tokens
-        biases = [None if dt is None else t.sum(0).to(dt) for t, dt in zip((dg, du, dy2), ctx.bias_dtypes)]
+        dx, dwg, dwu, dwd, *dbs = fp8_train_backward(dy.reshape(-1, dy.shape[-1]), xq, xs, wg, wu, wd, kept,
+                                                     ctx.activation)
+        biases = [None if dt is None else t.to(dt) for t, dt in zip(dbs, ctx.bias_dtypes)]
         return (dx.to(ctx.x_dtype).reshape(ctx.x_shape), dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype),
                 *biases, None, None)
 

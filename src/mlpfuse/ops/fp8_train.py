@@ -21,7 +21,10 @@ correct against the oracle, not yet tuned (no fused GLU-backward epilogue, no fu
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from mlpfuse import activations, fp8
 
@@ -45,49 +48,112 @@ def _along_tokens(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _kernels().quantize(t.t().contiguous())
 
 
-class Fp8GatedMLPTrain(torch.autograd.Function):
-    """y = down(act(gate(x))·up(x)), x [M, D] (unit inner stride), every GEMM in FP8 (module docstring)."""
+def _reference_path(device: torch.device, backend: str) -> bool:
+    """The FP8 backend decision (ops.fp8_mlp): the recipe's reference path in PyTorch ops ("torch"; what "auto"
+    takes on a CPU), else the kernels. Made inside the ops, which torch.compile does not trace."""
+    from mlpfuse.ops import fp8_mlp
 
-    @staticmethod
-    def forward(ctx, x, wg, wu, wd, bg, bu, bd, activation: str):
-        k = _kernels()
-        act = activations.get(activation)
-        qg, qu, qd = (fp8.quantize_weight(w.detach()) for w in (wg, wu, wd))
-        xq, xs = k.quantize(x)
-        hq, hs, gq, gs, uq, us = k.fp8_gemm(xq, xs, qg.values, qg.scale_inv, qu.values, qu.scale_inv, bg, bu,
-                                            activation=act.id, quant_out=True, save_gu=True)
-        y = k.fp8_gemm(hq, hs, qd.values, qd.scale_inv, None, None, bd, activation=activations.IDENTITY,
-                       quant_out=False, out_dtype=x.dtype)
-        ctx.save_for_backward(xq, xs, gq, gs, uq, us, wg, wu, wd)
-        ctx.activation, ctx.x_dtype = act.name, x.dtype
-        ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (bg, bu, bd))
-        return y
+    return fp8_mlp._path(device, backend) == "torch"
 
-    @staticmethod
-    def backward(ctx, dy):
-        k = _kernels()
-        xq, xs, gq, gs, uq, us, wg, wu, wd = ctx.saved_tensors
-        act = activations.get(ctx.activation)
-        ident = activations.IDENTITY
-        qg, qu, qd = (fp8.quantize_weight(w.detach()) for w in (wg, wu, wd))
-        dy = dy.contiguous()
-        dh = k.fp8_gemm(*k.quantize(dy), *_transposed(qd), activation=ident, quant_out=False, out_dtype=_F32)
-        g, u = fp8.dequantize_activation(gq, gs), fp8.dequantize_activation(uq, us)
-        a = act.forward(g)
-        dg = dh * u * act.grad(g)
-        du = dh * a
-        dx = (k.fp8_gemm(*k.quantize(dg), *_transposed(qg), activation=ident, quant_out=False, out_dtype=_F32)
-              + k.fp8_gemm(*k.quantize(du), *_transposed(qu), activation=ident, quant_out=False, out_dtype=_F32))
-        x_tokens = _along_tokens(fp8.dequantize_activation(xq, xs))
-        dwd = k.fp8_gemm(*_along_tokens(dy), *_along_tokens(a * u), activation=ident, quant_out=False,
-                         out_dtype=_F32, w_rows=True)
-        dwg = k.fp8_gemm(*_along_tokens(dg), *x_tokens, activation=ident, quant_out=False, out_dtype=_F32,
-                         w_rows=True)
-        dwu = k.fp8_gemm(*_along_tokens(du), *x_tokens, activation=ident, quant_out=False, out_dtype=_F32,
-                         w_rows=True)
-        biases = [None if dt is None else t.sum(0, dtype=_F32).to(dt)
-                  for t, dt in zip((dg, du, dy), ctx.bias_dtypes)]
-        return (dx.to(ctx.x_dtype), dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype), *biases, None)
+
+def _forward(x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, bg: Optional[Tensor], bu: Optional[Tensor],
+             bd: Optional[Tensor], activation: str, backend: str) -> tuple[Tensor, ...]:
+    """y, and what the backward keeps: x, g and u in e4m3 with their 1×128 scales."""
+    if _reference_path(x.device, backend):
+        from mlpfuse import reference
+
+        y, *kept = reference.fp8_train_forward(x, wg, wu, wd, bg, bu, bd, activation)
+        return (y.to(x.dtype), *kept)
+    k = _kernels()
+    qg, qu, qd = (fp8.quantize_weight(w.detach()) for w in (wg, wu, wd))
+    xq, xs = k.quantize(x)
+    hq, hs, gq, gs, uq, us = k.fp8_gemm(xq, xs, qg.values, qg.scale_inv, qu.values, qu.scale_inv, bg, bu,
+                                        activation=activations.get(activation).id, quant_out=True, save_gu=True)
+    y = k.fp8_gemm(hq, hs, qd.values, qd.scale_inv, None, None, bd, activation=activations.IDENTITY,
+                   quant_out=False, out_dtype=x.dtype)
+    return y, xq, xs, gq, gs, uq, us
+
+
+def _backward(dy: Tensor, xq: Tensor, xs: Tensor, gq: Tensor, gs: Tensor, uq: Tensor, us: Tensor, wg: Tensor,
+              wu: Tensor, wd: Tensor, activation: str, backend: str) -> tuple[Tensor, ...]:
+    """dx, dWg, dWu, dWd and the three bias gradients, all fp32 (module docstring)."""
+    if _reference_path(dy.device, backend):
+        from mlpfuse import reference
+
+        return reference.fp8_train_backward(dy, xq, xs, wg, wu, wd, (gq, gs, uq, us), activation)
+    k = _kernels()
+    act = activations.get(activation)
+    ident = activations.IDENTITY
+    qg, qu, qd = (fp8.quantize_weight(w.detach()) for w in (wg, wu, wd))
+    dh = k.fp8_gemm(*k.quantize(dy), *_transposed(qd), activation=ident, quant_out=False, out_dtype=_F32)
+    g, u = fp8.dequantize_activation(gq, gs), fp8.dequantize_activation(uq, us)
+    a = act.forward(g)
+    dg = dh * u * act.grad(g)
+    du = dh * a
+    dx = (k.fp8_gemm(*k.quantize(dg), *_transposed(qg), activation=ident, quant_out=False, out_dtype=_F32)
+          + k.fp8_gemm(*k.quantize(du), *_transposed(qu), activation=ident, quant_out=False, out_dtype=_F32))
+    x_tokens = _along_tokens(fp8.dequantize_activation(xq, xs))
+    dwd = k.fp8_gemm(*_along_tokens(dy), *_along_tokens(a * u), activation=ident, quant_out=False, out_dtype=_F32,
+                     w_rows=True)
+    dwg = k.fp8_gemm(*_along_tokens(dg), *x_tokens, activation=ident, quant_out=False, out_dtype=_F32, w_rows=True)
+    dwu = k.fp8_gemm(*_along_tokens(du), *x_tokens, activation=ident, quant_out=False, out_dtype=_F32, w_rows=True)
+    return dx, dwg, dwu, dwd, dg.sum(0), du.sum(0), dy.sum(0, dtype=_F32)
+
+
+# As custom ops, so that torch.compile and export see two nodes (the forward keeping x, g and u in e4m3, and the
+# backward), never the kernels' launches.
+@torch.library.custom_op("mlpfuse::fp8_gated_mlp_train", mutates_args=())
+def _train_op(x: Tensor, gate_weight: Tensor, up_weight: Tensor, down_weight: Tensor, gate_bias: Optional[Tensor],
+              up_bias: Optional[Tensor], down_bias: Optional[Tensor], activation: str, backend: str) -> tuple[
+        Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _forward(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend)
+
+
+@_train_op.register_fake
+def _(x, gate_weight, up_weight, down_weight, gate_bias, up_bias, down_bias, activation, backend):
+    m, d, h = x.shape[0], x.shape[1], gate_weight.shape[0]
+
+    def quantized(cols):
+        return x.new_empty(m, cols, dtype=fp8.DTYPE), x.new_empty(m, -(-cols // fp8.GROUP), dtype=fp8.SCALE_DTYPE)
+
+    return (x.new_empty(m, down_weight.shape[0]), *quantized(d), *quantized(h), *quantized(h))
+
+
+@torch.library.custom_op("mlpfuse::fp8_gated_mlp_train_backward", mutates_args=())
+def _backward_op(dy: Tensor, xq: Tensor, xs: Tensor, gq: Tensor, gs: Tensor, uq: Tensor, us: Tensor,
+                 gate_weight: Tensor, up_weight: Tensor, down_weight: Tensor, activation: str, backend: str) -> tuple[
+        Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _backward(dy, xq, xs, gq, gs, uq, us, gate_weight, up_weight, down_weight, activation, backend)
+
+
+@_backward_op.register_fake
+def _(dy, xq, xs, gq, gs, uq, us, gate_weight, up_weight, down_weight, activation, backend):
+    m, h, d = xq.shape[0], gate_weight.shape[0], xq.shape[1]
+
+    def f32(*shape):
+        return dy.new_empty(*shape, dtype=_F32)
+
+    return f32(m, d), f32(h, d), f32(h, d), f32(d, h), f32(h), f32(h), f32(d)
+
+
+def _setup(ctx, inputs, output):
+    x, wg, wu, wd, bg, bu, bd, activation, backend = inputs
+    ctx.save_for_backward(*output[1:], wg, wu, wd)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.activation, ctx.backend, ctx.x_dtype = activation, backend, x.dtype
+    ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in (bg, bu, bd))
+
+
+def _backward_autograd(ctx, dy, *_):
+    xq, xs, gq, gs, uq, us, wg, wu, wd = ctx.saved_tensors
+    dx, dwg, dwu, dwd, *dbs = torch.ops.mlpfuse.fp8_gated_mlp_train_backward(dy.contiguous(), xq, xs, gq, gs, uq, us,
+                                                                             wg, wu, wd, ctx.activation,
+                                                                             ctx.backend)
+    biases = [None if dt is None else t.to(dt) for t, dt in zip(dbs, ctx.bias_dtypes)]
+    return (dx.to(ctx.x_dtype), dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype), *biases, None, None)
+
+
+_train_op.register_autograd(_backward_autograd, setup_context=_setup)
 
 
 def fp8_gated_mlp_train(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd: torch.Tensor,
@@ -98,14 +164,9 @@ def fp8_gated_mlp_train(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, wd:
     (the masters, quantized per step); returns y [..., D] in x's dtype, differentiable in x, the weights and the
     biases. `backend` decides as for FP8 inference (ops.fp8_mlp): the kernels ("triton"; "auto" on a GPU with FP8
     tensor cores), or the recipe's reference path in PyTorch ops ("torch"; what "auto" takes on a CPU)."""
-    from mlpfuse.ops import fp8_mlp
-
-    if fp8_mlp._path(x.device, backend or "") == "torch":
-        from mlpfuse import reference
-
-        return reference.gated_mlp_fp8_train(x, wg, wu, wd, activation, bg, bu, bd, save="fp8")
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = Fp8GatedMLPTrain.apply(x2, wg, wu, wd, bg, bu, bd, activations.get(activation).name)
+    y = torch.ops.mlpfuse.fp8_gated_mlp_train(x2, wg, wu, wd, bg, bu, bd, activations.get(activation).name,
+                                              backend or "")[0]
     return y.reshape(*x.shape[:-1], wd.shape[0])
