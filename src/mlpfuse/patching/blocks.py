@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.nn.modules import module as _module
 
 from mlpfuse.modules import _sharded, _weight_bias
-from mlpfuse.ops import _checks, dispatch, fp8_mlp
+from mlpfuse.ops import _checks, dispatch, fp8_mlp, fp8_train
 from mlpfuse.ops._util import linear2d, rows, unrows
 from mlpfuse.ops.gated_mlp import CallPlan, gated_mlp_call, residual_fits
 from mlpfuse.ops.linear_act import LinearActPlan, linear_act_call
@@ -143,8 +143,6 @@ class GatedBlock(PatchedBlock):
 
     def fp8_train_call(self, x: Tensor) -> Tensor:
         """The MLP trained in FP8 on this block's own weights (quantized in the call; ops.fp8_train)."""
-        from mlpfuse.ops import fp8_train
-
         mods, names = self._modules, self.fused_linears
         wg, wu, wd, bg, bu, bd = self.fused_weights(*_weight_bias(mods[names[0]]), *_weight_bias(mods[names[-1]]))
         return fp8_train.fp8_gated_mlp_train(x, wg, wu, wd, bg, bu, bd, self.fused_activation, self.fused_backend)
