@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 import mlpfuse
 from mlpfuse import fp8, reference
-from mlpfuse.bench.variants import rowwise_fp8 as rowwise
+from mlpfuse.workloads import rowwise_fp8 as rowwise
 from mlpfuse.ops import fp8_mlp
 
 

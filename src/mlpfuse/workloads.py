@@ -131,13 +131,40 @@ def _always() -> tuple[bool, str]:
     return True, ""
 
 
+# ---------------------------------------------------------------- the peers' rowwise FP8 (the FP8 workload's eager
+# and compile variants; the bench's FP8 peer rows)
+
+
+def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, fp32 scale per row): the rowwise FP8 the peers run."""
+    s = (t.float().abs().amax(-1, keepdim=True) / 448.0).clamp_min(1e-12)
+    return (t.float() / s).to(torch.float8_e4m3fn), s
+
+
+def scaled_mm(xq, xs, wq, ws, dtype):
+    """xq·wqᵀ with the rows' scales xs and ws, by cuBLAS's rowwise FP8 GEMM, out in `dtype`."""
+    return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=dtype)
+
+
+def rowwise_fp8_chain(gate_weight, up_weight, down_weight, act, dtype):
+    """The gated block in rowwise FP8 as the peers run it: the weights quantized once here; per call x and h each
+    quantized by ops of their own (amax, scale, cast) around cuBLAS's FP8 GEMMs. Returns chain(x), x [..., dim]."""
+    g, u, d = (rowwise_fp8(w.detach()) for w in (gate_weight, up_weight, down_weight))
+
+    def chain(x):
+        xq, xs = rowwise_fp8(x.reshape(-1, x.shape[-1]))
+        h = act(scaled_mm(xq, xs, *g, dtype)) * scaled_mm(xq, xs, *u, dtype)
+        hq, hs = rowwise_fp8(h)
+        return scaled_mm(hq, hs, *d, dtype).reshape(*x.shape[:-1], -1)
+
+    return chain
+
+
 def _as_peers_run(workload: str, module: nn.Module):
     """What eager and compile run: the module itself, or for an FP8 workload the rowwise FP8 chain over its
     weights (quantized once here)."""
     if not WORKLOADS[workload].fp8:
         return module
-    from mlpfuse.bench.variants import rowwise_fp8_chain
-
     return rowwise_fp8_chain(module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight,
                              lambda t: F.gelu(t, approximate="tanh"), module.gate_proj.weight.dtype)
 

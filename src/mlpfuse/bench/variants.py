@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from mlpfuse import activations
 from mlpfuse.bench.presets import Case
+from mlpfuse.workloads import rowwise_fp8, rowwise_fp8_chain, scaled_mm
 from mlpfuse.errors import InputError
 
 Step = Callable[[], "torch.Tensor | tuple[torch.Tensor, ...]"]
@@ -353,16 +354,6 @@ def _fp8_skip(case: Case) -> str | None:
     return None
 
 
-def rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values, fp32 scale per row): the rowwise FP8 the peers run."""
-    s = (t.float().abs().amax(-1, keepdim=True) / 448.0).clamp_min(1e-12)
-    return (t.float() / s).to(torch.float8_e4m3fn), s
-
-
-def _scaled_mm(xq, xs, wq, ws, dtype):
-    return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=dtype)
-
-
 def _build_fp8_gemms_alone(problem: Problem) -> Step:
     """cuBLAS's rowwise FP8 GEMMs of the block with operands quantized beforehand: the FP8 floor."""
     p, x, dt = problem.params, problem.x.detach(), problem.x.dtype
@@ -372,25 +363,11 @@ def _build_fp8_gemms_alone(problem: Problem) -> Step:
     hq, hs = rowwise_fp8(act(x @ p["gate_weight"].detach().T) * (x @ p["up_weight"].detach().T))
 
     def step():
-        _scaled_mm(xq, xs, *u, dt)
-        _scaled_mm(xq, xs, *g, dt)
-        return _scaled_mm(hq, hs, *d, dt)
+        scaled_mm(xq, xs, *u, dt)
+        scaled_mm(xq, xs, *g, dt)
+        return scaled_mm(hq, hs, *d, dt)
 
     return step
-
-
-def rowwise_fp8_chain(gate_weight, up_weight, down_weight, act, dtype):
-    """The gated block in rowwise FP8 as the peers run it: the weights quantized once here; per call x and h each
-    quantized by ops of their own (amax, scale, cast) around cuBLAS's FP8 GEMMs. Returns chain(x), x [..., dim]."""
-    g, u, d = (rowwise_fp8(w.detach()) for w in (gate_weight, up_weight, down_weight))
-
-    def chain(x):
-        xq, xs = rowwise_fp8(x.reshape(-1, x.shape[-1]))
-        h = act(_scaled_mm(xq, xs, *g, dtype)) * _scaled_mm(xq, xs, *u, dtype)
-        hq, hs = rowwise_fp8(h)
-        return _scaled_mm(hq, hs, *d, dtype).reshape(*x.shape[:-1], -1)
-
-    return chain
 
 
 def _build_fp8_chain_compiled(problem: Problem) -> Step:

@@ -104,8 +104,6 @@ def register(subparsers) -> None:
                    description=PROFILE, epilog=examples(
                        ("mlpfuse profile geglu-mlp --out eager", "a GeGLU MLP, eager"),
                        ("mlpfuse profile geglu-mlp --variant mlpfuse --out fused", "the same, mlpfuse's GatedMLP"),
-                       ("mlpfuse profile geglu-mlp-fp8 --variant mlpfuse", "the same in FP8 (a GPU with FP8 tensor "
-                        "cores; --variant eager: the rowwise torch._scaled_mm chain)"),
                        ("mlpfuse profile --model llama3-8b", "one Llama-3-8B-shaped layer, eager and patched"),
                    ))
     # nargs="*": after `--` come a script and its own arguments (argparse drops the `--`); else one workload name.

@@ -123,10 +123,9 @@ def _build_cases(device, dtype, console, failed) -> dict:
 
     built = {}
     for case, workload, variant in CASES:
+        if workloads.unavailable(workload, device):  # the FP8 cases: a device without FP8 tensor cores leaves
+            continue  # them out (a CPU run's summary says where they run; a GPU run prints one note)
         ok, reason = workloads.VARIANTS[variant].available()
-        if ok:
-            reason = workloads.unavailable(workload, device)
-            ok = reason is None
         if not ok:
             failed[case] = f"unavailable: {reason}"
             console.print(f"[yellow]{case}: skipped ({failed[case]})[/yellow]")
@@ -207,6 +206,7 @@ def _keep_median_traces(out, staging, rounds) -> None:
 def _run(args, device: str, out: str) -> int:
     from mlpfuse._console import Console
 
+    from mlpfuse import workloads
     from mlpfuse._io import atomic_write_text
     from mlpfuse._outputs import literal
     from mlpfuse.profiling import diff, render
@@ -218,7 +218,9 @@ def _run(args, device: str, out: str) -> int:
     import torch
     from mlpfuse.ops import dispatch
 
-    for note in (dispatch.take_triton_note(), dispatch.untuned_note(torch.device(device))):
+    fp8_note = workloads.fp8_unavailable(device) if device.startswith("cuda") else None
+    for note in (dispatch.take_triton_note(), dispatch.untuned_note(torch.device(device)),
+                 fp8_note and f"the MLP in FP8 (geglu-mlp-fp8) is left out: it {fp8_note}"):
         if note:
             console.print(f"note: {note}", markup=False)
     built = _build_cases(device, args.dtype, console, failed)
@@ -373,7 +375,8 @@ CPU_NOTE = (
     "(nn.Linear's `aten::t` is metadata only, its bias is folded into `aten::addmm`, torch.compile removes the view "
     "ops, mlpfuse's modules appear as one `mlpfuse::` op) and the CPU time of each. They cannot show the kernel "
     "story: which GEMM kernels run, what gets fused, launches, GPU busy and idle time. That needs CUDA: run "
-    "`mlpfuse walkthrough` on a machine with a GPU. CPU step times are wall times of the CPU kernels, noisy on a "
+    "`mlpfuse walkthrough` on a machine with a GPU (one with FP8 tensor cores, compute capability 8.9+, also "
+    "profiles the MLP in FP8). CPU step times are wall times of the CPU kernels, noisy on a "
     "shared machine: intra-op threads were pinned to {threads} for this run (--threads)."
 )
 
