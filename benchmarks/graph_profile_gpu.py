@@ -246,24 +246,19 @@ def graphs(a, model, ids, token, dev, run_case, summary):
         creplay, _ = decode_step.capture(decode_step.inference(torch.compile(cstep, fullgraph=True)), dev)
         run_case("compiled-graph", creplay, map_path, n_map, *compiled_block, _mlp_bytes(mlp))
         del creplay
-    # 3. mlpfuse.patch'ed, its eager step captured, with a map of its own
-    summary["patch"] = str(mlpfuse.patch(model))[:2000]
-    pblock = block_alone(model.model.layers[0].mlp, a.batch)
-    pstep = decode_step.StaticStep(model, ids, token)
-    pmap, pn = graph_case("mlpfuse", a.out, model, pstep, model, a.layers)
-    preplay, _ = decode_step.capture(decode_step.inference(pstep), dev)
-    run_case("mlpfuse-eager-graph", preplay, pmap, pn, *pblock, _mlp_bytes(model.model.layers[0].mlp))
-    if a.fp8:  # 4. the same model patched in FP8 instead (the bf16 patch undone first)
+    # 3. mlpfuse.patch'ed, its eager step captured, with a map of its own; 4. (--fp8) the same model patched in FP8
+    # instead, the bf16 patch undone first
+    for name, precision in (("mlpfuse", None), *((("mlpfuse-fp8", "fp8"),) if a.fp8 else ())):
+        if precision is not None:
+            mlpfuse.unpatch(model)
+        summary[f"patch {name}"] = str(mlpfuse.patch(model, precision=precision))[:2000]
+        pmlp = model.model.layers[0].mlp
+        pblock = block_alone(pmlp, a.batch)
+        pstep = decode_step.StaticStep(model, ids, token)
+        pmap, pn = graph_case(name, a.out, model, pstep, model, a.layers)
+        preplay, _ = decode_step.capture(decode_step.inference(pstep), dev)
+        run_case(f"{name}-eager-graph", preplay, pmap, pn, *pblock, _mlp_bytes(pmlp))
         del preplay
-        mlpfuse.unpatch(model)
-        summary["patch_fp8"] = str(mlpfuse.patch(model, precision="fp8"))[:2000]
-        fmlp = model.model.layers[0].mlp
-        fblock = block_alone(fmlp, a.batch)
-        fstep = decode_step.StaticStep(model, ids, token)
-        fmap, fn = graph_case("mlpfuse-fp8", a.out, model, fstep, model, a.layers)
-        freplay, _ = decode_step.capture(decode_step.inference(fstep), dev)
-        run_case("mlpfuse-fp8-eager-graph", freplay, fmap, fn, *fblock, _mlp_bytes(fmlp))
-
 
 def main():
     ap = argparse.ArgumentParser()

@@ -150,3 +150,11 @@ def test_fp8_workload_variants_compute_the_block(variant):
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     err = ((got.double() - want).norm() / want.norm()).item()
     assert 1e-2 < err < FP8_TOLERANCE, err  # FP8 rounding shows (the bf16 block stays near 4e-3)
+
+
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs a CUDA GPU with FP8 tensor cores")
+def test_fp8_workload_widths_are_checked_before_building(tmp_path, capsys):
+    assert main(["profile", "geglu-mlp-fp8", "--device", "cuda", "--batch", "1", "--seq", "8", "--dim", "100",
+                 "--hidden", "256", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "--dim: geglu-mlp-fp8 takes multiples of 16" in err

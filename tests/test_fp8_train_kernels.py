@@ -8,21 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import HAS_CUDA, HAS_TRITON
+from conftest import HAS_TRITON
 from mlpfuse import activations, fp8, reference
+from test_fp8_kernels import ACC, DEVICE, SUB, U, _k
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
-
-U, SUB = fp8.UNIT_ROUNDOFF, fp8.SUBNORMAL_HALF_SPACING
-DEVICE = "cuda" if HAS_CUDA else "cpu"
-# fp32 accumulation; on a GPU the FP8 tensor cores' own (~14 bits within a 128-wide block, reference.py)
-ACC = reference.FP8_MMA_ACCUMULATION * 132 if HAS_CUDA else None
-
-
-def _k():
-    from mlpfuse.kernels import fp8_gemm
-
-    return fp8_gemm
 
 
 def _rand(gen, *shape, scale=1.0):

@@ -58,6 +58,12 @@ def _build_geglu(*, batch, seq, dim, hidden, bias=False, device, dtype):
 
 
 # CUDA defaults are the walkthrough's shapes (8192 tokens, 768 -> 3072); CPU defaults finish in well under a second.
+_GEGLU_SIZES = {
+    "batch": (8, 2, "sequences"),
+    "seq": (1024, 64, "tokens per sequence"),
+    "dim": (768, 128, "model width"),
+    "hidden": (3072, 512, "MLP hidden width"),
+}
 WORKLOADS: dict[str, WorkloadSpec] = {
     "linear": WorkloadSpec(
         "linear",
@@ -73,12 +79,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "geglu-mlp": WorkloadSpec(
         "geglu-mlp",
         "down(gelu_tanh(gate(x)) * up(x)) on x[batch, seq, dim]",
-        {
-            "batch": (8, 2, "sequences"),
-            "seq": (1024, 64, "tokens per sequence"),
-            "dim": (768, 128, "model width"),
-            "hidden": (3072, 512, "MLP hidden width"),
-        },
+        _GEGLU_SIZES,
         _build_geglu,
         # x and the output, three weights, and eager's [tokens, hidden] gate, up, gelu(gate) and product
         lambda batch, seq, dim, hidden: 2 * batch * seq * dim + 3 * dim * hidden + 4 * batch * seq * hidden,
@@ -87,15 +88,10 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         "geglu-mlp-fp8",
         "the same GeGLU MLP in FP8 (e4m3): eager and compile run the rowwise chain, x and h quantized by ops of "
         "their own around torch._scaled_mm; mlpfuse runs GatedMLP(precision='fp8'), its quantization inside its "
-        "kernels (needs a CUDA GPU with FP8 tensor cores, compute capability 8.9+)",
-        {
-            "batch": (8, 2, "sequences"),
-            "seq": (1024, 64, "tokens per sequence"),
-            "dim": (768, 128, "model width (a multiple of 16: torch._scaled_mm's rule)"),
-            "hidden": (3072, 512, "MLP hidden width (a multiple of 16)"),
-        },
+        "kernels (needs a CUDA GPU with FP8 tensor cores, compute capability 8.9+; widths multiples of 16)",
+        _GEGLU_SIZES,
         _build_geglu,
-        # the bf16 block's peak bounds the FP8 one's (its quantized copies are smaller than what it replaces)
+        # the bf16 block's peak, plus the quantized weight copies, bounds the FP8 one's
         lambda batch, seq, dim, hidden: 2 * batch * seq * dim + 4 * dim * hidden + 4 * batch * seq * hidden,
         fp8=True,
     ),
@@ -357,6 +353,11 @@ def build(
         if value is None or not 1 <= value <= MAX_SIZE:
             raise InputError(f"{_option(key)}: expected an integer from 1 to {MAX_SIZE}, got {sizes.get(key)!r}")
         chosen[key] = value
+    if spec.fp8:  # the rowwise peers' GEMM (torch._scaled_mm) takes widths in multiples of 16
+        for key in ("dim", "hidden"):
+            if chosen[key] % 16:
+                raise InputError(f"{_option(key)}: {workload} takes multiples of 16 (torch._scaled_mm's rule), "
+                                 f"got {chosen[key]}")
     _check_memory(spec, chosen, device, torch_dtype)
     use_bias = (workload == "linear") if bias is None else bool(bias)
     torch.manual_seed(seed)
