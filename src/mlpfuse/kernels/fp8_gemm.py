@@ -74,15 +74,17 @@ def _quantize_rows(v, EMULATE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def mlpfuse_fp8_quantize_kernel(x, q, s, M, K, sxm, sqm, ssm, BM: tl.constexpr, EMULATE: tl.constexpr,
+def mlpfuse_fp8_quantize_kernel(x, q, s, M, K, sxm, sxk, sqm, ssm, BM: tl.constexpr, EMULATE: tl.constexpr,
                                 I64: tl.constexpr):
+    """x [M, K] (any strides: sxk is 1 for a row-major x, sxm for a transposed view) → e4m3 values and 1×128 scales,
+    row-major."""
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     b = tl.program_id(1)
     rk = b * 128 + tl.arange(0, 128)
     if I64:
         rm = rm.to(tl.int64)
     mask = (rm[:, None] < M) & (rk[None, :] < K)
-    v = tl.load(x + rm[:, None] * sxm + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(x + rm[:, None] * sxm + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
     values, scale = _quantize_rows(v, EMULATE)
     tl.store(q + rm[:, None] * sqm + rk[None, :], values, mask=mask)
     tl.store(s + rm * ssm + b, scale, mask=rm < M)
@@ -424,8 +426,8 @@ def _pointer_launch(launcher, key, grid, ints, consts, warps, stages, device, pd
     return plan if plan.raw is not None else None
 
 
-def _check_act(x: torch.Tensor, name: str = "x") -> None:
-    if x.dim() != 2 or x.stride(-1) != 1:
+def _check_act(x: torch.Tensor, name: str = "x", any_strides: bool = False) -> None:
+    if x.dim() != 2 or (x.stride(-1) != 1 and not any_strides):
         raise InputError(f"{name}: expected a 2-D tensor with unit inner stride, got shape {tuple(x.shape)} "
                          f"strides {x.stride()}")
 
@@ -468,8 +470,9 @@ def _check_operands(w1, s1, w2, s2, b1, b2, k: int, like: torch.Tensor, rows: bo
 
 def quantize(x: torch.Tensor, block_m: int = 32, *, norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0,
              norm_kind: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (unit inner stride) → (values e4m3 [M, K], scale_inv fp32 [M, ceil(K/128)]): fp8.quantize_activation
-    in one pass; with `norm_kind` (NORM_WEIGHT_AFTER or NORM_ONE_PLUS), of x read through an RMSNorm of weight
+    """x [M, K] → (values e4m3 [M, K], scale_inv fp32 [M, ceil(K/128)], both row-major): fp8.quantize_activation in one
+    pass — x in any strides (a transposed view quantizes along its source's first dimension, no copy made); with
+    `norm_kind` (NORM_WEIGHT_AFTER or NORM_ONE_PLUS), of x (unit inner stride) read through an RMSNorm of weight
     `norm_weight` (ops.norm.rms_norm's rounding), the norm's output never written."""
     plan_key = _plan_key("quantize", (x,), (norm_weight,), block_m, norm_eps, norm_kind)
     plan = _plans.get(plan_key) if plan_key is not None else None
@@ -478,7 +481,7 @@ def quantize(x: torch.Tensor, block_m: int = 32, *, norm_weight: torch.Tensor | 
         s = torch.empty(x.shape[0], -(-x.shape[1] // GROUP), device=x.device, dtype=fp8.SCALE_DTYPE)
         plan.launch((x, q, s) if norm_kind == NORM_NONE else (x, norm_weight, q, s))
         return q, s
-    _check_act(x)
+    _check_act(x, any_strides=norm_kind == NORM_NONE)
     _check_norm(norm_weight, norm_eps, norm_kind, x)
     m, k = x.shape
     q = torch.empty(m, k, device=x.device, dtype=fp8.DTYPE)
@@ -490,11 +493,11 @@ def quantize(x: torch.Tensor, block_m: int = 32, *, norm_weight: torch.Tensor | 
     strides = (x.stride(0), q.stride(0), s.stride(0))
     if norm_kind == NORM_NONE:
         launcher, tensors, grid = _quantize_launch, (x, q, s), (triton.cdiv(m, bm), s.shape[1])
-        ints, consts = (m, k, *strides), (bm, _EMULATE, i64)
+        ints, consts = (m, k, strides[0], x.stride(1), *strides[1:]), (bm, _EMULATE, i64)
     else:
         launcher, tensors, grid = _norm_quantize_launch, (x, norm_weight, q, s), (triton.cdiv(m, bm),)
         ints, consts = (m, k, *strides, float(norm_eps)), (bm, norm_kind, _EMULATE, i64)
-    key = (x.dtype, consts, C.align16(x), k % 16 == 0, x.stride(0) % 16 == 0,
+    key = (x.dtype, consts, C.align16(x), k % 16 == 0, *((t == 1, t % 16 == 0) for t in x.stride()),
            norm_weight is None or C.align16(norm_weight))
     launcher(key, grid, (*tensors, *ints), consts, num_warps=4, num_stages=1)
     plan = _pointer_launch(launcher, key, grid, ints, consts, 4, 1, x.device) if plan_key else None

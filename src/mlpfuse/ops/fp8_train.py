@@ -15,8 +15,9 @@ The master weights stay in their dtype (the optimizer's); each step quantizes th
 backward: nothing weight-sized is kept between the two). What the step keeps for the backward: x in e4m3 with its
 scales, g and u in e4m3 with theirs.
 
-This first form composes the kernels with PyTorch ops between them (the GLU backward in fp32, the transposes):
-correct against the oracle, not yet tuned (no fused GLU-backward epilogue, no fused transposing quantization).
+This first form composes the kernels with PyTorch ops between them (the GLU backward in fp32, the weights'
+transposes; the quantization along the tokens reads transposed views): correct against the oracle, not yet tuned
+(no GLU-backward epilogue in the dh GEMM, h rebuilt in fp32).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def _transposed(w: fp8.Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _along_tokens(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """t [M, N] quantized 128×1 (one scale per channel and 128 consecutive tokens), as tᵀ [N, M] with 1×128 scales:
-    the layout a GEMM contracting over the tokens reads."""
-    return _kernels().quantize(t.t().contiguous())
+    the layout a GEMM contracting over the tokens reads (the kernel reads t's transposed view: no copy of t)."""
+    return _kernels().quantize(t.t())
 
 
 def _reference_path(device: torch.device, backend: str) -> bool:
