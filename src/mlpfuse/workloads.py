@@ -102,8 +102,10 @@ def fp8_unavailable(device: str) -> str | None:
     """Why `device` cannot run the FP8 workloads (None when it can): FP8 tensor cores, compute capability 8.9+."""
     if not device.startswith("cuda"):
         return f"needs a CUDA GPU with FP8 tensor cores (compute capability 8.9+); this run is on {device}"
+    from mlpfuse.ops.fp8_mlp import MIN_CAPABILITY
+
     cap = torch.cuda.get_device_capability(torch.device(device))
-    if cap < (8, 9):
+    if cap < MIN_CAPABILITY:
         return f"needs FP8 tensor cores (compute capability 8.9+); {device} has {cap[0]}.{cap[1]}"
     return None
 

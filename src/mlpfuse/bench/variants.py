@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from mlpfuse import activations
 from mlpfuse.bench.presets import Case
-from mlpfuse.workloads import rowwise_fp8, rowwise_fp8_chain, scaled_mm
+from mlpfuse.workloads import fp8_unavailable, rowwise_fp8, rowwise_fp8_chain, scaled_mm
 from mlpfuse.errors import InputError
 
 Step = Callable[[], "torch.Tensor | tuple[torch.Tensor, ...]"]
@@ -338,12 +338,7 @@ def _mlpfuse_builder(backend: str) -> Callable[[Problem], Step]:
 
 def _fp8_missing() -> str | None:
     """Why the CUDA FP8 variants cannot run here (they need FP8 tensor cores: compute capability 8.9+)."""
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU with FP8 tensor cores"
-    cap = torch.cuda.get_device_capability()
-    if cap < (8, 9):
-        return f"needs FP8 tensor cores (compute capability 8.9+), this GPU has {cap[0]}.{cap[1]}"
-    return None
+    return fp8_unavailable("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _fp8_skip(case: Case) -> str | None:

@@ -72,15 +72,6 @@ def _device_facts(index: int) -> tuple[int, int]:
     return props.multi_processor_count, props.major
 
 
-@functools.lru_cache(maxsize=None)
-def _pdl_card(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
-def pdl_ok(t: torch.Tensor) -> bool:
-    """Whether kernels working on `t` can launch as programmatic dependents (PDL): CUDA sm90+, not the interpreter.
-    Where not, they launch as usual, and their PDL constexpr is off."""
-    return not INTERPRET and t.is_cuda and _pdl_card(t.get_device())
 
 
 def num_sms(device: torch.device) -> int:
@@ -106,6 +97,12 @@ def arch_major(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return _device_facts(device.index if device.index is not None else torch.cuda.current_device())[1]
+
+
+def pdl_ok(t: torch.Tensor) -> bool:
+    """Whether kernels working on `t` can launch as programmatic dependents (PDL): CUDA sm90+, not the interpreter.
+    Where not, they launch as usual, and their PDL constexpr is off."""
+    return not INTERPRET and t.is_cuda and arch_major(t.device) >= 9
 
 
 def tma_capable(device: torch.device) -> bool:
