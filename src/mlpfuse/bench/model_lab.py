@@ -264,7 +264,6 @@ def _prepare_steps(variant: str, module: torch.nn.Module, built: models.Built, c
                    settings: LabSettings, device: torch.device) -> Prepared:
     compiled = "compile" in variant
     kind = built.kind
-    module.train(case.mode == "train")
 
     if case.mode == "decode":
         return _prepare_decode(variant, module, built, case, ids, settings, device, compiled)
