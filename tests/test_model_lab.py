@@ -439,9 +439,10 @@ def test_a_replay_keeps_the_captured_step_alive():
     assert alive() is None
 
 
-def test_precision_fp8_adds_the_fp8_patched_model_for_inference_and_skips_training(tmp_path):
+def test_precision_fp8_adds_the_fp8_patched_model_for_inference_and_training(tmp_path):
     """--precision fp8: the lab's FP8 rows are mlpfuse.patch(model, precision='fp8') (every MLP swapped, logits off
-    fp32's by FP8's error, not bf16's), eager and compiled; training skips them with why."""
+    fp32's by FP8's error, not bf16's), eager and compiled; in training the same patch trains every MLP GEMM in
+    FP8 (its error FP8's too); the FP8 decode-kernel switches skip training with why."""
     code, data, out = run_lab(tmp_path, "--model", "llama3-8b", "--mode", "prefill,train", "--precision", "fp8",
                               "--variants", "eager,mlpfuse,mlpfuse-fp8,mlpfuse-fp8-compile", "--compile-backend",
                               "eager")
@@ -451,8 +452,12 @@ def test_precision_fp8_adds_the_fp8_patched_model_for_inference_and_skips_traini
         pre, train = rows[("prefill", v)], rows[("train", v)]
         assert pre["status"] == "ok" and pre["patched"] == 2, pre["error"]
         assert 1e-4 < pre["rel_err"] < 0.12 and rows[("prefill", "mlpfuse")]["rel_err"] < 1e-5
-        assert train["status"] == "skipped" and "inference only" in train["error"]
+        assert train["status"] == "ok" and train["patched"] == 2, train["error"]
+        assert 1e-4 < train["rel_err"] < 0.12 and rows[("train", "mlpfuse")]["rel_err"] < 1e-5
     assert "--precision fp8" in data["meta"]["command"]
+    code, data, _ = run_lab(tmp_path / "switch", "--model", "llama3-8b", "--mode", "train", "--variants",
+                            "eager,mlpfuse-fp8-nonorm")
+    assert code == 0 and "inference only" in rows_by(data)[("train", "mlpfuse-fp8-nonorm")]["error"]
     from mlpfuse.bench import model_lab
 
     assert model_lab.parse_variants(None, "fp8") == list(model_lab.FP8_VARIANTS)

@@ -11,8 +11,9 @@ Variants, each on its own copy of the model's module tree sharing one set of wei
                       mlpfuse.patch(model, recompute=True) (training keeps only each MLP's input; the backward
                       recomputes the pre-activations), eager and compiled; asked for by name, not in the default set
     mlpfuse-fp8, mlpfuse-fp8-compile
-                      mlpfuse.patch(model, precision="fp8") (each swapped gated or two-layer MLP in FP8; inference
-                      modes only), eager and compiled; by name, or with --precision fp8
+                      mlpfuse.patch(model, precision="fp8") (each swapped gated or two-layer MLP in FP8; in train
+                      mode every GEMM of its forward and backward on bf16 weights), eager and compiled; by name, or
+                      with --precision fp8
     mlpfuse-noresidual, mlpfuse-compile-noresidual, mlpfuse-nopdl, mlpfuse-compile-nopdl
                       A/B of one part of mlpfuse in the same run: patch(fuse_residuals=False) (each layer keeps its
                       add after the MLP), or the decode kernels' plans made with kernels.decode_mlp.PDL off
@@ -523,8 +524,8 @@ def _skip_reason(variant: str, built: models.Built, case: LabCase, device: torch
         return f"a {built.kind} LM does not generate"
     if variant == "compile-checkpoint" and case.mode != "train":
         return "activation checkpointing changes training only"
-    if variant.startswith("mlpfuse-fp8") and case.mode == "train":
-        return "precision='fp8' is inference only"
+    if variant in ("mlpfuse-fp8-pdl", "mlpfuse-fp8-nonorm", "mlpfuse-fp8-onekernel") and case.mode == "train":
+        return "switches an FP8 decode kernel: inference only"
     if variant == "liger":
         missing = liger_missing(device)
         if missing:
