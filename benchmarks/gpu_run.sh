@@ -138,9 +138,10 @@ for spec in "$@"; do
         fp8-stream) run_step fp8-stream "$secs" python3 benchmarks/fp8_stream_probe.py ;;
         fp8-stream-unroll) run_step fp8-stream-unroll "$secs" python3 benchmarks/fp8_stream_probe.py --unroll ;;
         fp8-train) run_step fp8-train "$secs" bash -c "python3 -m pytest -q -p no:cacheprovider \
-            tests/test_fp8_train_kernels.py tests/test_fp8_train.py && python3 -m mlpfuse bench --model llama3-8b \
-            --layers 4 --tokens 2x2048 --mode train --variants eager,compile,mlpfuse,mlpfuse-save-fp8,mlpfuse-fp8 \
-            --rounds 5 --out '$W/model-fp8-train'" ;;
+            tests/test_fp8_train_kernels.py tests/test_fp8_train.py; python3 -m mlpfuse bench --model llama3-8b \
+            --layers 4 --tokens 2x2048 --mode train --variants \
+            eager,compile,mlpfuse,mlpfuse-save-fp8,mlpfuse-fp8,mlpfuse-fp8-compile --rounds 3 \
+            --out '$W/model-fp8-train'" ;;
         train-share) run_step train-share "$secs" python3 benchmarks/train_share.py --json "$W/train_share.json" ;;
         graph-profile-fp8) run_step graph-profile-fp8 "$secs" python3 benchmarks/graph_profile_gpu.py "$W/graph-profile" \
             --fp8 --skip-roofline --skip-compiled ;;
