@@ -76,15 +76,18 @@ def test_quantizing_a_transposed_view_is_the_recipe_on_its_copy(dtype):
     """quantize(t.t()) (the weight gradients' operands, grouped along the tokens) reads the view as it is: bit for
     bit fp8.quantize_activation of the contiguous copy, with NaN, zero and partial groups; a strided slice too."""
     gen = torch.Generator().manual_seed(8)
-    t = torch.randn(300, 70, generator=gen) * 2.0 ** torch.randint(-10, 10, (300, 1), generator=gen)
-    t[5, 3] = float("nan")
-    t[:, 9] = 0
-    t = t.to(DEVICE, dtype)
-    for view in (t.t(), t[::2, 1::3].t()):
-        q, s = _k().quantize(view)
-        rq, rs = fp8.quantize_activation(view.contiguous())
-        assert q.is_contiguous() and torch.equal(s.nan_to_num(7.0), rs.nan_to_num(7.0))
-        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    # token counts (the views' K) from one scale group to several, in that order: on a GPU each launch's compiled
+    # form is cached by a key that must tell their scale strides apart (1 against 2 and 3)
+    for tokens in (70, 96, 256, 300):
+        t = torch.randn(tokens, 70, generator=gen) * 2.0 ** torch.randint(-10, 10, (tokens, 1), generator=gen)
+        t[5, 3] = float("nan")
+        t[:, 9] = 0
+        t = t.to(DEVICE, dtype)
+        for view in (t.t(), t[::2, 1::3].t()):
+            q, s = _k().quantize(view)
+            rq, rs = fp8.quantize_activation(view.contiguous())
+            assert q.is_contiguous() and torch.equal(s.nan_to_num(7.0), rs.nan_to_num(7.0)), tokens
+            assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), tokens
 
 
 def test_save_gu_needs_a_gated_quantized_call():

@@ -497,8 +497,9 @@ def quantize(x: torch.Tensor, block_m: int = 32, *, norm_weight: torch.Tensor | 
     else:
         launcher, tensors, grid = _norm_quantize_launch, (x, norm_weight, q, s), (triton.cdiv(m, bm),)
         ints, consts = (m, k, *strides, float(norm_eps)), (bm, norm_kind, _EMULATE, i64)
-    key = (x.dtype, consts, C.align16(x), k % 16 == 0, *((t == 1, t % 16 == 0) for t in x.stride()),
-           norm_weight is None or C.align16(norm_weight))
+    # K itself: besides x's strides it sets q's row stride (K) and s's (ceil(K / 128)), each specialized by value
+    # class (== 1, multiple of 16); a key without them ran a K ≤ 128 kernel (s's stride the constant 1) at larger K.
+    key = (x.dtype, consts, C.align16(x), k, x.stride(), norm_weight is None or C.align16(norm_weight))
     launcher(key, grid, (*tensors, *ints), consts, num_warps=4, num_stages=1)
     plan = _pointer_launch(launcher, key, grid, ints, consts, 4, 1, x.device) if plan_key else None
     if plan is not None:
