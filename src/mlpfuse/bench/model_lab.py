@@ -14,9 +14,11 @@ Variants, each on its own copy of the model's module tree sharing one set of wei
                       mlpfuse.patch(model, precision="fp8") (each swapped gated or two-layer MLP in FP8; in train
                       mode every GEMM of its forward and backward on bf16 weights), eager and compiled; by name, or
                       with --precision fp8
-    mlpfuse-noresidual, mlpfuse-compile-noresidual, mlpfuse-nopdl, mlpfuse-compile-nopdl
+    mlpfuse-noresidual, mlpfuse-compile-noresidual, mlpfuse-nopdl, mlpfuse-compile-nopdl, mlpfuse-noattn,
+    mlpfuse-compile-noattn, mlpfuse-fp8-noattn, mlpfuse-fp8-compile-noattn
                       A/B of one part of mlpfuse in the same run: patch(fuse_residuals=False) (each layer keeps its
-                      add after the MLP), or the decode kernels' plans made with kernels.decode_mlp.PDL off
+                      add after the MLP), patch(fuse_attention=False) (the attention's projections and its input norm
+                      as the model runs them), or the decode kernels' plans made with kernels.decode_mlp.PDL off
                       (launched without programmatic dependent launch; meant for decode-step, whose graphs are
                       captured while the setting holds); by name only
     mlpfuse-fp8-pdl   mlpfuse-fp8 with the FP8 weight-only decode kernels launched as programmatic dependents
@@ -77,7 +79,8 @@ DEFAULT_VARIANTS = ("eager", "compile", "liger", "mlpfuse", "mlpfuse-compile")
 VARIANTS = (*DEFAULT_VARIANTS, "mlpfuse-recompute", "mlpfuse-recompute-compile", "compile-checkpoint", "mlpfuse-fp8",
             "mlpfuse-fp8-compile", "mlpfuse-noresidual", "mlpfuse-compile-noresidual", "mlpfuse-nopdl",
             "mlpfuse-compile-nopdl", "compile-pdl", "mlpfuse-compile-pdl", "mlpfuse-save-fp8", "mlpfuse-fp8-nonorm",
-            "mlpfuse-fp8-onekernel", "mlpfuse-balanced", "mlpfuse-compile-balanced", "mlpfuse-fp8-pdl")
+            "mlpfuse-fp8-onekernel", "mlpfuse-balanced", "mlpfuse-compile-balanced", "mlpfuse-fp8-pdl",
+            "mlpfuse-noattn", "mlpfuse-compile-noattn", "mlpfuse-fp8-noattn", "mlpfuse-fp8-compile-noattn")
 FP8_VARIANTS = ("eager", "compile", "mlpfuse", "mlpfuse-compile", "mlpfuse-fp8", "mlpfuse-fp8-compile")
 _MODE_ALIASES = {"fwd": "prefill", "forward": "prefill", "generate": "decode", "fwd+bwd": "train",
                  "step": "decode-step"}
@@ -250,7 +253,8 @@ def prepare(variant: str, built: models.Built, case: LabCase, ids: torch.Tensor,
 
         report = patch(module, backend=settings.backend, recompute="recompute" in variant,
                        precision="fp8" if variant.startswith("mlpfuse-fp8") else None,
-                       fuse_residuals="noresidual" not in variant, save="fp8" if "save-fp8" in variant else "high")
+                       fuse_residuals="noresidual" not in variant, save="fp8" if "save-fp8" in variant else "high",
+                       fuse_attention="noattn" not in variant)
         if not report.changed:  # timed all the same: what a user who patches this model runs is eager's model
             reasons = "; ".join(sorted({item.reason for item in report.left})) or "no MLP block mlpfuse recognises"
             note = f"mlpfuse.patch swapped nothing, so this is the unpatched model: {reasons}"

@@ -124,9 +124,14 @@ def _problem(norm: Optional[nn.Module], block: "blocks.GatedBlock"):
         return "the layer holds no module under that name"
     if block.fused_in_scale != 1.0:
         return "the block scales its input (a gate multiplier)"
+    return rms_kind(norm, block._modules[block.fused_linears[0]].weight.shape[1])
+
+
+def rms_kind(norm: nn.Module, width: int):
+    """(kind, eps) when `norm` is an RMSNorm of one [width] weight in one of the two conventions (ops.norm.KINDS),
+    checked on random rows; else why not."""
     params = dict(norm.named_parameters(recurse=False))
     weight = params.get("weight")
-    width = block._modules[block.fused_linears[0]].weight.shape[1]
     if set(params) != {"weight"} or list(norm.children()) or weight.shape != (width,):
         return f"not an RMSNorm with one [{width}] weight"
     eps = next((getattr(norm, n) for n in ("variance_epsilon", "eps") if isinstance(getattr(norm, n, None), float)),
@@ -176,7 +181,7 @@ def _passthrough(cls: type) -> type:
         return _rebuild, (cls, self.__getstate__())
 
     def extra_repr(self) -> str:
-        return ", ".join(part for part in (cls.extra_repr(self), "applied by the block after it (mlpfuse)") if part)
+        return ", ".join(part for part in (cls.extra_repr(self), "applied by the module after it (mlpfuse)") if part)
 
     return type(cls.__name__, (cls,), {"forward": forward, "__reduce_ex__": __reduce_ex__, "extra_repr": extra_repr,
                                        "_mlpfuse_norm_of": cls, "__module__": cls.__module__})

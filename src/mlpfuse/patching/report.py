@@ -44,6 +44,13 @@ class FusedResidual:
     by: str = "its down projection's epilogue"  # FP8 blocks: in the weight-only epilogue at decode sizes only
 
 
+@dataclass(frozen=True)
+class FusedProjections:
+    path: str  # the module (an attention) whose forward now computes these projections in one call
+    names: str  # its children projected together ("q_proj+k_proj+v_proj")
+    outputs: str = ""  # its other nn.Linear children now on the decode kernel ("o_proj")
+
+
 @dataclass
 class PatchReport:
     model: str
@@ -56,6 +63,8 @@ class PatchReport:
     fp8_kept: list[Left] = field(default_factory=list)  # swapped blocks left in their dtype by precision="fp8"
     residuals: list[FusedResidual] = field(default_factory=list)  # layers whose add after the MLP the block does
     residuals_kept: list[Left] = field(default_factory=list)  # layers that keep their own add, with why
+    projections: list[FusedProjections] = field(default_factory=list)  # attentions' projections in one decode call
+    projections_kept: list[Left] = field(default_factory=list)  # modules whose projections stay apart, with why
 
     @property
     def changed(self) -> bool:
@@ -73,6 +82,8 @@ class PatchReport:
             "fp8_kept": [asdict(n) for n in self.fp8_kept],
             "residuals": [asdict(n) for n in self.residuals],
             "residuals_kept": [asdict(n) for n in self.residuals_kept],
+            "projections": [asdict(n) for n in self.projections],
+            "projections_kept": [asdict(n) for n in self.projections_kept],
         }
 
     def summary(self) -> str:
@@ -88,6 +99,8 @@ class PatchReport:
             parts.append(f"{len(self.norms)} norms fused")
         if self.residuals:
             parts.append(f"{len(self.residuals)} residual adds fused")
+        if self.projections:
+            parts.append(f"{len(self.projections)} projection groups fused")
         errors = [s.fp8_error for s in self.swapped if s.precision in ("fp8", "fp8-train")]
         if errors or self.fp8_kept:
             spread = f" (output error vs float64 {min(errors):.2g}–{max(errors):.2g})" if errors else ""
@@ -118,6 +131,11 @@ class PatchReport:
             groups.setdefault(("residual", f"the add after {into} done by {r.by}"), []).append(r.path)
         for item in self.residuals_kept:
             groups.setdefault(("residual", f"{item.source} keeps its add: {item.reason}"), []).append(item.path)
+        for p in self.projections:
+            outs = f"; {p.outputs} on the decode kernel" if p.outputs else ""
+            groups.setdefault(("proj", f"{p.names} in one decode call{outs}"), []).append(p.path)
+        for item in self.projections_kept:
+            groups.setdefault(("proj", f"{item.source} keeps its projections: {item.reason}"), []).append(item.path)
         for item in self.fp8_kept:
             groups.setdefault(("not fp8", f"{item.source} stays in its dtype: {item.reason}"), []).append(item.path)
         return [f"  {kind:8s} {fold_paths(paths)}  {what}" + (f"  [{len(paths)}x]" if len(paths) > 1 else "")

@@ -131,6 +131,13 @@ def rewritten(layer_cls: type, block_name: str):
         if rewriter.calls == 0:
             return None
         return rewriter.why or "the layer's forward does not add a residual to the MLP's output"
+    forward = rebuilt(raw, tree, func)
+    return forward if isinstance(forward, str) else _subclass(layer_cls, block_name, forward)
+
+
+def rebuilt(raw, tree: ast.Module, func: ast.FunctionDef):
+    """The forward `raw` compiled again from its rewritten source `tree` (whose one function is `func`), in its
+    module's globals and under its own decorators; a string saying why not."""
     if not _same_code(raw):
         return "its source file no longer compiles to the loaded forward (changed on disk since import?)"
     if raw.__code__.co_freevars:
@@ -143,10 +150,9 @@ def rewritten(layer_cls: type, block_name: str):
         code = compile(tree, raw.__code__.co_filename, "exec", flags=__future__.annotations.compiler_flag,
                        dont_inherit=True)
         exec(code, raw.__globals__, namespace)
-    except Exception as exc:  # noqa: BLE001 - a forward that cannot be rebuilt keeps its add, with why
+    except Exception as exc:  # noqa: BLE001 - a forward that cannot be rebuilt stays as it is, with why
         return f"its forward could not be rebuilt ({one_line(exc)})"
-    forward = namespace[func.name]
-    return _subclass(layer_cls, block_name, forward)
+    return namespace[func.name]
 
 
 def _same_code(raw) -> bool:

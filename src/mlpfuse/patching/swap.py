@@ -16,14 +16,14 @@ import torch.nn as nn
 from mlpfuse.errors import InputError
 from mlpfuse.ops import _checks, dispatch
 from mlpfuse.modules import _check_precision, check_save
-from mlpfuse.patching import blocks, checks, norms, quantize, residual, structure, table
+from mlpfuse.patching import attention, blocks, checks, norms, quantize, residual, structure, table
 from mlpfuse.patching.report import Left, PatchReport, Swapped
 from mlpfuse.patching.verify import one_line, verify_block
 
 
 def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = True,
           fuse_norms: bool = True, recompute: bool = False, precision: Optional[str] = None,
-          fuse_residuals: bool = True, save: str = "high") -> PatchReport:
+          fuse_residuals: bool = True, save: str = "high", fuse_attention: bool = True) -> PatchReport:
     """Swap, in place, every MLP block of `model` that mlpfuse recognises (by class name or by structure) for a
     fused one; return the report.
 
@@ -47,6 +47,11 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
     "fp8-train"); `unpatch` gives the untouched modules back.
     save: "high" or "fp8": the swapped gated blocks' training keeps g and u in the FP8 recipe (written by the
     gated GEMM's epilogue; half their memory), as GatedMLP(save="fp8").
+    fuse_attention: a module whose forward projects one input through several of its own nn.Linear children (an
+    attention's q, k and v) computes them in one call, one decode kernel launch at decode sizes, with the RMSNorm
+    in front of it in that kernel's prologue where the layer shows that only those projections read it (with
+    fuse_norms); its other nn.Linear children called once (the output projection) take the decode kernel too
+    (mlpfuse.patching.attention). Checked on numbers like every swap; elsewhere the same GEMMs run as before.
     Parameters are reused (same objects), state_dict keys do not change, a second call changes nothing, and
     `unpatch(model)` puts the original modules back.
     """
@@ -55,6 +60,7 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
     backend_name = dispatch.check_backend_name(backend)
     _checks.flag("fuse_norms", fuse_norms)
     _checks.flag("fuse_residuals", fuse_residuals)
+    _checks.flag("fuse_attention", fuse_attention)
     _checks.flag("recompute", recompute)
     precision = _check_precision(precision)
     save = check_save(save, recompute, precision)
@@ -82,6 +88,8 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
             norms.fuse_norms(model, report)
         if fuse_residuals:
             residual.fuse_residuals(model, report)
+        if fuse_attention:
+            attention.fuse_projections(model, report, backend_name, fuse_norms)
     return report
 
 
@@ -92,6 +100,7 @@ def unpatch(model: nn.Module) -> list[str]:
         raise InputError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     norms.restore_norms(model)
     residual.restore_residuals(model)
+    attention.restore_projections(model)
     restored: list[str] = []
 
     def walk(parent: nn.Module, prefix: str) -> None:
