@@ -268,16 +268,25 @@ def test_training_and_prefill_run_the_models_own_projections():
         assert float((g - g2).norm() / g2.norm()) < 1e-4, name
 
 
-def test_compiled_decode_steps_equal_eager_ones():
-    """torch.compile(fullgraph=True, backend="aot_eager") over the patched model's decode call: one
-    mlpfuse::decode_projections node per attention, the same kernels, logits bit for bit eager's."""
+def test_compiled_projections_equal_eager_ones_and_the_model_compiles_whole():
+    """torch.compile(fullgraph=True, backend="aot_eager"): the attention's fused call (norm handed over) records one
+    mlpfuse::decode_projections node running the same kernel, bit for bit the eager call; the patched model's decode
+    call compiles without a graph break to the eager logits (its MLP's decode kernels sum with atomics: not bit for
+    bit run to run)."""
     import mlpfuse
 
     model = _llama(layers=1)
     mlpfuse.patch(model, backend="triton")
+    attn = model.model.layers[0].self_attn
+    assert attn.__dict__["_mlpfuse_projections_state"].norm is not None
+    x = torch.randn(1, 2, 256, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     ids = torch.randint(0, 300, (1, 1), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     with torch.no_grad():
-        want = model(ids, use_cache=False).logits
+        want = attn._mlpfuse_projections(x)
         torch._dynamo.reset()
-        got = torch.compile(lambda t: model(t, use_cache=False).logits, backend="aot_eager", fullgraph=True)(ids)
-    assert torch.equal(got, want)
+        got = torch.compile(attn._mlpfuse_projections, backend="aot_eager", fullgraph=True)(x)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        logits = model(ids, use_cache=False).logits
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda t: model(t, use_cache=False).logits, backend="aot_eager", fullgraph=True)(ids)
+    assert float((compiled - logits).norm() / logits.norm()) < 1e-5
