@@ -217,10 +217,12 @@ def test_auto_patches_an_encoder_layer_as_eager_math_with_fewer_module_calls(nam
     after = _module_forwards(model, batch)
     n = spec.mlps  # layers
     # Per layer, before: the intermediate with its dense and activation (3), each output block with its dense,
-    # dropout and norm (2 × 4); after: the three blocks' own calls.
-    assert before.total() - after.total() == n * (3 + 2 * 4 - 3)
-    assert before - after == {"Linear": 3 * n, "LayerNorm": 2 * n, "Dropout": 2 * n, "GELUActivation": n,
+    # dropout and norm (2 × 4), the self-attention's query, key and value (3); after: the three blocks' own calls
+    # (the attention's three projections are one call of its own forward, mlpfuse.patching.attention).
+    assert before.total() - after.total() == n * (3 + 2 * 4 - 3 + 3)
+    assert before - after == {"Linear": 6 * n, "LayerNorm": 2 * n, "Dropout": 2 * n, "GELUActivation": n,
                               **{cls: n for cls in spec.layer}}
+    assert [p.names for p in report.projections] == ["query+key+value"] * n
 
 
 def _module_forwards(model, batch) -> collections.Counter:
