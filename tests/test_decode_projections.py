@@ -66,6 +66,25 @@ def test_each_projection_is_the_float64_product_within_the_dtypes_roundings(dtyp
         assert bool(((o.double() - w).abs() <= slack * s * 2 + eps * w.abs() + 1e-6).all())
 
 
+def test_a_repeated_layout_computes_each_calls_own_input():
+    """Calls repeating a layout (on a GPU, the launch kept from the first: outputs fresh, the tensors' addresses
+    read again) give each call's own product: new x, new residual, a norm weight changed in place."""
+    gen = torch.Generator().manual_seed(9)
+    ws = [(torch.randn(n, 96, generator=gen) / 10).to(DEVICE) for n in (48, 16)]
+    nw = torch.ones(96, device=DEVICE)
+    for i in range(3):
+        x = torch.randn(2, 96, generator=gen).to(DEVICE)
+        nw.mul_(1.5)
+        outs = _kernel().decode_linear(x, ws, norm_weight=nw, norm_eps=1e-6, norm_kind=1)
+        want, sizes = _reference(x, ws, [None, None], nw, 1e-6, 1, None)
+        for o, w, s_ in zip(outs, want, sizes):
+            assert bool(((o.double() - w).abs() <= 1e-3 * s_ + 1e-6).all()), i
+        res = torch.randn(2, 48, generator=gen).to(DEVICE)
+        (o,) = _kernel().decode_linear(x, ws[:1], residual=res)
+        want, sizes = _reference(x, ws[:1], [None], None, 0.0, 0, res)
+        assert bool(((o.double() - want[0]).abs() <= 1e-3 * sizes[0] + 1e-6).all()), i
+
+
 def test_rows_past_a_nan_stay_their_own_and_empty_calls_return_empty():
     """A NaN in one row of x reaches that row's outputs only (the norm's sum of squares is per row); no rows, or no
     K, gives the biases (plus the residual)."""

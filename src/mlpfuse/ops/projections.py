@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mlpfuse.ops import dispatch
+from mlpfuse.ops import _checks, dispatch
 from mlpfuse.ops._util import autocast_dtype, leading, needs_grad, op_span, plain_eager, profiling
 
 _MODULE = "decode_linear"
@@ -50,15 +50,16 @@ def _max_rows() -> int:
 def kernel_path(x: Tensor, weights: List[Tensor], biases: List[Optional[Tensor]], norm_weight: Optional[Tensor],
                 backend: str) -> bool:
     """Whether the decode kernel runs this (inference-sized) call: "triton" wherever Triton runs, "auto" on a
-    Hopper-class GPU in 16-bit dtypes, "torch" never; every tensor in x's dtype, the weights one row stride."""
+    Hopper-class GPU in 16-bit dtypes, "torch" never; every tensor in x's dtype, the weights plain tensors with one
+    row stride."""
     name = dispatch.resolve_backend(backend)
     if name == "torch" or dispatch.triton_unavailable(x, _MODULE) is not None:
         return False
     if name == "auto" and not dispatch._auto_may_use(x.device, x.dtype, _MODULE):
         return False
     dtype = x.dtype
-    if any(w.dtype != dtype or w.stride(-1) != 1 for w in weights):
-        return False
+    if any(type(w) not in _checks.PLAIN or w.dtype != dtype or w.stride(-1) != 1 for w in weights):
+        return False  # a DTensor (tensor parallelism) or another subclass: its own GEMMs
     if any(b is not None and b.dtype != dtype for b in biases) or len({b is None for b in biases}) > 1:
         return False
     strides = {w.stride(0) for w in weights if w.shape[0] > 1}
