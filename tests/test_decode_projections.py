@@ -67,8 +67,8 @@ def test_each_projection_is_the_float64_product_within_the_dtypes_roundings(dtyp
 
 
 def test_a_repeated_layout_computes_each_calls_own_input():
-    """Calls repeating a layout (on a GPU, the launch kept from the first: outputs fresh, the tensors' addresses
-    read again) give each call's own product: new x, new residual, a norm weight changed in place."""
+    """Calls repeating a layout (on a GPU the compiled kernel kept from the first, launched directly) give each
+    call's own product: new x, new residual, a norm weight changed in place."""
     gen = torch.Generator().manual_seed(9)
     ws = [(torch.randn(n, 96, generator=gen) / 10).to(DEVICE) for n in (48, 16)]
     nw = torch.ones(96, device=DEVICE)
