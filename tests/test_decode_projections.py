@@ -178,6 +178,30 @@ def test_patch_fuses_a_llamas_attention_projections_and_its_input_norm():
     assert torch.allclose(_decode_logits(model, ids), want, rtol=0, atol=1e-6)
 
 
+def test_deepcopy_and_torch_save_keep_the_rewrite_on_the_copys_own_modules():
+    """A deep copy and a torch.save round trip of a patched model: the same rewritten classes, the copy's handed-over
+    norm its own module, the same logits; unpatch on the copy restores its classes."""
+    import io
+
+    import mlpfuse
+
+    model = _llama(layers=1)
+    mlpfuse.patch(model, backend="triton")
+    ids = torch.randint(0, 300, (1, 4), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    want = _decode_logits(model, ids, steps=1)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    for other in (copy.deepcopy(model), torch.load(buf, weights_only=False)):
+        layer = other.model.layers[0]
+        assert type(layer.self_attn) is type(model.model.layers[0].self_attn)
+        assert layer.self_attn.__dict__["_mlpfuse_projections_state"].norm.module is layer.input_layernorm
+        got = _decode_logits(other, ids, steps=1)  # the MLP's decode kernels sum with atomics on a GPU
+        assert float((got - want).norm() / want.norm()) < 1e-5
+        mlpfuse.unpatch(other)
+        assert not hasattr(type(layer.self_attn), "_mlpfuse_projections") and type(layer.self_attn.o_proj) is nn.Linear
+
+
 def test_a_hooked_projection_runs_its_own_call_with_the_norm_applied():
     """A forward hook on k_proj after patch: the fused call gives way to each child's own call (on the normalised
     input, the norm module now passing through), so the hook sees what it saw before and the logits do not move."""
