@@ -353,6 +353,21 @@ def test_runs_of_memory_bound_kernels_in_one_module_are_named_with_the_bytes_a_f
     assert f["module"] == "model.layers.*.post_attention_layernorm" and f["kernels"] == 4 and f["runs"] == 1
     assert f["bytes"] == sum(moved) and f["bytes_saved"] == sum(moved) - max(moved)
     assert "mlpfuse.patch" in f["mlpfuse"] and f["gpu_us"] == 12
+    assert "fused MLP block" in f["mlpfuse"]
+
+
+def test_an_attentions_input_norm_is_named_with_the_projections_that_take_it():
+    """The same run of norm kernels in an attention's input norm: the hint names the q, k, v projections' launch."""
+    b = Builder()
+    b.span(P, 0, 2000)
+    x = [[8, 4096]]
+    t = 10
+    for i, (op, dims, types) in enumerate([("aten::pow", x + [[]], [F32, "Scalar"]), ("aten::mean", x, [F32]),
+                                            ("aten::rsqrt", [[8, 1]], [F32]), ("aten::mul", x + [[8, 1]], [F32, F32])]):
+        _op_kernel(b, t, op, dims, types, f"k{i}", 100 + 10 * i, 3, "model.layers.0.input_layernorm")
+        t += 20
+    (f,) = modules.module_view(b.trace())["fusions"]
+    assert f["module"] == "model.layers.*.input_layernorm" and "q, k, v projections" in f["mlpfuse"]
 
 
 def test_busy_time_is_the_union_of_kernels_on_two_streams():

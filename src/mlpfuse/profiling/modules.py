@@ -343,6 +343,7 @@ def _roofline(trace: trace_mod.Trace, kernels: list[_Kernel], peaks: dict | None
 
 FUSE_MIN = 3  # consecutive memory-bound kernels of one module worth fusing
 MLP_NORMS = ("post_attention_layernorm", "pre_feedforward_layernorm", "ffn_norm")  # the norms that feed an MLP
+ATTENTION_NORMS = ("input_layernorm", "attention_norm")  # the norms that feed an attention's projections
 
 
 def _hint(module: str) -> str:
@@ -350,6 +351,9 @@ def _hint(module: str) -> str:
     last = module.rsplit(".", 1)[-1].lower()
     if last in MLP_NORMS:
         return "mlpfuse.patch hands this RMSNorm to the fused MLP block, which reads x once and normalises on chip"
+    if last in ATTENTION_NORMS:
+        return ("where the attention after it has separate q, k, v projections, mlpfuse.patch hands this RMSNorm to "
+                "them: one decode launch that normalises x on chip")
     if any(word in module.lower() for word in ("mlp", "feed_forward", "ffn")):
         return "mlpfuse.patch swaps this MLP for the fused block (GLU in the GEMM's epilogue)"
     return ""
