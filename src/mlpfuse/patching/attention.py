@@ -43,7 +43,7 @@ from mlpfuse.patching import norms
 from mlpfuse.patching.blocks import _hooked
 from mlpfuse.patching.report import FusedNorm, FusedProjections, Left
 from mlpfuse.patching.residual import rebuilt
-from mlpfuse.patching.verify import one_line, row_error
+from mlpfuse.patching.verify import differs, one_line
 
 HELPER = "_mlpfuse_projections"
 STATE = "_mlpfuse_projections_state"
@@ -111,11 +111,9 @@ def verify_projections(module: nn.Module) -> Optional[str]:
         return f"the fused projections failed: {one_line(exc)}"
     bound = (8 if state.norm is not None else 4) * torch.finfo(first.dtype).eps
     for name, g, w in zip(names, got, want):
-        if not isinstance(g, torch.Tensor) or g.shape != w.shape:
-            return f"the fused {name} returned another shape"
-        err = row_error(g, w)
-        if not err <= bound:  # NaN fails too
-            return f"the fused {name} differs from its own call (relative error {err:.2g})"
+        reason = differs(g, w, bound, f"the fused {name}", "its own call")
+        if reason is not None:
+            return reason
     return None
 
 
@@ -173,10 +171,11 @@ def _swap_linear(linear: nn.Linear, backend: str) -> bool:
     x = torch.randn(2, 3, w.shape[1], generator=gen).to(w.device, w.dtype)
     try:
         with torch.no_grad():
-            err = row_error(linear(x), torch.nn.functional.linear(x, w, linear.bias))
+            reason = differs(linear(x), torch.nn.functional.linear(x, w, linear.bias), 4 * torch.finfo(w.dtype).eps,
+                             "", "")
     except Exception:  # noqa: BLE001 - a projection that cannot take the kernel stays nn.Linear
-        err = float("nan")
-    if err <= 4 * torch.finfo(w.dtype).eps:
+        reason = "failed"
+    if reason is None:
         return True
     linear.__class__ = nn.Linear
     linear.__dict__.pop("_mlpfuse_backend", None)
@@ -357,17 +356,10 @@ def _feeding_norm(layer_cls: type, attn_name: str, attn_cls: type, param: str, n
     if func is None:
         return None
     positional = _positional_index(attn_cls, param)
-    for node in ast.walk(func):
-        for field in ("body", "orelse", "finalbody"):
-            stmts = getattr(node, field, None)
-            if not isinstance(stmts, list):
-                continue
-            for first, second in zip(stmts, stmts[1:]):
-                a = norms._self_call(first)
-                if not a or a[0] != a[2] or a[1] == attn_name:
-                    continue
-                if _reads_into(second, attn_name, a[0], param, positional):
-                    return a[1]
+    for first, second in norms.statement_pairs(func):
+        a = norms._self_call(first)
+        if a and a[0] == a[2] and a[1] != attn_name and _reads_into(second, attn_name, a[0], param, positional):
+            return a[1]
     return None
 
 

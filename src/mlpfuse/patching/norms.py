@@ -93,16 +93,20 @@ def feeding_norm(layer_cls: type, block_name: str) -> Optional[str]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(layer_cls.forward)))
     except (OSError, TypeError, SyntaxError, IndentationError):
         return None
+    for first, second in statement_pairs(tree):
+        a, b = _self_call(first), _self_call(second)
+        if a and b and b[1] == block_name and a[1] != block_name and a[0] == b[0] == b[2]:
+            return a[1]
+    return None
+
+
+def statement_pairs(tree: ast.AST):
+    """Every two consecutive statements of every statement list (bodies, else and finally blocks) in `tree`."""
     for node in ast.walk(tree):
         for field in ("body", "orelse", "finalbody"):
             stmts = getattr(node, field, None)
-            if not isinstance(stmts, list):
-                continue
-            for first, second in zip(stmts, stmts[1:]):
-                a, b = _self_call(first), _self_call(second)
-                if a and b and b[1] == block_name and a[1] != block_name and a[0] == b[0] == b[2]:
-                    return a[1]
-    return None
+            if isinstance(stmts, list):
+                yield from zip(stmts, stmts[1:])
 
 
 def _self_call(stmt) -> Optional[tuple[str, str, Optional[str]]]:

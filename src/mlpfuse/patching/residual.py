@@ -41,7 +41,7 @@ import torch.nn as nn
 from mlpfuse import fp8
 from mlpfuse.patching import blocks
 from mlpfuse.patching.report import FusedResidual, Left
-from mlpfuse.patching.verify import one_line, row_error
+from mlpfuse.patching.verify import differs, one_line
 
 HELPER = "_mlpfuse_mlp_residual"
 
@@ -92,13 +92,8 @@ def verify_residual(block: "blocks.GatedBlock") -> Optional[str]:
             want = res + block(x)
     except Exception as exc:  # noqa: BLE001 - a block that cannot take the residual keeps the layer's add
         return f"the block's call with the residual failed: {one_line(exc)}"
-    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-        return "the block's call with the residual returned another shape"
-    err = row_error(got, want)
-    bound = 4 * torch.finfo(dtype).eps
-    if not err <= bound:  # NaN fails too
-        return f"the block's call with the residual differs from residual + its output (relative error {err:.2g})"
-    return None
+    return differs(got, want, 4 * torch.finfo(dtype).eps, "the block's call with the residual",
+                   "residual + its output")
 
 
 def restore_residuals(model: nn.Module) -> list[str]:

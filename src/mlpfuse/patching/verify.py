@@ -155,6 +155,17 @@ def _shape_problem(expected: torch.Tensor, got) -> Optional[str]:
     return None
 
 
+def differs(got, want: torch.Tensor, bound: float, what: str, oracle: str) -> Optional[str]:
+    """None when `got` is a tensor of `want`'s shape within `bound` of it row by row (row_error; NaN never passes),
+    else why not, naming `what` and its `oracle`."""
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return f"{what} returned another shape"
+    err = row_error(got, want)
+    if not err <= bound:
+        return f"{what} differs from {oracle} (relative error {err:.2g})"
+    return None
+
+
 def row_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     """The largest error of a row of `got` against the same row of `ref`, relative to that row's size (float64).
     NaN stays NaN, and no bound passes it."""
