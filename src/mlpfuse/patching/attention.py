@@ -42,7 +42,7 @@ from mlpfuse.ops.projections import projections_call
 from mlpfuse.patching import norms
 from mlpfuse.patching.blocks import _hooked
 from mlpfuse.patching.report import FusedNorm, FusedProjections, Left
-from mlpfuse.patching.residual import rebuilt
+from mlpfuse.patching.residual import rebuilt, rewritten_class
 from mlpfuse.patching.verify import differs, one_line
 
 HELPER = "_mlpfuse_projections"
@@ -286,19 +286,9 @@ def _subclass(cls: type, arg: str, names: tuple):
         return projections_call(x, [c.weight for c in children], [c.bias for c in children], state.backend,
                                 state.norm)
 
-    def __reduce_ex__(self, protocol):
-        return _rebuild, (cls, arg, names, self.__getstate__())
-
-    def extra_repr(self) -> str:
-        own = cls.extra_repr(self)
-        return ", ".join(part for part in (own, f"{'+'.join(names)} in one decode call (mlpfuse)") if part)
-
-    forward.__qualname__ = f"{cls.__qualname__}.forward"
-    return type(cls.__name__, (cls,), {
-        "forward": forward, HELPER: projections, "__reduce_ex__": __reduce_ex__, "extra_repr": extra_repr,
-        "_mlpfuse_projections_of": cls, "_mlpfuse_projection_names": names, "_mlpfuse_projection_input": arg,
-        "__module__": cls.__module__,
-    })
+    return rewritten_class(cls, forward, {HELPER: projections}, f"{'+'.join(names)} in one decode call", _rebuild,
+                           (cls, arg, names), {"_mlpfuse_projections_of": cls, "_mlpfuse_projection_names": names,
+                                               "_mlpfuse_projection_input": arg})
 
 
 def _rebuild(cls: type, arg: str, names: tuple, state: dict) -> nn.Module:

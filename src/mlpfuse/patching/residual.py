@@ -179,19 +179,25 @@ def _subclass(layer_cls: type, block_name: str, forward) -> type:
             return block(x, residual=residual)
         return residual + block(x)
 
+    return rewritten_class(layer_cls, forward, {HELPER: mlp_residual}, f"residual add in {block_name}'s epilogue",
+                           _rebuild, (layer_cls, block_name),
+                           {"_mlpfuse_residual_of": layer_cls, "_mlpfuse_residual_block": block_name})
+
+
+def rewritten_class(cls: type, forward, methods: dict, note: str, rebuild, rebuild_args: tuple, attrs: dict) -> type:
+    """A subclass of `cls` (same name and module) with the rebuilt `forward`, `methods` and `attrs`, its repr
+    noting `note`, pickled (torch.save, deepcopy) as `rebuild(*rebuild_args, state)`: the original class plus the
+    swap, since this class exists only in memory."""
+
     def __reduce_ex__(self, protocol):
-        # Pickled (torch.save, deepcopy) as the original class plus the swap: this class exists only in memory.
-        return _rebuild, (layer_cls, block_name, self.__getstate__())
+        return rebuild, (*rebuild_args, self.__getstate__())
 
     def extra_repr(self) -> str:
-        own = layer_cls.extra_repr(self)
-        return ", ".join(part for part in (own, f"residual add in {block_name}'s epilogue (mlpfuse)") if part)
+        return ", ".join(part for part in (cls.extra_repr(self), f"{note} (mlpfuse)") if part)
 
-    forward.__qualname__ = f"{layer_cls.__qualname__}.forward"
-    return type(layer_cls.__name__, (layer_cls,), {
-        "forward": forward, HELPER: mlp_residual, "__reduce_ex__": __reduce_ex__, "extra_repr": extra_repr,
-        "_mlpfuse_residual_of": layer_cls, "_mlpfuse_residual_block": block_name, "__module__": layer_cls.__module__,
-    })
+    forward.__qualname__ = f"{cls.__qualname__}.forward"
+    return type(cls.__name__, (cls,), {"forward": forward, **methods, "__reduce_ex__": __reduce_ex__,
+                                       "extra_repr": extra_repr, **attrs, "__module__": cls.__module__})
 
 
 def _rebuild(cls: type, block_name: str, state: dict) -> nn.Module:
