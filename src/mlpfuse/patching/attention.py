@@ -141,8 +141,6 @@ def _undo(module: nn.Module) -> None:
 class DecodeLinear(nn.Linear):
     """An nn.Linear whose forward takes ops.projections (the decode kernel at decode sizes, F.linear elsewhere)."""
 
-    _mlpfuse_linear_of = nn.Linear
-
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return projections_call(input, [self.weight], [self.bias], self.__dict__["_mlpfuse_backend"])[0]
 
