@@ -21,7 +21,9 @@
 #        eager / graphs / the bench's harness with the peers (torchao from .whl/), the 32-layer decode step and
 #        prefill, the trained-model perplexity, the weight-only kernel's streaming probes), fp8-train (FP8 training's
 #        tests and the 4-layer train step), train-share (the MLPs' share of a train step, torchao beside it),
-#        graph-profile-fp8 (the decode step's MLP rows in bf16 and FP8, as bytes against the copy rate).
+#        graph-profile-fp8 (the decode step's MLP rows in bf16 and FP8, as bytes against the copy rate),
+#        attention-tests, decode-linear-probe, attention-ab (the attention's projections on the decode kernel: their
+#        GPU tests, the kernel against cuBLAS, the 32-layer decode step with and without them).
 #        benchmarks/README.md says what each answers and where its latest result is.
 # Liger is used when importable; wheels in .whl/ are installed to a private target first (no network needed).
 set -u
@@ -145,6 +147,12 @@ for spec in "$@"; do
         train-share) run_step train-share "$secs" python3 benchmarks/train_share.py --json "$W/train_share.json" ;;
         graph-profile-fp8) run_step graph-profile-fp8 "$secs" python3 benchmarks/graph_profile_gpu.py "$W/graph-profile" \
             --fp8 --skip-roofline --skip-compiled ;;
+        attention-tests) run_step attention-tests "$secs" python3 -m pytest -q -p no:cacheprovider \
+            tests/test_decode_projections.py tests/test_norm_fusion.py tests/test_residual_fusion.py tests/test_fp8_modules.py ;;
+        decode-linear-probe) run_step decode-linear-probe "$secs" python3 benchmarks/decode_linear_probe.py ;;
+        attention-ab) run_step attention-ab "$secs" python3 -m mlpfuse bench --model llama3-8b --mode decode-step \
+            --tokens 1x128,8x128 --variants eager,mlpfuse,mlpfuse-noattn,mlpfuse-fp8,mlpfuse-fp8-noattn,compile,mlpfuse-compile,mlpfuse-compile-noattn,mlpfuse-fp8-compile \
+            --rounds 3 --out "$W/attention-ab" ;;
         *) echo "unknown step $step" >> "$SUMMARY" ;;
     esac
 done
