@@ -165,6 +165,8 @@ def test_patch_fuses_a_llamas_attention_projections_and_its_input_norm():
     assert type(attn).__name__ == "LlamaAttention" and hasattr(type(attn), "_mlpfuse_projections")
     assert model.state_dict().keys() == twin.state_dict().keys()
     assert all(p is params[n] for n, p in model.named_parameters())
+    again = mlpfuse.patch(model, backend="triton")  # a second call changes nothing
+    assert not again.projections and not again.norms and type(model.model.layers[0].self_attn) is type(attn)
     ids = torch.randint(0, 300, (2, 5), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     got, want = _decode_logits(model, ids), _decode_logits(twin, ids)
     assert float((got - want).norm() / want.norm()) < 1e-5
