@@ -204,6 +204,31 @@ def test_deepcopy_and_torch_save_keep_the_rewrite_on_the_copys_own_modules():
         assert not hasattr(type(layer.self_attn), "_mlpfuse_projections") and type(layer.self_attn.o_proj) is nn.Linear
 
 
+@pytest.mark.parametrize("family,norm_hand_over", [("qwen3", True), ("gemma2", True), ("mistral", True),
+                                                    ("olmo2", False), ("phi3", None)])
+def test_families_get_q_k_v_in_source_order_with_equal_outputs(family, norm_hand_over):
+    """Qwen3 (q and k inside their own norms), Gemma 2 (Gemma's norm convention), Mistral: q, k, v in one call in
+    source order, the input norm handed over (perturbed norm weights, so a norm skipped or applied twice shows);
+    OLMo 2 normalises q and k after their projections and its layer norms after the attention: projections fused,
+    no input norm to hand; Phi-3's one qkv_proj: nothing to group. Prefill and decode logits as the unpatched twin's."""
+    import mlpfuse
+    from hf_models import prefill_and_step, tiny_decoder
+
+    pytest.importorskip("transformers")
+    model = tiny_decoder(family, DEVICE, perturb_norms=True)
+    twin = copy.deepcopy(model)
+    report = mlpfuse.patch(model, backend="triton")
+    attn_norms = [n for n in report.norms if n.into.endswith("self_attn")]
+    if norm_hand_over is None:
+        assert not report.projections and not attn_norms
+    else:
+        assert [p.names for p in report.projections] == ["q_proj+k_proj+v_proj"] * 2
+        assert len(attn_norms) == (2 if norm_hand_over else 0)
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    for got, want in zip(prefill_and_step(model, ids), prefill_and_step(twin, ids)):
+        assert float((got - want).norm() / want.norm()) < 1e-5
+
+
 def test_a_hooked_projection_runs_its_own_call_with_the_norm_applied():
     """A forward hook on k_proj after patch: the fused call gives way to each child's own call (on the normalised
     input, the norm module now passing through), so the hook sees what it saw before and the logits do not move."""

@@ -194,8 +194,10 @@ def _forward_tree(cls: type):
 
 
 def _self_calls(node) -> list[ast.Call]:
-    return [n for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-            and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"]
+    """The `self.<attr>(...)` calls under `node`, in source order (q before k before v, however deep each sits)."""
+    calls = [n for n in ast.walk(node) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"]
+    return sorted(calls, key=lambda c: (c.lineno, c.col_offset))
 
 
 def _self_uses(func) -> dict[str, int]:
