@@ -90,6 +90,25 @@ def test_quantizing_a_transposed_view_is_the_recipe_on_its_copy(dtype):
             assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), tokens
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_quantizing_a_weight_in_one_pass_is_the_recipe_and_its_transpose_too(dtype):
+    """kernels.fp8_gemm.quantize_weight: bit for bit fp8.quantize_weight's values and 128×128 scales (partial blocks,
+    a NaN block, a zero block, rows of very different scales), in W's layout and in Wᵀ's (the backward's operand);
+    a transposed view as input reads it as it is."""
+    gen = torch.Generator().manual_seed(12)
+    w = torch.randn(300, 260, generator=gen) * 2.0 ** torch.randint(-8, 8, (300, 1), generator=gen)
+    w[5, 7] = float("nan")
+    w[130:256, 128:256] = 0
+    w = w.to(DEVICE, dtype)
+    for src, transposed in ((w, False), (w, True), (w.t(), False)):
+        q, s = _k().quantize_weight(src, transposed=transposed)
+        ref = fp8.quantize_weight(src.contiguous())
+        rv, rs = (ref.values.t().contiguous(), ref.scale_inv.t().contiguous()) if transposed else \
+            (ref.values, ref.scale_inv)
+        assert q.is_contiguous() and torch.equal(q.view(torch.uint8), rv.view(torch.uint8))
+        assert torch.equal(s.nan_to_num(7.0), rs.nan_to_num(7.0))
+
+
 def test_save_gu_needs_a_gated_quantized_call():
     gen = torch.Generator().manual_seed(7)
     kern = _k()

@@ -123,6 +123,36 @@ def mlpfuse_fp8_norm_quantize_kernel(x, nw, q, s, M, K, sxm, sqm, ssm, eps, BM: 
         tl.store(s + rm * ssm + k0 // 128, scale, mask=mmask)
 
 
+@triton.jit(do_not_specialize=["N"])
+def mlpfuse_fp8_weight_quantize_kernel(w, q, s, N, K, s_wn, s_wk, s_qn, s_sn, TRANSPOSED: tl.constexpr,
+                                       EMULATE: tl.constexpr, I64: tl.constexpr):
+    """One 128×128 block of W [N, K] (any strides) → e4m3 values and its one scale, as fp8.quantize_weight: written
+    as W's [N, K] (q, s [ceil(N/128), ceil(K/128)]), or TRANSPOSED as Wᵀ's [K, N] (the same values and scales at
+    transposed places: a block-quantized weight's transpose is its blocks transposed)."""
+    bn = tl.program_id(0)
+    bk = tl.program_id(1)
+    rn = bn * 128 + tl.arange(0, 128)
+    rk = bk * 128 + tl.arange(0, 128)
+    if I64:
+        rn = rn.to(tl.int64)
+        rk = rk.to(tl.int64)
+    mask = (rn[:, None] < N) & (rk[None, :] < K)
+    v = tl.load(w + rn[:, None] * s_wn + rk[None, :] * s_wk, mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
+    scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
+    scale = tl.where(amax == 0.0, 1.0, scale)
+    # tl.max drops NaNs (max.f32 returns the other operand): find them apart.
+    has_nan = tl.max(tl.max((v != v).to(tl.int32), axis=1), axis=0) > 0
+    scale = tl.where(has_nan, float("nan"), scale)
+    values = _e4m3(tl.math.div_rn(v, scale), EMULATE)
+    if TRANSPOSED:
+        tl.store(q + rk[None, :] * s_qn + rn[:, None], values, mask=mask)
+        tl.store(s + bk * s_sn + bn, scale)
+    else:
+        tl.store(q + rn[:, None] * s_qn + rk[None, :], values, mask=mask)
+        tl.store(s + bn * s_sn + bk, scale)
+
+
 @triton.jit
 def _k_sum(a, sa, w, ws, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam, s_w, s_ws, TMA: tl.constexpr,
            BM: tl.constexpr, BN: tl.constexpr, W_ROWS: tl.constexpr):
@@ -363,6 +393,7 @@ def mlpfuse_fp8_split_reduce_kernel(part, b1, b2, out, res, M, N, SPLITS, s_om, 
 
 
 _quantize_launch = C.Launcher(mlpfuse_fp8_quantize_kernel)
+_weight_quantize_launch = C.Launcher(mlpfuse_fp8_weight_quantize_kernel)
 _norm_quantize_launch = C.Launcher(mlpfuse_fp8_norm_quantize_kernel)
 _gemm_launch = C.Launcher(mlpfuse_fp8_gemm_kernel)
 _weight_launch = C.Launcher(mlpfuse_fp8_weight_gemm_kernel)
@@ -504,6 +535,28 @@ def quantize(x: torch.Tensor, block_m: int = 32, *, norm_weight: torch.Tensor | 
     plan = _pointer_launch(launcher, key, grid, ints, consts, 4, 1, x.device) if plan_key else None
     if plan is not None:
         C.keep_plan(_plans, plan_key, plan)
+    return q, s
+
+
+def quantize_weight(w: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] (any float dtype and strides) → (values e4m3, scale_inv fp32), one scale per 128×128 block, bit for
+    bit fp8.quantize_weight(w)'s values and scales in one pass over W; `transposed`: those of Wᵀ [K, N] (what the
+    backward's GEMMs read) in the same pass, no copy of W or of its values."""
+    if w.dim() != 2 or not w.is_floating_point() or w.dtype == fp8.DTYPE:
+        raise InputError(f"weight: expected a 2-D floating-point [out, in] tensor, got {w.dtype} of shape "
+                         f"{list(w.shape)}")
+    n, k = w.shape
+    gn, gk = -(-n // GROUP), -(-k // GROUP)
+    rows, cols, srows, scols = (k, n, gk, gn) if transposed else (n, k, gn, gk)
+    q = torch.empty(rows, cols, device=w.device, dtype=fp8.DTYPE)
+    s = torch.empty(srows, scols, device=w.device, dtype=fp8.SCALE_DTYPE)
+    if n == 0 or k == 0:
+        return q, s.fill_(1.0)
+    i64 = C.needs_i64(w, q)
+    ints = (n, k, w.stride(0), w.stride(1), q.stride(0), s.stride(0))
+    consts = (transposed, _EMULATE, i64)
+    key = (w.dtype, consts, C.align16(w), *ints[1:])
+    _weight_quantize_launch(key, (gn, gk), (w, q, s, *ints), consts, num_warps=8, num_stages=1)
     return q, s
 
 

@@ -15,9 +15,9 @@ The master weights stay in their dtype (the optimizer's); each step quantizes th
 backward: nothing weight-sized is kept between the two). What the step keeps for the backward: x in e4m3 with its
 scales, g and u in e4m3 with theirs.
 
-This first form composes the kernels with PyTorch ops between them (the GLU backward in fp32, the weights'
-transposes; the quantization along the tokens reads transposed views): correct against the oracle, not yet tuned
-(no GLU-backward epilogue in the dh GEMM, h rebuilt in fp32).
+This first form composes the kernels with PyTorch ops between them (the GLU backward in fp32; the quantization along
+the tokens reads transposed views; each weight is quantized in one kernel pass, straight into Wᵀ's layout for the
+backward): correct against the oracle, not yet tuned (no GLU-backward epilogue in the dh GEMM, h rebuilt in fp32).
 """
 
 from __future__ import annotations
@@ -36,11 +36,6 @@ def _kernels():
     from mlpfuse.kernels import fp8_gemm
 
     return fp8_gemm
-
-
-def _transposed(w: fp8.Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """Wᵀ in the recipe: the e4m3 values transposed, each 128×128 block's scale with them."""
-    return w.values.t().contiguous(), w.scale_inv.t().contiguous()
 
 
 def _along_tokens(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,12 +61,11 @@ def _forward(x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, bg: Optional[Tensor]
         y, *kept = reference.fp8_train_forward(x, wg, wu, wd, bg, bu, bd, activation)
         return (y.to(x.dtype), *kept)
     k = _kernels()
-    qg, qu, qd = (fp8.quantize_weight(w.detach()) for w in (wg, wu, wd))
+    qg, qu, qd = (k.quantize_weight(w.detach()) for w in (wg, wu, wd))
     xq, xs = k.quantize(x)
-    hq, hs, gq, gs, uq, us = k.fp8_gemm(xq, xs, qg.values, qg.scale_inv, qu.values, qu.scale_inv, bg, bu,
-                                        activation=activations.get(activation).id, quant_out=True, save_gu=True)
-    y = k.fp8_gemm(hq, hs, qd.values, qd.scale_inv, None, None, bd, activation=activations.IDENTITY,
-                   quant_out=False, out_dtype=x.dtype)
+    hq, hs, gq, gs, uq, us = k.fp8_gemm(xq, xs, *qg, *qu, bg, bu, activation=activations.get(activation).id,
+                                        quant_out=True, save_gu=True)
+    y = k.fp8_gemm(hq, hs, *qd, None, None, bd, activation=activations.IDENTITY, quant_out=False, out_dtype=x.dtype)
     return y, xq, xs, gq, gs, uq, us
 
 
@@ -85,14 +79,15 @@ def _backward(dy: Tensor, xq: Tensor, xs: Tensor, gq: Tensor, gs: Tensor, uq: Te
     k = _kernels()
     act = activations.get(activation)
     ident = activations.IDENTITY
-    qg, qu, qd = (fp8.quantize_weight(w.detach()) for w in (wg, wu, wd))
-    dh = k.fp8_gemm(*k.quantize(dy), *_transposed(qd), activation=ident, quant_out=False, out_dtype=_F32)
+    # Wᵀ in the recipe, each weight's blocks quantized and transposed in one pass over it
+    qg, qu, qd = (k.quantize_weight(w.detach(), transposed=True) for w in (wg, wu, wd))
+    dh = k.fp8_gemm(*k.quantize(dy), *qd, activation=ident, quant_out=False, out_dtype=_F32)
     g, u = fp8.dequantize_activation(gq, gs), fp8.dequantize_activation(uq, us)
     a = act.forward(g)
     dg = dh * u * act.grad(g)
     du = dh * a
-    dx = (k.fp8_gemm(*k.quantize(dg), *_transposed(qg), activation=ident, quant_out=False, out_dtype=_F32)
-          + k.fp8_gemm(*k.quantize(du), *_transposed(qu), activation=ident, quant_out=False, out_dtype=_F32))
+    dx = (k.fp8_gemm(*k.quantize(dg), *qg, activation=ident, quant_out=False, out_dtype=_F32)
+          + k.fp8_gemm(*k.quantize(du), *qu, activation=ident, quant_out=False, out_dtype=_F32))
     x_tokens = _along_tokens(fp8.dequantize_activation(xq, xs))
     dwd = k.fp8_gemm(*_along_tokens(dy), *_along_tokens(a * u), activation=ident, quant_out=False, out_dtype=_F32,
                      w_rows=True)
