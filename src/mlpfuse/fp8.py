@@ -203,11 +203,16 @@ def _check_weight(values: Tensor, scale_inv: Tensor, prefix: str) -> None:
         raise InputError(f"{s}: on {scale_inv.device}, its weight on {values.device}")
 
 
-def quantize_weight(w: Tensor) -> Fp8Weight:
-    """W [out, in] → Fp8Weight: one scale per 128×128 block (the last row and column of blocks may be partial)."""
+def check_weight_source(w: Tensor) -> None:
+    """What a weight to be quantized must be: a 2-D floating-point [out, in] tensor, not already e4m3."""
     if not w.is_floating_point() or w.dtype == DTYPE or w.dim() != 2:
         raise InputError(f"weight: expected a 2-D floating-point [out, in] tensor, got {w.dtype} "
                          f"of shape {list(w.shape)}")
+
+
+def quantize_weight(w: Tensor) -> Fp8Weight:
+    """W [out, in] → Fp8Weight: one scale per 128×128 block (the last row and column of blocks may be partial)."""
+    check_weight_source(w)
     out, inp = w.shape
     wf = w.to(SCALE_DTYPE)
     blocks = _pad_to(_pad_to(wf, 0, BLOCK[0]), 1, BLOCK[1])

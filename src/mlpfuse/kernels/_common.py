@@ -72,8 +72,6 @@ def _device_facts(index: int) -> tuple[int, int]:
     return props.multi_processor_count, props.major
 
 
-
-
 def num_sms(device: torch.device) -> int:
     """Programs a persistent grid launches; the interpreter runs one program per tile instead."""
     if device.type != "cuda":
@@ -417,8 +415,9 @@ def align16(t) -> bool:
 NORM_NONE, NORM_WEIGHT_AFTER, NORM_ONE_PLUS = 0, 1, 2
 
 
-def check_norm(x: torch.Tensor, weight, eps, kind) -> None:
-    """The RMSNorm prologue's arguments for x [M, D]: one InputError line naming what is wrong."""
+def check_norm(x: torch.Tensor, weight, eps, kind, same_dtype: bool = False) -> None:
+    """The RMSNorm prologue's arguments for x [M, D]: one InputError line naming what is wrong. `same_dtype`: the
+    weight in x's dtype too (the kernels whose ops hand over only such norms)."""
     if kind == NORM_NONE:
         if weight is not None:
             raise InputError("norm_weight: given without a norm_kind")
@@ -432,6 +431,8 @@ def check_norm(x: torch.Tensor, weight, eps, kind) -> None:
         raise InputError(f"norm_weight: expected a contiguous floating-point [{d}] tensor on {x.device}")
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
         raise InputError(f"norm_eps: expected a non-negative number, got {eps!r}")
+    if same_dtype and weight.dtype != x.dtype:
+        raise InputError(f"norm_weight: expected {x.dtype} (x's dtype), got {weight.dtype}")
 
 
 

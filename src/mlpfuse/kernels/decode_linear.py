@@ -136,9 +136,7 @@ def decode_linear(x: torch.Tensor, weights, biases=None, *, norm_weight: torch.T
     if plan is not None:  # this layout checked and launched before: its output allocations and the launch
         return plan.run(x, weights, biases, norm_weight, residual)
     _check(x, weights, biases, residual)
-    C.check_norm(x, norm_weight, norm_eps, norm_kind)
-    if norm_weight is not None and norm_weight.dtype != x.dtype:
-        raise InputError(f"norm_weight: expected {x.dtype} (x's dtype), got {norm_weight.dtype}")
+    C.check_norm(x, norm_weight, norm_eps, norm_kind, same_dtype=True)
     m, k = x.shape
     ns = [w.shape[0] for w in weights]
     outs = [torch.empty(m, n, device=x.device, dtype=x.dtype) for n in ns]

@@ -61,15 +61,18 @@ def _e4m3(v, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows(v, EMULATE: tl.constexpr):
-    """v [R, 128] fp32 (one scale group per row) → (values e4m3, scale_inv [R] fp32), as fp8.quantize_activation:
-    scale_inv = max(amax/448, 2^-126), 1 for a zero row, NaN for a row holding a NaN; ±inf makes it inf."""
-    amax = tl.max(tl.abs(v), axis=1)
+def _scale_inv(amax, has_nan):
+    """A scale group's scale_inv, as fp8's: max(amax/448, 2^-126), 1 for an all-zero group, NaN for a group holding
+    a NaN (found apart: tl.max drops NaNs, max.f32 returning the other operand); ±inf makes it inf."""
     s = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
     s = tl.where(amax == 0.0, 1.0, s)
-    # tl.max drops NaNs (max.f32 returns the other operand): find them apart.
-    has_nan = tl.max((v != v).to(tl.int32), axis=1) > 0
-    s = tl.where(has_nan, float("nan"), s)
+    return tl.where(has_nan, float("nan"), s)
+
+
+@triton.jit
+def _quantize_rows(v, EMULATE: tl.constexpr):
+    """v [R, 128] fp32 (one scale group per row) → (values e4m3, scale_inv [R] fp32), as fp8.quantize_activation."""
+    s = _scale_inv(tl.max(tl.abs(v), axis=1), tl.max((v != v).to(tl.int32), axis=1) > 0)
     return _e4m3(tl.math.div_rn(v, s[:, None]), EMULATE), s
 
 
@@ -138,12 +141,8 @@ def mlpfuse_fp8_weight_quantize_kernel(w, q, s, N, K, s_wn, s_wk, s_qn, s_sn, TR
         rk = rk.to(tl.int64)
     mask = (rn[:, None] < N) & (rk[None, :] < K)
     v = tl.load(w + rn[:, None] * s_wn + rk[None, :] * s_wk, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
-    scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
-    scale = tl.where(amax == 0.0, 1.0, scale)
-    # tl.max drops NaNs (max.f32 returns the other operand): find them apart.
-    has_nan = tl.max(tl.max((v != v).to(tl.int32), axis=1), axis=0) > 0
-    scale = tl.where(has_nan, float("nan"), scale)
+    scale = _scale_inv(tl.max(tl.max(tl.abs(v), axis=1), axis=0),
+                       tl.max(tl.max((v != v).to(tl.int32), axis=1), axis=0) > 0)
     values = _e4m3(tl.math.div_rn(v, scale), EMULATE)
     if TRANSPOSED:
         tl.store(q + rk[None, :] * s_qn + rn[:, None], values, mask=mask)
@@ -513,7 +512,7 @@ def quantize(x: torch.Tensor, block_m: int = 32, *, norm_weight: torch.Tensor | 
         plan.launch((x, q, s) if norm_kind == NORM_NONE else (x, norm_weight, q, s))
         return q, s
     _check_act(x, any_strides=norm_kind == NORM_NONE)
-    _check_norm(norm_weight, norm_eps, norm_kind, x)
+    C.check_norm(x, norm_weight, norm_eps, norm_kind, same_dtype=True)
     m, k = x.shape
     q = torch.empty(m, k, device=x.device, dtype=fp8.DTYPE)
     s = torch.empty(m, -(-k // GROUP), device=x.device, dtype=fp8.SCALE_DTYPE)
@@ -542,9 +541,7 @@ def quantize_weight(w: torch.Tensor, transposed: bool = False) -> tuple[torch.Te
     """W [N, K] (any float dtype and strides) → (values e4m3, scale_inv fp32), one scale per 128×128 block, bit for
     bit fp8.quantize_weight(w)'s values and scales in one pass over W; `transposed`: those of Wᵀ [K, N] (what the
     backward's GEMMs read) in the same pass, no copy of W or of its values."""
-    if w.dim() != 2 or not w.is_floating_point() or w.dtype == fp8.DTYPE:
-        raise InputError(f"weight: expected a 2-D floating-point [out, in] tensor, got {w.dtype} of shape "
-                         f"{list(w.shape)}")
+    fp8.check_weight_source(w)
     n, k = w.shape
     gn, gk = -(-n // GROUP), -(-k // GROUP)
     rows, cols, srows, scols = (k, n, gk, gn) if transposed else (n, k, gn, gk)
@@ -734,13 +731,6 @@ class _WeightPlan:
         return out
 
 
-def _check_norm(norm_weight, norm_eps, norm_kind: int, x: torch.Tensor) -> None:
-    """The shared prologue check (C.check_norm), and the weight in x's dtype (the ops hand over only such norms)."""
-    C.check_norm(x, norm_weight, norm_eps, norm_kind)
-    if norm_kind != NORM_NONE and norm_weight.dtype != x.dtype:
-        raise InputError(f"norm_weight: expected {x.dtype} (x's dtype), got {norm_weight.dtype}")
-
-
 def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: torch.Tensor | None = None,
                     s2: torch.Tensor | None = None, b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
                     *, activation: int, allow_tf32: bool = False, norm_weight: torch.Tensor | None = None,
@@ -761,7 +751,7 @@ def fp8_weight_gemm(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w2: tor
     if m > WEIGHT_ONLY_MAX_M:
         raise InputError(f"x: the weight-only kernel takes at most {WEIGHT_ONLY_MAX_M} rows, got {m}")
     n, gated, w2, s2 = _check_operands(w1, s1, w2, s2, b1, b2, k, x)
-    _check_norm(norm_weight, norm_eps, norm_kind, x)
+    C.check_norm(x, norm_weight, norm_eps, norm_kind, same_dtype=True)
     C.check_residual(residual, (m, n), x)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0 or n == 0:
