@@ -17,9 +17,10 @@
 #        CUDA graph beside eager in one), fp8-tests, fp8-tune, fp8-block, fp8-graphs, fp8-bench, fp8-decode-step,
 #        residual-tests, decode-step-ab (the residual add in the decode kernels' epilogue and programmatic dependent
 #        launch: their tests on the GPU, and the 32-layer decode step with each switched off in the same run),
-#        fp8-prefill, fp8-lm, fp8-stream, fp8-stream-unroll (FP8: the GPU tests, the tile sweeps, the block in
+#        fp8-prefill, fp8-lm, fp8-stream, fp8-stream-unroll, fp8-ws (FP8: the GPU tests, the tile sweeps, the block in
 #        eager / graphs / the bench's harness with the peers (torchao from .whl/), the 32-layer decode step and
-#        prefill, the trained-model perplexity, the weight-only kernel's streaming probes), fp8-train (FP8 training's
+#        prefill, the trained-model perplexity, the weight-only kernel's streaming probes, the warp-specialized GEMM against the
+#        Triton kernel and cuBLAS), fp8-train (FP8 training's
 #        tests and the 4-layer train step), train-share (the MLPs' share of a train step, torchao beside it),
 #        graph-profile-fp8 (the decode step's MLP rows in bf16 and FP8, as bytes against the copy rate),
 #        attention-tests, decode-linear-probe, attention-ab (the attention's projections on the decode kernel: their
@@ -125,7 +126,10 @@ for spec in "$@"; do
         decode-kernels) MLPFUSE_CACHE_DIR=/tmp/mlpfuse-cache run_step decode-kernels "$secs" python3 benchmarks/cuda_backend_gpu.py --only decode --out "$W/decode-kernels.md" ;;
         decode-shapes) run_step decode-shapes "$secs" bash -c "nvcc -std=c++17 -O3 -gencode=arch=compute_90,code=sm_90 -o '$W/decode_shapes' benchmarks/decode_shapes.cu && '$W/decode_shapes' 15" ;;
         fp8-tests) run_step fp8-tests "$secs" python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py \
-            tests/test_fp8_modules.py tests/test_fp8_recipe.py tests/test_fp8_train.py ;;
+            tests/test_fp8_ws.py tests/test_fp8_modules.py tests/test_fp8_recipe.py tests/test_fp8_train.py \
+            tests/test_fp8_train_kernels.py ;;
+        fp8-ws) run_step fp8-ws "$secs" bash -c "python3 benchmarks/fp8_ws_probe.py --check && \
+            python3 benchmarks/fp8_ws_probe.py --bench" ;;
         fp8-tune) run_step fp8-tune "$secs" python3 benchmarks/fp8_tune.py ;;
         fp8-block) run_step fp8-block "$secs" python3 benchmarks/fp8_gpu.py "$W/fp8-block" --decode 1,16,32,64 --rounds 5 ;;
         fp8-graphs) run_step fp8-graphs "$secs" bash -c "python3 benchmarks/fp8_decode_gpu.py '$W/fp8-graphs-decode' && \

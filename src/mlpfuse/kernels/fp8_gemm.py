@@ -21,6 +21,10 @@ in place instead (the accumulator rescaled by the ratio of consecutive blocks' s
 and dropped: no faster than the gated kernel's two loops, and 14× the error (2.6e-3 against 1.9e-4 of the float64
 sum at 512×4096×14336), the whole K summed at the tensor cores' precision.
 
+On Hopper, from WS_MIN_ROWS rows, fp8_gemm launches the same GEMM warp-specialized instead
+(kernels/fp8_gemm_ws.py, Gluon: a loader warp and two consumer warpgroups, so that one's MMA runs while the other
+promotes its block; bit for bit this kernel's outputs).
+
 Rounding to e4m3 is round-to-nearest-even. On the GPU that is the hardware conversion; Triton's interpreter (the CPU
 tests) converts out-of-range, tie and NaN values wrongly, so there the rounding is done in fp32 arithmetic first
 (`EMULATE`) and the cast then only meets values e4m3 holds exactly.
@@ -570,6 +574,32 @@ def _gemm_config(m: int, n: int, quant_out: bool, gated: bool) -> tuple[int, int
     return 64, 128 if quant_out else 64, 8, 4, 4
 
 
+# The warp-specialized form of the GEMM (kernels/fp8_gemm_ws.py, Gluon, sm_90 only) from this many rows: there the
+# H200 measured it faster (8192×4096×14336: gated 1810 against 2423 µs, down 958 against 1081; 2048 rows: 471 against
+# 652 and 246 against 273), at 512 rows slower (the down GEMM's 128 tiles leave SMs idle: 171 against 71 µs);
+# `benchmarks/fp8_ws_probe.py`, benchmarks/results/nvidia-h200/fp8-ws/. Same sums, same epilogue: bit for bit the
+# Triton kernel's outputs in that probe. Not for w_rows (the weight gradients: slower there) nor save_gu (not
+# measured yet). MLPFUSE_FP8_WS=0 turns it off.
+WS_MIN_ROWS = 1024
+WS = os.environ.get("MLPFUSE_FP8_WS", "1") == "1"
+_ws_module = None
+
+
+def _ws(device: torch.device):
+    """kernels.fp8_gemm_ws where it runs (a CUDA sm_90 device, Triton with Gluon), else None."""
+    global _ws_module
+    if not WS or C.INTERPRET or device.type != "cuda" or C.arch_major(device) != 9:
+        return None
+    if _ws_module is None:
+        try:
+            from mlpfuse.kernels import fp8_gemm_ws
+        except ImportError:  # a Triton without Gluon's Hopper API
+            _ws_module = False
+        else:
+            _ws_module = fp8_gemm_ws
+    return _ws_module or None
+
+
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
              w2: torch.Tensor | None = None, s2: torch.Tensor | None = None, b1: torch.Tensor | None = None,
              b2: torch.Tensor | None = None, *, activation: int, quant_out: bool,
@@ -607,8 +637,12 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch
     done = (out, sout, *saved) if save_gu else (out, sout) if quant_out else out
     if m == 0 or n == 0:
         return done
-    bm, bn, group_m, warps, stages = _gemm_config(m, n, quant_out, gated)
     use_tma = C.tma_capable(a.device) and k > 0 and C.tma_ok(a) and C.tma_ok(w1) and C.tma_ok(w2)
+    ws = _ws(a.device) if use_tma and m >= WS_MIN_ROWS and not (w_rows or save_gu) else None
+    if ws is not None:
+        ws.launch(a, a_scale, w1, s1, w2 if gated else None, s2, b1, b2, out, sout, activation, quant_out)
+        return done
+    bm, bn, group_m, warps, stages = _gemm_config(m, n, quant_out, gated)
     aa, wa1, wa2 = a, w1, w2
     if use_tma:
         aa, wa1 = C.desc(a, [bm, GROUP]), C.desc(w1, [bn, GROUP])

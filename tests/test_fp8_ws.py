@@ -1,0 +1,150 @@
+"""The warp-specialized FP8 GEMM (kernels/fp8_gemm_ws.py, Gluon, Hopper only).
+
+On any machine: each form the wrappers launch compiles for sm_90a (Triton's own ptxas, no GPU needed) into a
+kernel whose partitions do what the design says — wgmma and TMA in it, the consumers' registers raised by setmaxnreg —
+and which spills nothing (a spilled accumulator would put local-memory traffic in the K loop). Compiled in a
+subprocess without TRITON_INTERPRET: the interpreter's stand-ins for Triton functions cannot be compiled.
+
+On a Hopper GPU: fp8_gemm taking this kernel gives the Triton kernel's outputs bit for bit (same K-block sums, same
+promotion, same epilogue), over ragged shapes, biases, every output form, the paired and one-tile forms."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA, HAS_TRITON
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+
+HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
+
+_COMPILE = r"""
+import json, os, re, subprocess, sys, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import mangle_type
+from triton.experimental.gluon._runtime import GluonASTSource
+from mlpfuse.kernels import fp8_gemm_ws as W
+
+results = []
+for gated, quant, pair, bias, save in json.loads(sys.argv[1]):
+    m, n, k = 4096, 2048, 1024
+    f8 = torch.float8_e4m3fn
+    a, w = torch.empty(m, k, dtype=f8), torch.empty(n, k, dtype=f8)
+    sa, b = torch.empty(m, k // 128), torch.empty(n)
+    out = torch.empty(m, n, dtype=f8 if quant else torch.bfloat16)
+    ad, wd1, wd2 = W.descriptors(a, w, w, 128)
+    args = dict(a_desc=ad, sa=sa, w1_desc=wd1, s1=sa, w2_desc=wd2, s2=sa, b1=b, b2=b, out=out, sout=sa, gq=out, gs=sa,
+                uq=out, us=sa, M=m, N=n, K=k, s_sam=8, s_s1=8, s_s2=8, s_om=n, s_som=n // 128)
+    consts = dict(ACT=3 if gated else 0, GATED=gated, HAS_B1=bias, HAS_B2=bias, QUANT_OUT=quant, SAVE_GU=save,
+                  W_ROWS=False, BN=128, GROUP_M=16, STAGES=W.stages(gated, pair), I64=False, CONSUMER_REGS=232,
+                  PAIR=pair)
+    sig = {name: mangle_type(v) for name, v in args.items()} | {name: "constexpr" for name in consts}
+    kern = triton.compile(GluonASTSource(W.mlpfuse_fp8_gemm_ws_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, maxnreg=168))
+    ptx = kern.asm["ptx"]
+    d = tempfile.mkdtemp()
+    open(os.path.join(d, "k.ptx"), "w").write(ptx)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.o")],
+                          capture_output=True, text=True, check=True).stderr
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", info)]
+    results.append(dict(spills=sum(spills), wgmma=ptx.count("wgmma.mma_async"), tma=ptx.count("cp.async.bulk.tensor"),
+                        setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx))),
+                        smem=kern.metadata.shared))
+print(json.dumps(results))
+"""
+
+# (gated, quantized output, paired weight tiles, biases, save_gu): the forms fp8_gemm and FP8 training launch
+FORMS = [(True, True, True, False, False), (True, True, True, True, False), (False, False, True, False, False),
+         (False, False, False, True, False), (True, True, False, False, False)]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.join(os.path.dirname(__file__), "..", "src"),
+                                                    env.get("PYTHONPATH")) if p)
+    out = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(FORMS)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    if out.returncode != 0 and "No module named 'triton.experimental.gluon" in out.stderr:
+        pytest.skip("this Triton has no Gluon")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("i", range(len(FORMS)), ids=[str(f) for f in FORMS])
+def test_each_form_compiles_for_hopper_without_spilling(compiled, i):
+    r = compiled[i]
+    gated, _, pair, _, _ = FORMS[i]
+    assert r["spills"] == 0, r
+    # per K block: one wgmma of 4 k32 steps a weight tile, in each of the two consumers' code
+    assert r["wgmma"] > 0 and r["tma"] > 0, r
+    assert 232 in r["setmaxnreg"], r  # the consumers' registers raised above the launch's 168
+    stage = 128 * 128 * (3 if pair else 2)
+    assert r["smem"] >= 3 * stage, r
+
+
+def _operands(m, n, k, gated, seed):
+    from mlpfuse.kernels import fp8_gemm as K
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    xq, xs = K.quantize(torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16))
+    ws = []
+    for _ in range(2 if gated else 1):
+        ws.extend(K.quantize_weight(torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02))
+    return xq, xs, ws
+
+
+def _same(a, b):
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    return len(a) == len(b) and all(torch.equal(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x,
+                                                y.view(torch.uint8) if y.dtype == torch.float8_e4m3fn else y)
+                                    for x, y in zip(a, b))
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("m,n,k,gated,quant,bias,out_dtype", [
+    (1024, 384, 512, True, True, False, torch.bfloat16),
+    (1300, 640, 1040, True, True, True, torch.bfloat16),
+    (2048, 640, 1536, False, False, True, torch.bfloat16),  # 2.5 paired tiles across
+    (1100, 1024, 2048, False, False, False, torch.float32),
+    (1030, 512, 256, False, True, False, torch.bfloat16),
+])
+def test_fp8_gemm_on_the_warp_specialized_kernel_is_the_triton_kernel_bit_for_bit(m, n, k, gated, quant, bias,
+                                                                                  out_dtype, monkeypatch):
+    from mlpfuse import activations
+    from mlpfuse.kernels import fp8_gemm as K
+    from mlpfuse.kernels import fp8_gemm_ws as W
+
+    xq, xs, ws = _operands(m, n, k, gated, seed=m)
+    b = (torch.randn(n, device="cuda") * 0.1, torch.randn(n, device="cuda", dtype=torch.bfloat16)) if bias else \
+        (None, None)
+    kw = dict(activation=activations.get("silu").id if gated else activations.IDENTITY, quant_out=quant,
+              out_dtype=out_dtype)
+    w2 = (ws[2], ws[3]) if gated else (None, None)
+    assert K._ws(xq.device) is W and m >= K.WS_MIN_ROWS
+    got = K.fp8_gemm(xq, xs, ws[0], ws[1], *w2, *b, **kw)
+    one_tile = W.gemm(xq, xs, ws[0], ws[1], *w2, *b, pair=False, **kw)
+    monkeypatch.setattr(K, "WS", False)
+    K._plans.clear()
+    ref = K.fp8_gemm(xq, xs, ws[0], ws[1], *w2, *b, **kw)
+    assert _same(got, ref)
+    assert _same(one_tile, ref)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+def test_the_one_tile_gated_form_also_keeps_g_and_u_as_the_triton_kernel_does(monkeypatch):
+    from mlpfuse import activations
+    from mlpfuse.kernels import fp8_gemm as K
+    from mlpfuse.kernels import fp8_gemm_ws as W
+
+    xq, xs, ws = _operands(1200, 384, 640, True, seed=3)
+    act = activations.get("silu").id
+    got = W.gemm(xq, xs, *ws, activation=act, quant_out=True, save_gu=True)
+    monkeypatch.setattr(K, "WS", False)
+    assert _same(got, K.fp8_gemm(xq, xs, *ws, activation=act, quant_out=True, save_gu=True))
