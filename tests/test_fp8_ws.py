@@ -138,13 +138,12 @@ def test_fp8_gemm_on_the_warp_specialized_kernel_is_the_triton_kernel_bit_for_bi
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
-def test_the_one_tile_gated_form_also_keeps_g_and_u_as_the_triton_kernel_does(monkeypatch):
+def test_the_gated_gemm_keeps_g_and_u_as_the_triton_kernel_does(monkeypatch):
     from mlpfuse import activations
     from mlpfuse.kernels import fp8_gemm as K
-    from mlpfuse.kernels import fp8_gemm_ws as W
 
     xq, xs, ws = _operands(1200, 384, 640, True, seed=3)
     act = activations.get("silu").id
-    got = W.gemm(xq, xs, *ws, activation=act, quant_out=True, save_gu=True)
+    got = K.fp8_gemm(xq, xs, *ws, activation=act, quant_out=True, save_gu=True)  # the one-tile warp-specialized form
     monkeypatch.setattr(K, "WS", False)
     assert _same(got, K.fp8_gemm(xq, xs, *ws, activation=act, quant_out=True, save_gu=True))

@@ -576,10 +576,11 @@ def _gemm_config(m: int, n: int, quant_out: bool, gated: bool) -> tuple[int, int
 
 # The warp-specialized form of the GEMM (kernels/fp8_gemm_ws.py, Gluon, sm_90 only) from this many rows: there the
 # H200 measured it faster (8192×4096×14336: gated 1810 against 2423 µs, down 958 against 1081; 2048 rows: 471 against
-# 652 and 246 against 273), at 512 rows slower (the down GEMM's 128 tiles leave SMs idle: 171 against 71 µs);
+# 652 and 246 against 273), at 512 rows slower (the down GEMM's 128 tiles leave SMs idle: 171 against 71 µs; the
+# cut-over at 1024 lies between, not measured itself);
 # `benchmarks/fp8_ws_probe.py`, benchmarks/results/nvidia-h200/fp8-ws/. Same sums, same epilogue: bit for bit the
-# Triton kernel's outputs in that probe. Not for w_rows (the weight gradients: slower there) nor save_gu (not
-# measured yet). MLPFUSE_FP8_WS=0 turns it off.
+# Triton kernel's outputs in that probe (save_gu too, in its one-tile gated form). Not for w_rows (the weight
+# gradients: 386 against 408–426 TFLOP/s). MLPFUSE_FP8_WS=0 turns it off.
 WS_MIN_ROWS = 1024
 WS = os.environ.get("MLPFUSE_FP8_WS", "1") == "1"
 _ws_module = None
@@ -638,9 +639,10 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch
     if m == 0 or n == 0:
         return done
     use_tma = C.tma_capable(a.device) and k > 0 and C.tma_ok(a) and C.tma_ok(w1) and C.tma_ok(w2)
-    ws = _ws(a.device) if use_tma and m >= WS_MIN_ROWS and not (w_rows or save_gu) else None
+    ws = _ws(a.device) if use_tma and m >= WS_MIN_ROWS and not w_rows else None
     if ws is not None:
-        ws.launch(a, a_scale, w1, s1, w2 if gated else None, s2, b1, b2, out, sout, activation, quant_out)
+        ws.launch(a, a_scale, w1, s1, w2 if gated else None, s2, b1, b2, out, sout, activation, quant_out,
+                  saved=saved if save_gu else None)
         return done
     bm, bn, group_m, warps, stages = _gemm_config(m, n, quant_out, gated)
     aa, wa1, wa2 = a, w1, w2

@@ -5,7 +5,7 @@ the numerics of `mlpfuse.reference.gated_mlp_fp8_train` (its oracle; docs/fp8.md
               gate+up GEMM, the GLU and h's 1×128 quantization in its epilogue, g and u written there in e4m3 too
               down GEMM on h → y
     backward  dh = dy·Wd                  dy 1×128 along D, Wdᵀ's 128×128 blocks
-              dg, du from dh and the saved g, u (fp32)
+              dg, du, h from dh and the saved e4m3 g, u in one pass (kernels.glu_backward, fp32 out)
               dx = dg·Wg + du·Wu          dg, du 1×128 along H
               dWd = dyᵀ·h, dWg = dgᵀ·x, dWu = duᵀ·x
                                           both operands grouped 128×1 along the tokens (the GEMM's second operand
@@ -15,9 +15,10 @@ The master weights stay in their dtype (the optimizer's); each step quantizes th
 backward: nothing weight-sized is kept between the two). What the step keeps for the backward: x in e4m3 with its
 scales, g and u in e4m3 with theirs.
 
-This first form composes the kernels with PyTorch ops between them (the GLU backward in fp32; the quantization along
-the tokens reads transposed views; each weight is quantized in one kernel pass, straight into Wᵀ's layout for the
-backward): correct against the oracle, not yet tuned (no GLU-backward epilogue in the dh GEMM, h rebuilt in fp32).
+This form composes the kernels (the quantization along the tokens reads transposed views; each weight is quantized
+in one kernel pass, straight into Wᵀ's layout for the backward; the GLU backward one pass that writes dg, du and h in
+fp32): correct against the oracle, not yet tuned (dg, du and h are each read again by their quantizations; no
+GLU-backward epilogue in the dh GEMM).
 """
 
 from __future__ import annotations
@@ -76,20 +77,21 @@ def _backward(dy: Tensor, xq: Tensor, xs: Tensor, gq: Tensor, gs: Tensor, uq: Te
         from mlpfuse import reference
 
         return reference.fp8_train_backward(dy, xq, xs, wg, wu, wd, (gq, gs, uq, us), activation)
+    from mlpfuse.kernels import glu_backward
+
     k = _kernels()
     act = activations.get(activation)
     ident = activations.IDENTITY
     # Wᵀ in the recipe, each weight's blocks quantized and transposed in one pass over it
     qg, qu, qd = (k.quantize_weight(w.detach(), transposed=True) for w in (wg, wu, wd))
     dh = k.fp8_gemm(*k.quantize(dy), *qd, activation=ident, quant_out=False, out_dtype=_F32)
-    g, u = fp8.dequantize_activation(gq, gs), fp8.dequantize_activation(uq, us)
-    a = act.forward(g)
-    dg = dh * u * act.grad(g)
-    du = dh * a
+    # dg = dh·u·act'(g), du = dh·act(g) and h = act(g)·u in one pass over dh and the e4m3 g, u (dequantized as read)
+    dg, du, a_u = glu_backward.glu_backward_split(dh, gq, uq, activation=act.id, want_h=True, g_scale=gs,
+                                                  u_scale=us)[:3]
     dx = (k.fp8_gemm(*k.quantize(dg), *qg, activation=ident, quant_out=False, out_dtype=_F32)
           + k.fp8_gemm(*k.quantize(du), *qu, activation=ident, quant_out=False, out_dtype=_F32))
     x_tokens = _along_tokens(fp8.dequantize_activation(xq, xs))
-    dwd = k.fp8_gemm(*_along_tokens(dy), *_along_tokens(a * u), activation=ident, quant_out=False, out_dtype=_F32,
+    dwd = k.fp8_gemm(*_along_tokens(dy), *_along_tokens(a_u), activation=ident, quant_out=False, out_dtype=_F32,
                      w_rows=True)
     dwg = k.fp8_gemm(*_along_tokens(dg), *x_tokens, activation=ident, quant_out=False, out_dtype=_F32, w_rows=True)
     dwu = k.fp8_gemm(*_along_tokens(du), *x_tokens, activation=ident, quant_out=False, out_dtype=_F32, w_rows=True)
