@@ -36,10 +36,13 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mlpfuse import fp8
 from mlpfuse.activations import act_fwd as _act_fwd
 from mlpfuse.kernels import _common as C
+from mlpfuse.kernels import fp8_gemm as _fp8_gemm
 
-# The Triton helpers, compiled as Gluon functions (their bodies are plain elementwise and reduction code).
+# The Triton helpers, compiled as Gluon functions (their bodies are plain elementwise and reduction code): the
+# activation, the tile order and the 1×128 quantization (scale rule and rounding) are fp8_gemm's own.
 _act = gluon.jit(_act_fwd.fn)
 _tile_coords = gluon.jit(C.tile_coords.fn)
+_quantize_rows = gluon.jit(_fp8_gemm._quantize_rows.fn)
 
 BM = gl.constexpr(128)  # two consumer warpgroups of 64 rows (wgmma's M per warpgroup)
 HALF = gl.constexpr(64)
@@ -47,23 +50,9 @@ BK = gl.constexpr(128)  # one scale group
 
 
 @gluon.jit
-def _scale_inv(amax, has_nan):
-    s = gl.maximum(gl.div_rn(amax, 448.0), 1.1754943508222875e-38)
-    s = gl.where(amax == 0.0, 1.0, s)
-    return gl.where(has_nan, float("nan"), s)
-
-
-@gluon.jit
-def _quantize_rows(v):
-    """v [64, 128] fp32 (one scale group per row) → (e4m3 values, scale_inv per row): kernels.fp8_gemm's."""
-    s = _scale_inv(gl.max(gl.abs(v), axis=1), gl.max((v != v).to(gl.int32), axis=1) > 0)
-    return gl.div_rn(v, gl.expand_dims(s, 1)).to(gl.float8e4nv), s
-
-
-@gluon.jit
 def _store_quantized(vq, sq, v, rm, rn, mmask, nmask, s_om, s_som, group):
     """v [64, 128] quantized 1×128 (one scale group per row: column group `group`), values and scales stored."""
-    values, scale = _quantize_rows(gl.where(gl.expand_dims(nmask, 0), v, 0.0))
+    values, scale = _quantize_rows(gl.where(gl.expand_dims(nmask, 0), v, 0.0), False)
     mask = gl.expand_dims(mmask, 1) & gl.expand_dims(nmask, 0)
     gl.store(vq + gl.expand_dims(rm, 1) * s_om + gl.expand_dims(rn, 0), values, mask=mask)
     gl.store(sq + rm * s_som + group, scale, mask=mmask)
