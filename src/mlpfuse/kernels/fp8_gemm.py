@@ -575,8 +575,9 @@ def _gemm_config(m: int, n: int, quant_out: bool, gated: bool) -> tuple[int, int
 
 
 # The warp-specialized form of the GEMM (kernels/fp8_gemm_ws.py, Gluon, sm_90 only) from this many rows: there the
-# H200 measured it faster (8192×4096×14336: gated 1810 against 2423 µs, down 958 against 1081; 2048 rows: 471 against
-# 652 and 246 against 273), at 512 rows slower (the down GEMM's 128 tiles leave SMs idle: 171 against 71 µs; the
+# H200 measured it faster (8192×4096×14336: gated 1810 against 2423 µs, down with one weight tile a stage 958 against
+# 1081 — with two, as launched, 823 against cuBLAS's 796 in a later run; 2048 rows: 471 against 652 and 246 against
+# 273), at 512 rows slower (the down GEMM's 128 tiles leave SMs idle: 171 against 71 µs; the
 # cut-over at 1024 lies between, not measured itself);
 # `benchmarks/fp8_ws_probe.py`, benchmarks/results/nvidia-h200/fp8-ws/. Same sums, same epilogue: bit for bit the
 # Triton kernel's outputs in that probe (save_gu too, in its one-tile gated form). Not for w_rows (the weight
