@@ -49,6 +49,72 @@ def test_the_gated_epilogue_writes_g_and_u_each_within_one_rounding():
         assert bool(((got - ref).abs() <= U * ref.abs() + SUB * sc + slack * (1 + U)).all())
 
 
+@pytest.mark.parametrize("act,m,n", [("silu", 200, 300), ("gelu_tanh", 130, 128), ("relu", 64, 260)])
+def test_the_quantized_glu_backward_is_the_unfused_one_bit_for_bit(act, m, n):
+    """fp8_glu_backward: one pass writing dg and du quantized along the channels and dgᵀ, duᵀ, hᵀ along the tokens,
+    against glu_backward_split's fp32 dg, du, h quantized by fp8_gemm.quantize (the views transposed for the token
+    groups): the same e4m3 bits and scales, partial tiles both ways; a NaN in dh reaches its row's and column's
+    groups and no other; the bias parts sum to the columns of dg and du."""
+    from mlpfuse.kernels import glu_backward
+
+    gen = torch.Generator().manual_seed(9)
+    kern = _k()
+    dh = _rand(gen, m, n)
+    dh[5, 7] = float("nan")
+    gq, gs = kern.quantize(_rand(gen, m, n, scale=2.0))
+    uq, us = kern.quantize(_rand(gen, m, n))
+    a_id = activations.get(act).id
+    dg, du, dg_t, du_t, h_t, dbg, dbu = glu_backward.fp8_glu_backward(dh, gq, gs, uq, us, activation=a_id,
+                                                                      bias_sums=True)
+    dg32, du32, h32 = glu_backward.glu_backward_split(dh, gq, uq, activation=a_id, want_h=True, g_scale=gs,
+                                                      u_scale=us)[:3]
+
+    def same(got, want):
+        return (torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+                and torch.equal(torch.nan_to_num(got[1], 7.0), torch.nan_to_num(want[1], 7.0)))
+
+    assert same(dg, kern.quantize(dg32)) and same(du, kern.quantize(du32))
+    assert same(dg_t, kern.quantize(dg32.t())) and same(du_t, kern.quantize(du32.t()))
+    assert same(h_t, kern.quantize(h32.t()))
+    assert bool(dg[1][5].isnan()[0]) and int(dg[1].isnan().sum()) == 1  # row 5's first channel group only
+    assert bool(dg_t[1][7].isnan()[0]) and int(dg_t[1].isnan().sum()) == 1  # channel 7's first token group only
+    finite = torch.ones(n, dtype=torch.bool, device=dh.device)
+    finite[7] = False
+    assert torch.allclose(dbg[finite].double(), dg32[:, finite].double().sum(0), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(dbu[finite].double(), du32[:, finite].double().sum(0), rtol=1e-5, atol=1e-5)
+    assert bool(dbg[7].isnan()) and bool(dbu[7].isnan())
+
+
+_GLU_COMPILE = r"""
+from mlpfuse.kernels import glu_backward as G
+
+m, n = 4096, 14336
+f8 = torch.float8_e4m3fn
+dh, g, s = torch.empty(m, n), torch.empty(m, n, dtype=f8), torch.empty(m, n // 128)
+t, ts, sums = torch.empty(n, m, dtype=f8), torch.empty(n, m // 128), torch.empty(2, m // 128, n)
+out = []
+for along in (False, True):
+    bm, bn = (128, G._FP8_NARROW) if along else (G._FP8_NARROW, 128)
+    so, sos = (m, m // 128) if along else (n, n // 128)
+    args = dict(dh=dh, gq=g, gs=s, uq=g, us=s, o1=t, s1=ts, o2=t, s2=ts, o3=t, s3=ts, sums=sums, M=m, N=n, s_dh=n,
+                s_g=n, s_gs=n // 128, s_o=so, s_os=sos)
+    for act in (1, 2, 3):
+        r = compile_sm90(G.mlpfuse_fp8_glu_backward_kernel, args, dict(ACT=act, ALONG_TOKENS=along, SUMS=along, BM=bm,
+                         BN=bn, EMULATE=False, I64=False), num_warps=4, num_stages=1)
+        out.append(dict(along=along, act=act, spills=r["spills"], regs=r["regs"]))
+print(json.dumps(out))
+"""
+
+
+def test_the_quantized_glu_backward_compiles_for_hopper_without_spilling():
+    """Both passes, as launched, for sm_90a (tests/sm90_compile.py): a one-pass [128, 128] form spilled 9–20 KB a
+    thread through its divisions' calls; a spill would come back as local-memory traffic on every element."""
+    import sm90_compile
+
+    for r in sm90_compile.run(_GLU_COMPILE):
+        assert r["spills"] == 0, r
+
+
 def test_a_second_operand_with_row_scales_is_the_dequantized_product():
     """w_rows: out [M, N] = a·wᵀ with a's scales 1×128 and w's one per row and K block (both along K, as the weight
     gradients' operands are along the tokens), against the float64 product of the dequantized operands; K not a

@@ -80,6 +80,14 @@ def _quantize_rows(v, EMULATE: tl.constexpr):
     return _e4m3(tl.math.div_rn(v, s[:, None]), EMULATE), s
 
 
+@triton.jit
+def _quantize_cols(v, EMULATE: tl.constexpr):
+    """v [128, C] fp32 (one scale group per column: 128 consecutive rows, e.g. tokens) → (values e4m3, scale_inv [C]
+    fp32): the groups of a transposed view's 1×128 quantization, as `quantize(t.t())` makes them."""
+    s = _scale_inv(tl.max(tl.abs(v), axis=0), tl.max((v != v).to(tl.int32), axis=0) > 0)
+    return _e4m3(tl.math.div_rn(v, s[None, :]), EMULATE), s
+
+
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_fp8_quantize_kernel(x, q, s, M, K, sxm, sxk, sqm, ssm, BM: tl.constexpr, EMULATE: tl.constexpr,
                                 I64: tl.constexpr):

@@ -24,6 +24,7 @@ from mlpfuse.errors import InputError
 from mlpfuse.kernels import _common as C
 from mlpfuse.kernels._common import tile_coords
 from mlpfuse.kernels.configs import KernelConfig, pick
+from mlpfuse.kernels.fp8_gemm import _EMULATE, _quantize_cols, _quantize_rows
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -360,3 +361,111 @@ _pointwise_plans: dict = {}
 def glu_backward_pointwise(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *, activation: int, out=None):
     """(dg, du) = (dh·u·act'(g), dh·act(g)) in one pass; `out` takes caller-owned (dg, du)."""
     return glu_backward_split(dh, g, u, activation=activation, out=out)[:2]
+
+
+# ---------------------------------------------------------------- FP8 training: the GLU backward, quantized
+
+
+@triton.jit(do_not_specialize=["M"])
+def mlpfuse_fp8_glu_backward_kernel(
+    dh, gq, gs, uq, us, o1, s1, o2, s2, o3, s3, sums,
+    M, N, s_dh, s_g, s_gs, s_o, s_os,
+    ACT: tl.constexpr, ALONG_TOKENS: tl.constexpr, SUMS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    EMULATE: tl.constexpr, I64: tl.constexpr,
+):
+    """A [BM tokens, BN channels] tile of dh [M, N] fp32 and the e4m3 g, u [M, N] with their 1×128 scales: dg =
+    dh·u·act'(g), du = dh·act(g), h = act(g)·u, never written in fp32, each quantized for the GEMM that reads it.
+    ALONG_TOKENS off (BN = 128: a tile row is one channel group): dg → o1/s1 and du → o2/s2, [M, N] and [M, N/128]
+    (dx's operands). ALONG_TOKENS (BM = 128: a tile column is one token group): dgᵀ → o1/s1, duᵀ → o2/s2, hᵀ → o3/s3,
+    [N, M] and [N, M/128] (the weight gradients' operands), and with SUMS the tile's column sums of dg and du (the
+    bias gradients' parts) into sums [2, M/128, N]. Two passes rather than one: a [128, 128] tile serving both
+    quantizations keeps several fp32 tensors live through the divisions' slow-path calls, and spilled (ptxas,
+    sm_90: 9–20 KB a thread at 8–16 warps); narrow tiles of two passes spill nothing. Between them the passes read
+    dh, g and u twice and write each output once: 18 bytes an element against the ~43 of an fp32 dg, du, h and five
+    quantizations, and no fp32 [M, N] tensor beside dh."""
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    if I64:
+        rm = rm.to(tl.int64)
+        rn = rn.to(tl.int64)
+    mmask = rm < M
+    nmask = rn < N
+    mask = mmask[:, None] & nmask[None, :]
+    group = rm[:, None] * s_gs + (rn // 128)[None, :]
+    d = tl.load(dh + rm[:, None] * s_dh + rn[None, :], mask=mask, other=0.0)
+    g = tl.load(gq + rm[:, None] * s_g + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = g * tl.load(gs + group, mask=mask, other=1.0)
+    u = tl.load(uq + rm[:, None] * s_g + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = u * tl.load(us + group, mask=mask, other=1.0)
+    a = act_fwd(g, ACT)
+    dg = d * u * act_grad(g, ACT)  # masked elements: d = 0, so dg = du = 0 (and h = 0: g = u = 0)
+    du = d * a
+    if ALONG_TOKENS:
+        h = a * u
+        cols = rn[None, :] * s_o + rm[:, None]  # [N, M] outputs
+        scales = rn * s_os + tl.program_id(0)
+        if SUMS:
+            parts = tl.num_programs(0) * N
+            tl.store(sums + tl.program_id(0) * N + rn, tl.sum(dg, axis=0), mask=nmask)
+            tl.store(sums + parts + tl.program_id(0) * N + rn, tl.sum(du, axis=0), mask=nmask)
+        v, sc = _quantize_cols(dg, EMULATE)
+        tl.store(o1 + cols, v, mask=mask)
+        tl.store(s1 + scales, sc, mask=nmask)
+        v, sc = _quantize_cols(du, EMULATE)
+        tl.store(o2 + cols, v, mask=mask)
+        tl.store(s2 + scales, sc, mask=nmask)
+        v, sc = _quantize_cols(h, EMULATE)
+        tl.store(o3 + cols, v, mask=mask)
+        tl.store(s3 + scales, sc, mask=nmask)
+    else:
+        rows = rm[:, None] * s_o + rn[None, :]  # [M, N] outputs
+        scales = rm * s_os + tl.program_id(1)
+        v, sc = _quantize_rows(dg, EMULATE)
+        tl.store(o1 + rows, v, mask=mask)
+        tl.store(s1 + scales, sc, mask=mmask)
+        v, sc = _quantize_rows(du, EMULATE)
+        tl.store(o2 + rows, v, mask=mask)
+        tl.store(s2 + scales, sc, mask=mmask)
+
+
+_fp8_launch = C.Launcher(mlpfuse_fp8_glu_backward_kernel)
+# The narrow side of both passes' tiles (rows of the channel-group pass, columns of the token-group pass). Compiled
+# for sm_90 at 4 warps, 8, 16 and 32 spill nothing; 8 needs the fewest registers (93 and 141 a thread, against 174
+# and 150–254 at 16), so the most tiles in flight per SM for a pass that is all memory traffic. Not timed yet.
+_FP8_NARROW = 8
+
+
+def fp8_glu_backward(dh: torch.Tensor, g: torch.Tensor, g_scale: torch.Tensor, u: torch.Tensor,
+                     u_scale: torch.Tensor, *, activation: int, bias_sums: bool = False):
+    """FP8 training's GLU backward from the dh GEMM's fp32 output and the forward's e4m3 g, u (1×128 scales), its
+    outputs quantized for the GEMMs that read them (mlpfuse_fp8_glu_backward_kernel, two passes): returns
+    ((dg values, scales), (du values, scales)) 1×128 along the channels, then ((values, scales) of dgᵀ, duᵀ, hᵀ)
+    1×128 along the tokens, then the column sums of dg and du (fp32, added in a fixed order: None unless
+    `bias_sums`). Bit for bit `fp8_gemm.quantize` of glu_backward_split's fp32 dg, du, h and of their transposes."""
+    _check_fp8_pair(dh, g, g_scale, "g")
+    _check_fp8_pair(dh, u, u_scale, "u")
+    if dh.dtype != torch.float32 or dh.stride(1) != 1 or g.stride() != u.stride() or g.stride(1) != 1 \
+            or g_scale.stride() != u_scale.stride():
+        raise InputError("dh: expected fp32 with unit column stride, and g, u (and their scales) of one layout")
+    m, n = dh.shape
+    gm, gn = -(-m // fp8.GROUP), -(-n // fp8.GROUP)
+
+    def quantized(rows, cols, groups):
+        return (torch.empty(rows, cols, device=dh.device, dtype=fp8.DTYPE),
+                torch.empty(rows, groups, device=dh.device, dtype=fp8.SCALE_DTYPE))
+
+    dg, du = quantized(m, n, gn), quantized(m, n, gn)
+    dgt, dut, ht = quantized(n, m, gm), quantized(n, m, gm), quantized(n, m, gm)
+    sums = torch.empty(2, gm, n, device=dh.device, dtype=torch.float32) if bias_sums else None
+    if m and n:
+        i64 = C.needs_i64(dh, g, dgt[0])
+        for along, (bm, bn), outs, ints in (
+                (False, (_FP8_NARROW, 128), (*dg, *du, *du), (dh.stride(0), g.stride(0), g_scale.stride(0), n, gn)),
+                (True, (128, _FP8_NARROW), (*dgt, *dut, *ht), (dh.stride(0), g.stride(0), g_scale.stride(0), m, gm))):
+            consts = (activation, along, bias_sums and along, bm, bn, _EMULATE, i64)
+            key = (consts, n, *ints, tuple(C.align16(t) for t in (dh, g, u, g_scale, u_scale)))
+            _fp8_launch(key, (-(-m // bm), -(-n // bn)), (dh, g, g_scale, u, u_scale, *outs,
+                                                         sums if sums is not None else dh, m, n, *ints), consts,
+                        num_warps=4, num_stages=1)
+    bias = (sums[0].sum(0), sums[1].sum(0)) if bias_sums else (None, None)
+    return dg, du, dgt, dut, ht, *bias
