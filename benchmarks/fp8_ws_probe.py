@@ -112,10 +112,10 @@ def bench(d: int, h: int, sizes) -> None:
                                                             out_dtype=torch.bfloat16))
         t["cublas down"] = _bench(lambda: torch._scaled_mm(hq, wd.t(), scale_a=ones_m, scale_b=ones_d,
                                                            out_dtype=torch.bfloat16))
-        K.WS = False  # the Triton kernel itself (fp8_gemm takes the warp-specialized one from WS_MIN_ROWS)
+        ws_on, K.WS = K.WS, False  # the Triton kernel itself (fp8_gemm takes the warp-specialized one from 1024 rows)
         t["triton gated"] = _bench(lambda: K.fp8_gemm(xq, xs, wg, sg, wu, su, activation=SILU, quant_out=True))
         t["triton down"] = _bench(lambda: K.fp8_gemm(hq, hs, wd, sd, activation=IDENT, quant_out=False))
-        K.WS = True
+        K.WS = ws_on
         for pair, st, gm in ((False, 4, 16), (True, 3, 16), (True, 4, 8), (True, 4, 16)):
             t[f"ws gated{' pair' if pair else ''} s{st} g{gm}"] = _bench(
                 lambda: W.gemm(xq, xs, wg, sg, wu, su, activation=SILU, quant_out=True, stages_=st, group_m=gm,

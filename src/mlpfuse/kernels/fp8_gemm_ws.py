@@ -13,10 +13,12 @@ Here a program is three partitions:
     consumer 1  rows 64–127, the same
 
 The two consumers share the stages but not a lockstep (each waits only on `ready`, the ring is released when both
-have arrived), so one's MMA runs while the other scales, and the loader runs STAGES blocks ahead. Gated (gate and
-up): each stage carries both weights' tiles, one x tile feeding both, and each K block's two products are
-promoted one after the other (at most three 64×128 fp32 tiles live per thread: two accumulators, one product).
-The epilogue is `fp8_gemm`'s: biases, the activation, the GLU, then either the output in its dtype or quantized
+have arrived), so one's MMA runs while the other scales, and the loader runs STAGES blocks ahead. PAIR: each stage
+carries two weight tiles against one x tile — gated, gate's and up's at the same columns; otherwise the weight's
+next 256 columns — and each K block's two products are promoted one after the other (at most three 64×128 fp32
+tiles live per thread: two sums, one product). Without PAIR (save_gu, w_rows: their epilogue or per-column scales
+need the registers) a stage holds one weight tile, and a gated tile runs gate's K loop, parks act(g) in shared
+memory, then runs up's. The epilogue is `fp8_gemm`'s: biases, the activation, the GLU, then either the output in its dtype or quantized
 1×128 (a 128-column tile is one scale group per row), the pre-activations too with SAVE_GU.
 
 Needs sm_90 (wgmma, TMA, setmaxnreg) and Triton's Gluon; `fp8_gemm` takes it on Hopper for the sizes where it
