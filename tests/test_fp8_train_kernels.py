@@ -51,7 +51,7 @@ def test_the_gated_epilogue_writes_g_and_u_each_within_one_rounding():
 
 @pytest.mark.parametrize("act,m,n", [("silu", 200, 300), ("gelu_tanh", 130, 128), ("relu", 64, 260)])
 def test_the_quantized_glu_backward_is_the_unfused_one_bit_for_bit(act, m, n):
-    """fp8_glu_backward: one pass writing dg and du quantized along the channels and dgᵀ, duᵀ, hᵀ along the tokens,
+    """fp8_glu_backward: dg and du written quantized along the channels and dgᵀ, duᵀ, hᵀ along the tokens,
     against glu_backward_split's fp32 dg, du, h quantized by fp8_gemm.quantize (the views transposed for the token
     groups): the same e4m3 bits and scales, partial tiles both ways; a NaN in dh reaches its row's and column's
     groups and no other; the bias parts sum to the columns of dg and du."""

@@ -401,31 +401,31 @@ def mlpfuse_fp8_glu_backward_kernel(
     dg = d * u * act_grad(g, ACT)  # masked elements: d = 0, so dg = du = 0 (and h = 0: g = u = 0)
     du = d * a
     if ALONG_TOKENS:
-        h = a * u
-        cols = rn[None, :] * s_o + rm[:, None]  # [N, M] outputs
-        scales = rn * s_os + tl.program_id(0)
+        at = rn[None, :] * s_o + rm[:, None]  # [N, M] outputs
+        scale_at, scale_mask = rn * s_os + tl.program_id(0), nmask
         if SUMS:
             parts = tl.num_programs(0) * N
             tl.store(sums + tl.program_id(0) * N + rn, tl.sum(dg, axis=0), mask=nmask)
             tl.store(sums + parts + tl.program_id(0) * N + rn, tl.sum(du, axis=0), mask=nmask)
-        v, sc = _quantize_cols(dg, EMULATE)
-        tl.store(o1 + cols, v, mask=mask)
-        tl.store(s1 + scales, sc, mask=nmask)
-        v, sc = _quantize_cols(du, EMULATE)
-        tl.store(o2 + cols, v, mask=mask)
-        tl.store(s2 + scales, sc, mask=nmask)
-        v, sc = _quantize_cols(h, EMULATE)
-        tl.store(o3 + cols, v, mask=mask)
-        tl.store(s3 + scales, sc, mask=nmask)
     else:
-        rows = rm[:, None] * s_o + rn[None, :]  # [M, N] outputs
-        scales = rm * s_os + tl.program_id(1)
-        v, sc = _quantize_rows(dg, EMULATE)
-        tl.store(o1 + rows, v, mask=mask)
-        tl.store(s1 + scales, sc, mask=mmask)
-        v, sc = _quantize_rows(du, EMULATE)
-        tl.store(o2 + rows, v, mask=mask)
-        tl.store(s2 + scales, sc, mask=mmask)
+        at = rm[:, None] * s_o + rn[None, :]  # [M, N] outputs
+        scale_at, scale_mask = rm * s_os + tl.program_id(1), mmask
+    _store_fp8(dg, o1, s1, at, scale_at, mask, scale_mask, ALONG_TOKENS, EMULATE)
+    _store_fp8(du, o2, s2, at, scale_at, mask, scale_mask, ALONG_TOKENS, EMULATE)
+    if ALONG_TOKENS:
+        _store_fp8(a * u, o3, s3, at, scale_at, mask, scale_mask, ALONG_TOKENS, EMULATE)
+
+
+@triton.jit
+def _store_fp8(v, values, scales, at, scale_at, mask, scale_mask, ALONG_TOKENS: tl.constexpr,
+               EMULATE: tl.constexpr):
+    """v quantized 1×128 along the tile's columns (ALONG_TOKENS: a column is a token group) or its rows."""
+    if ALONG_TOKENS:
+        q, sc = _quantize_cols(v, EMULATE)
+    else:
+        q, sc = _quantize_rows(v, EMULATE)
+    tl.store(values + at, q, mask=mask)
+    tl.store(scales + scale_at, sc, mask=scale_mask)
 
 
 _fp8_launch = C.Launcher(mlpfuse_fp8_glu_backward_kernel)
