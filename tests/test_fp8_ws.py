@@ -33,12 +33,12 @@ for gated, quant, pair, bias, save in json.loads(sys.argv[1]):
     args = dict(a_desc=ad, sa=sa, w1_desc=wd1, s1=sa, w2_desc=wd2, s2=sa, b1=b, b2=b, out=out, sout=sa, gq=out, gs=sa,
                 uq=out, us=sa, M=m, N=n, K=k, s_sam=8, s_s1=8, s_s2=8, s_om=n, s_som=n // 128)
     consts = dict(ACT=3 if gated else 0, GATED=gated, HAS_B1=bias, HAS_B2=bias, QUANT_OUT=quant, SAVE_GU=save,
-                  W_ROWS=False, BN=128, GROUP_M=16, STAGES=W.stages(gated, pair), I64=False, CONSUMER_REGS=232,
-                  PAIR=pair)
+                  W_ROWS=False, BN=128, GROUP_M=16, STAGES=W.stages(gated, pair), I64=False, PAIR=pair)
     r = compile_sm90(W.mlpfuse_fp8_gemm_ws_kernel, args, consts, num_warps=4, maxnreg=168)
     ptx = r.pop("ptx")
     r.update(wgmma=ptx.count("wgmma.mma_async"), tma=ptx.count("cp.async.bulk.tensor"),
-             setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx))))
+             setmaxnreg=sorted(set(int(x) for x in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx))),
+             consumer_regs=W.CONSUMER_REGS.value)
     results.append(r)
 print(json.dumps(results))
 """
@@ -63,7 +63,7 @@ def test_each_form_compiles_for_hopper_without_spilling(compiled, i):
     assert r["spills"] <= (512 if save else 0), r
     # per K block: one wgmma of 4 k32 steps a weight tile, in each of the two consumers' code
     assert r["wgmma"] > 0 and r["tma"] > 0, r
-    assert 232 in r["setmaxnreg"], r  # the consumers' registers raised above the launch's 168
+    assert r["consumer_regs"] > 168 and r["consumer_regs"] in r["setmaxnreg"], r  # raised above the launch's 168
     stage = 128 * 128 * (3 if pair else 2)
     assert r["smem"] >= 3 * stage, r
 

@@ -610,6 +610,22 @@ def _ws(device: torch.device):
     return _ws_module or None
 
 
+def outputs(a: torch.Tensor, a_scale: torch.Tensor, n: int, quant_out: bool, out_dtype: torch.dtype,
+            save_gu: bool):
+    """fp8_gemm's fresh outputs for a [M, K] and N columns: (out, sout, saved, what fp8_gemm returns). sout is a_scale
+    when the output is not quantized, and saved (gq, gs, uq, us) those two again without save_gu: placeholders the
+    kernels never write."""
+    m = a.shape[0]
+    if quant_out:
+        out = torch.empty(m, n, device=a.device, dtype=fp8.DTYPE)
+        sout = torch.empty(m, -(-n // GROUP), device=a.device, dtype=fp8.SCALE_DTYPE)
+    else:
+        out = torch.empty(m, n, device=a.device, dtype=out_dtype)
+        sout = a_scale
+    saved = tuple(torch.empty_like(t) for t in (out, sout, out, sout)) if save_gu else (out, sout, out, sout)
+    return out, sout, saved, (out, sout, *saved) if save_gu else (out, sout) if quant_out else out
+
+
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
              w2: torch.Tensor | None = None, s2: torch.Tensor | None = None, b1: torch.Tensor | None = None,
              b2: torch.Tensor | None = None, *, activation: int, quant_out: bool,
@@ -637,14 +653,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch
         raise InputError(f"a_scale: expected fp32 scales of shape ({m}, {-(-k // GROUP)}), got {a_scale.dtype} "
                          f"{tuple(a_scale.shape)}")
     n, gated, w2, s2 = _check_operands(w1, s1, w2, s2, b1, b2, k, a, w_rows)
-    if quant_out:
-        out = torch.empty(m, n, device=a.device, dtype=fp8.DTYPE)
-        sout = torch.empty(m, -(-n // GROUP), device=a.device, dtype=fp8.SCALE_DTYPE)
-    else:
-        out = torch.empty(m, n, device=a.device, dtype=out_dtype)
-        sout = a_scale
-    saved = tuple(torch.empty_like(t) for t in (out, sout, out, sout)) if save_gu else (out, sout, out, sout)
-    done = (out, sout, *saved) if save_gu else (out, sout) if quant_out else out
+    out, sout, saved, done = outputs(a, a_scale, n, quant_out, out_dtype, save_gu)
     if m == 0 or n == 0:
         return done
     use_tma = C.tma_capable(a.device) and k > 0 and C.tma_ok(a) and C.tma_ok(w1) and C.tma_ok(w2)
