@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from mlpfuse import fp8
 from mlpfuse.ops.fp8_mlp import fp8_gated_mlp
-from mlpfuse.workloads import rowwise_fp8, rowwise_fp8_chain
+from mlpfuse.workloads import rowwise_fp8_chain
 
 OUTLIER_FRACTION, OUTLIER_GAIN = 0.01, 20.0
 
@@ -53,16 +53,16 @@ def mlpfuse_fp8(x, wg, wu, wd, backend: str):
                          activation="silu", backend=backend)
 
 
-def rowwise_emulated(x, wg, wu, wd):
-    """The rowwise recipe in PyTorch ops (CPU): each operand quantized as `workloads.rowwise_fp8` does, the products of
-    the dequantized values in fp32, g, u and y rounded to x's dtype as cuBLAS's FP8 GEMMs return them."""
-    def linear(a, w):
-        aq, sa = rowwise_fp8(a)
-        wq, sw = rowwise_fp8(w)
-        return F.linear(aq.float() * sa, wq.float() * sw).to(a.dtype)
+def _dequantized_gemm(xq, xs, wq, ws, dtype):
+    """scaled_mm's product of rowwise-quantized operands, in PyTorch ops: the dequantized values multiplied in fp32,
+    rounded to `dtype` as cuBLAS's FP8 GEMMs return them."""
+    return ((xq.float() * xs) @ (wq.float() * ws).T).to(dtype)
 
-    h = F.silu(linear(x, wg)) * linear(x, wu)
-    return linear(h, wd)
+
+def rowwise_emulated(x, wg, wu, wd):
+    """The rowwise recipe on a CPU: the peers' chain (`workloads.rowwise_fp8_chain`, its quantization exactly) with
+    the products in fp32 PyTorch ops instead of cuBLAS's FP8 GEMMs."""
+    return rowwise_fp8_chain(wg, wu, wd, F.silu, x.dtype, gemm=_dequantized_gemm)(x)
 
 
 def torchao_block(x, wg, wu, wd):

@@ -144,16 +144,17 @@ def scaled_mm(xq, xs, wq, ws, dtype):
     return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.t(), out_dtype=dtype)
 
 
-def rowwise_fp8_chain(gate_weight, up_weight, down_weight, act, dtype):
+def rowwise_fp8_chain(gate_weight, up_weight, down_weight, act, dtype, gemm=scaled_mm):
     """The gated block in rowwise FP8 as the peers run it: the weights quantized once here; per call x and h each
-    quantized by ops of their own (amax, scale, cast) around cuBLAS's FP8 GEMMs. Returns chain(x), x [..., dim]."""
+    quantized by ops of their own (amax, scale, cast) around cuBLAS's FP8 GEMMs (`gemm`, scaled_mm's signature: another
+    form of the same product, e.g. on a CPU). Returns chain(x), x [..., dim]."""
     g, u, d = (rowwise_fp8(w.detach()) for w in (gate_weight, up_weight, down_weight))
 
     def chain(x):
         xq, xs = rowwise_fp8(x.reshape(-1, x.shape[-1]))
-        h = act(scaled_mm(xq, xs, *g, dtype)) * scaled_mm(xq, xs, *u, dtype)
+        h = act(gemm(xq, xs, *g, dtype)) * gemm(xq, xs, *u, dtype)
         hq, hs = rowwise_fp8(h)
-        return scaled_mm(hq, hs, *d, dtype).reshape(*x.shape[:-1], -1)
+        return gemm(hq, hs, *d, dtype).reshape(*x.shape[:-1], -1)
 
     return chain
 
