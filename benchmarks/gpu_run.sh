@@ -17,11 +17,11 @@
 #        CUDA graph beside eager in one), fp8-tests, fp8-tune, fp8-block, fp8-graphs, fp8-bench, fp8-decode-step,
 #        residual-tests, decode-step-ab (the residual add in the decode kernels' epilogue and programmatic dependent
 #        launch: their tests on the GPU, and the 32-layer decode step with each switched off in the same run),
-#        fp8-prefill, fp8-lm, fp8-stream, fp8-stream-unroll, fp8-ws, fp8-accuracy (FP8: the GPU tests, the tile sweeps, the block in
-#        eager / graphs / the bench's harness with the peers (torchao from .whl/), the 32-layer decode step and
-#        prefill, the trained-model perplexity, the weight-only kernel's streaming probes, the warp-specialized GEMM against the
-#        Triton kernel and cuBLAS, the output error against the rowwise recipe over 64–16384 tokens and 4 layers), fp8-train (FP8 training's
-#        tests and the 4-layer train step), train-share (the MLPs' share of a train step, torchao beside it),
+#        fp8-prefill, fp8-lm, fp8-stream, fp8-stream-unroll, fp8-ws, fp8-accuracy (FP8: the GPU tests, the tile
+#        sweeps, the block in eager / graphs / the bench's harness with the peers (torchao from .whl/), the 32-layer
+#        decode step and prefill, the trained-model perplexity, the weight-only kernel's streaming probes, the
+#        warp-specialized GEMM against the Triton kernel and cuBLAS, the output error against the rowwise recipe over
+#        64–16384 tokens and 4 layers), fp8-train (FP8 training's tests and the 4-layer train step), train-share (the MLPs' share of a train step, torchao beside it),
 #        graph-profile-fp8 (the decode step's MLP rows in bf16 and FP8, as bytes against the copy rate),
 #        attention-tests, decode-linear-probe, attention-ab (the attention's projections on the decode kernel: their
 #        GPU tests, the kernel against cuBLAS, the 32-layer decode step with and without them).
