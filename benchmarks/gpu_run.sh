@@ -21,7 +21,9 @@
 #        sweeps, the block in eager / graphs / the bench's harness with the peers (torchao from .whl/), the 32-layer
 #        decode step and prefill, the trained-model perplexity, the weight-only kernel's streaming probes, the
 #        warp-specialized GEMM against the Triton kernel and cuBLAS, the output error against the rowwise recipe over
-#        64–16384 tokens and 4 layers), fp8-train (FP8 training's tests and the 4-layer train step), train-share (the MLPs' share of a train step, torchao beside it),
+#        64–16384 tokens and 4 layers), fp8-train (FP8 training's tests and the 4-layer train step),
+#        fp8-train-probe (one FP8 block's forward + backward kernel by kernel, bf16 and torchao beside it),
+#        train-share (the MLPs' share of a train step, torchao beside it),
 #        graph-profile-fp8 (the decode step's MLP rows in bf16 and FP8, as bytes against the copy rate),
 #        attention-tests, decode-linear-probe, attention-ab (the attention's projections on the decode kernel: their
 #        GPU tests, the kernel against cuBLAS, the 32-layer decode step with and without them).
@@ -128,6 +130,7 @@ for spec in "$@"; do
         fp8-tests) run_step fp8-tests "$secs" python3 -m pytest -q -p no:cacheprovider tests/test_fp8_kernels.py \
             tests/test_fp8_ws.py tests/test_fp8_modules.py tests/test_fp8_recipe.py tests/test_fp8_train.py \
             tests/test_fp8_train_kernels.py ;;
+        fp8-train-probe) run_step fp8-train-probe "$secs" python3 benchmarks/fp8_train_probe.py --json "$W/fp8-train-probe.json" ;;
         fp8-accuracy) run_step fp8-accuracy "$secs" python3 benchmarks/fp8_accuracy.py --json "$W/fp8-accuracy.json" ;;
         fp8-ws) run_step fp8-ws "$secs" bash -c "python3 benchmarks/fp8_ws_probe.py --check && \
             python3 benchmarks/fp8_ws_probe.py --bench" ;;
