@@ -24,7 +24,7 @@ from torch import nn
 import triton.testing
 
 sys.path.insert(0, "src")
-from mlpfuse.ops import fp8_train, gated_mlp  # noqa: E402
+from mlpfuse.ops import fp8_train, gated_mlp  # noqa: E402  (gated_mlp: the function ops exports)
 
 
 def _eager(x, wg, wu, wd):
@@ -32,7 +32,7 @@ def _eager(x, wg, wu, wd):
 
 
 def _fused(x, wg, wu, wd):
-    return gated_mlp.gated_mlp(x, wg, wu, wd, activation="silu")
+    return gated_mlp(x, wg, wu, wd, activation="silu")
 
 
 def _fp8(x, wg, wu, wd):
@@ -140,9 +140,27 @@ def main() -> int:
         per = sum(ds) / steps
         ktab.append({"kernel": name, "calls": len(ds) // steps, "us": per, "each_us": sorted(ds)})
         print(f"  {per:8.1f} µs {100 * per / total:5.1f} %  ×{len(ds) // steps:<3d} {name[:110]}")
+    # the GLU backward's two passes alone, by the narrow side of their tiles
+    from mlpfuse import activations
+    from mlpfuse.kernels import fp8_gemm, glu_backward
+
+    dh = torch.randn(m, h, device=dev) * 1e-3
+    gq, gs = fp8_gemm.quantize(torch.randn(m, h, device=dev, dtype=bf))
+    uq, us = fp8_gemm.quantize(torch.randn(m, h, device=dev, dtype=bf))
+    moved = m * h * (2 * (4 + 1 + 1) + 5)  # both passes read dh, g, u; five e4m3 outputs
+    glu = {}
+    saved = glu_backward._FP8_NARROW
+    print(f"\nfp8_glu_backward alone, {m}×{h} (both passes; GB/s on {moved / 1e6:.0f} MB):")
+    for narrow in (8, 16, 32):
+        glu_backward._FP8_NARROW = narrow
+        us_ = 1e3 * triton.testing.do_bench(lambda: glu_backward.fp8_glu_backward(
+            dh, gq, gs, uq, us, activation=activations.get("silu").id, bias_sums=True), warmup=25, rep=100)
+        glu[narrow] = us_
+        print(f"  narrow {narrow:2d}: {us_:7.1f} µs  {moved / us_ / 1e3:6.0f} GB/s")
+    glu_backward._FP8_NARROW = saved
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"shape": [m, d, h], "times": table, "grad_cosine": cos, "kernels": ktab}, f, indent=1)
+            json.dump({"shape": [m, d, h], "times": table, "grad_cosine": cos, "kernels": ktab, "glu_us": glu}, f, indent=1)
     return 0
 
 

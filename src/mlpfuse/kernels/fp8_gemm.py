@@ -80,14 +80,6 @@ def _quantize_rows(v, EMULATE: tl.constexpr):
     return _e4m3(tl.math.div_rn(v, s[:, None]), EMULATE), s
 
 
-@triton.jit
-def _quantize_cols(v, EMULATE: tl.constexpr):
-    """v [128, C] fp32 (one scale group per column: 128 consecutive rows, e.g. tokens) → (values e4m3, scale_inv [C]
-    fp32): the groups of a transposed view's 1×128 quantization, as `quantize(t.t())` makes them."""
-    s = _scale_inv(tl.max(tl.abs(v), axis=0), tl.max((v != v).to(tl.int32), axis=0) > 0)
-    return _e4m3(tl.math.div_rn(v, s[None, :]), EMULATE), s
-
-
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_fp8_quantize_kernel(x, q, s, M, K, sxm, sxk, sqm, ssm, BM: tl.constexpr, EMULATE: tl.constexpr,
                                 I64: tl.constexpr):
@@ -155,11 +147,15 @@ def mlpfuse_fp8_weight_quantize_kernel(w, q, s, N, K, s_wn, s_wk, s_qn, s_sn, TR
     v = tl.load(w + rn[:, None] * s_wn + rk[None, :] * s_wk, mask=mask, other=0.0).to(tl.float32)
     scale = _scale_inv(tl.max(tl.max(tl.abs(v), axis=1), axis=0),
                        tl.max(tl.max((v != v).to(tl.int32), axis=1), axis=0) > 0)
-    values = _e4m3(tl.math.div_rn(v, scale), EMULATE)
     if TRANSPOSED:
-        tl.store(q + rk[None, :] * s_qn + rn[:, None], values, mask=mask)
+        # transposed in registers (through shared memory) before the division, so that the store runs along Wᵀ's
+        # rows: a store along W's columns wrote one byte per 128-byte line and took 4× the pass's time (~300 µs
+        # against ~70 for a 14336×4096 weight on an H200, benchmarks/fp8_train_probe.py)
+        values = _e4m3(tl.math.div_rn(tl.trans(v), scale), EMULATE)
+        tl.store(q + rk[:, None] * s_qn + rn[None, :], values, mask=(rk[:, None] < K) & (rn[None, :] < N))
         tl.store(s + bk * s_sn + bn, scale)
     else:
+        values = _e4m3(tl.math.div_rn(v, scale), EMULATE)
         tl.store(q + rn[:, None] * s_qn + rk[None, :], values, mask=mask)
         tl.store(s + bn * s_sn + bk, scale)
 

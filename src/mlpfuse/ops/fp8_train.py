@@ -7,9 +7,10 @@ the numerics of `mlpfuse.reference.gated_mlp_fp8_train` (its oracle; docs/fp8.md
     backward  dh = dy·Wd                  dy 1×128 along D, Wdᵀ's 128×128 blocks
               dg, du, h from dh and the saved e4m3 g, u in one pass, written only quantized (kernels.glu_backward)
               dx = dg·Wg + du·Wu          dg, du 1×128 along H
-              dWd = dyᵀ·h, dWg = dgᵀ·x, dWu = duᵀ·x
-                                          both operands grouped 128×1 along the tokens (the GEMM's second operand
-                                          with one scale per row and K block: fp8_gemm(w_rows=True))
+              dWdᵀ = hᵀ·dy, dWg = dgᵀ·x, dWu = duᵀ·x
+                                          h, dg, du grouped 128×1 along the tokens, dy and x in 128×128 blocks
+                                          (the forward's GEMM form: one scale per row and K block against one per
+                                          block), written in the weights' dtype
 
 The master weights stay in their dtype (the optimizer's); each step quantizes them (the forward, and again the
 backward: nothing weight-sized is kept between the two). What the step keeps for the backward: x in e4m3 with its
@@ -40,12 +41,6 @@ def _kernels():
     return fp8_gemm
 
 
-def _along_tokens(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """t [M, N] quantized 128×1 (one scale per channel and 128 consecutive tokens), as tᵀ [N, M] with 1×128 scales:
-    the layout a GEMM contracting over the tokens reads (the kernel reads t's transposed view: no copy of t)."""
-    return _kernels().quantize(t.t())
-
-
 def _reference_path(device: torch.device, backend: str) -> bool:
     """The FP8 backend decision (ops.fp8_mlp): the recipe's reference path in PyTorch ops ("torch"; what "auto"
     takes on a CPU), else the kernels. Made inside the ops, which torch.compile does not trace."""
@@ -73,11 +68,13 @@ def _forward(x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, bg: Optional[Tensor]
 
 def _backward(dy: Tensor, xq: Tensor, xs: Tensor, gq: Tensor, gs: Tensor, uq: Tensor, us: Tensor, wg: Tensor,
               wu: Tensor, wd: Tensor, activation: str, backend: str) -> tuple[Tensor, ...]:
-    """dx, dWg, dWu, dWd and the three bias gradients, all fp32 (module docstring)."""
+    """dx (fp32), dWg, dWu, dWdᵀ (each in its weight's dtype) and the three bias gradients (fp32) (module
+    docstring)."""
     if _reference_path(dy.device, backend):
         from mlpfuse import reference
 
-        return reference.fp8_train_backward(dy, xq, xs, wg, wu, wd, (gq, gs, uq, us), activation)
+        dx, dwg, dwu, dwd, *dbs = reference.fp8_train_backward(dy, xq, xs, wg, wu, wd, (gq, gs, uq, us), activation)
+        return dx, dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.t().to(wd.dtype).contiguous(), *dbs
     from mlpfuse.kernels import glu_backward
 
     k = _kernels()
@@ -93,11 +90,14 @@ def _backward(dy: Tensor, xq: Tensor, xs: Tensor, gq: Tensor, gs: Tensor, uq: Te
     del dh
     dx = (k.fp8_gemm(*dg, *qg, activation=ident, quant_out=False, out_dtype=_F32)
           + k.fp8_gemm(*du, *qu, activation=ident, quant_out=False, out_dtype=_F32))
-    x_tokens = _along_tokens(fp8.dequantize_activation(xq, xs))
-    dwd = k.fp8_gemm(*_along_tokens(dy), *h_t, activation=ident, quant_out=False, out_dtype=_F32, w_rows=True)
-    dwg = k.fp8_gemm(*dg_t, *x_tokens, activation=ident, quant_out=False, out_dtype=_F32, w_rows=True)
-    dwu = k.fp8_gemm(*du_t, *x_tokens, activation=ident, quant_out=False, out_dtype=_F32, w_rows=True)
-    return dx, dwg, dwu, dwd, dbg, dbu, dy.sum(0, dtype=_F32)
+    # the weight gradients: one operand along the tokens, the other in 128×128 blocks (as a weight, transposed in
+    # the pass that quantizes it): the forward's GEMM form. dWd comes out as dWdᵀ (autograd gets its transpose)
+    x_blocks = k.quantize_weight(fp8.dequantize_activation(xq, xs, dy.dtype), transposed=True)
+    dwd_t = k.fp8_gemm(*h_t, *k.quantize_weight(dy, transposed=True), activation=ident, quant_out=False,
+                       out_dtype=wd.dtype)
+    dwg = k.fp8_gemm(*dg_t, *x_blocks, activation=ident, quant_out=False, out_dtype=wg.dtype)
+    dwu = k.fp8_gemm(*du_t, *x_blocks, activation=ident, quant_out=False, out_dtype=wu.dtype)
+    return dx, dwg, dwu, dwd_t, dbg, dbu, dy.sum(0, dtype=_F32)
 
 
 # As custom ops, so that torch.compile and export see two nodes (the forward keeping x, g and u in e4m3, and the
@@ -133,7 +133,11 @@ def _(dy, xq, xs, gq, gs, uq, us, gate_weight, up_weight, down_weight, activatio
     def f32(*shape):
         return dy.new_empty(*shape, dtype=_F32)
 
-    return f32(m, d), f32(h, d), f32(h, d), f32(d, h), f32(h), f32(h), f32(d)
+    def like(w, *shape):
+        return dy.new_empty(*shape, dtype=w.dtype)
+
+    return (f32(m, d), like(gate_weight, h, d), like(up_weight, h, d), like(down_weight, h, d), f32(h), f32(h),
+            f32(d))
 
 
 def _setup(ctx, inputs, output):
@@ -146,11 +150,11 @@ def _setup(ctx, inputs, output):
 
 def _backward_autograd(ctx, dy, *_):
     xq, xs, gq, gs, uq, us, wg, wu, wd = ctx.saved_tensors
-    dx, dwg, dwu, dwd, *dbs = torch.ops.mlpfuse.fp8_gated_mlp_train_backward(dy.contiguous(), xq, xs, gq, gs, uq, us,
+    dx, dwg, dwu, dwd_t, *dbs = torch.ops.mlpfuse.fp8_gated_mlp_train_backward(dy.contiguous(), xq, xs, gq, gs, uq, us,
                                                                              wg, wu, wd, ctx.activation,
                                                                              ctx.backend)
     biases = [None if dt is None else t.to(dt) for t, dt in zip(dbs, ctx.bias_dtypes)]
-    return (dx.to(ctx.x_dtype), dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype), *biases, None, None)
+    return dx.to(ctx.x_dtype), dwg, dwu, dwd_t.t(), *biases, None, None
 
 
 _train_op.register_autograd(_backward_autograd, setup_context=_setup)
