@@ -24,14 +24,14 @@ SILU = activations.get("silu").id
 IDENT = activations.IDENTITY
 
 
-def _operands(m, n, k, gated, seed=0, w_rows=False):
+def _operands(m, n, k, gated, seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
     xq, xs = K.quantize(x)
     ws = []
     for _ in range(2 if gated else 1):
         w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.bfloat16) * 0.02
-        ws.extend(K.quantize(w) if w_rows else K.quantize_weight(w))
+        ws.extend(K.quantize_weight(w))
     return xq, xs, ws
 
 
@@ -46,7 +46,7 @@ def _rel(a, b):
 
 def check() -> bool:
     ok = True
-    cases = [  # (m, n, k, gated, quant_out, save_gu, w_rows, bias)
+    cases = [  # (m, n, k, gated, quant_out, save_gu, out_transposed, bias)
         (256, 256, 256, True, True, False, False, False),
         (300, 384, 640, True, True, False, False, True),
         (8192, 14336, 4096, True, True, False, False, False),
@@ -57,18 +57,18 @@ def check() -> bool:
         (4096, 1024, 2048, False, False, False, True, False),
         (70, 200, 160, False, False, False, True, False),
     ]
-    for m, n, k, gated, quant, save, w_rows, bias in cases:
-        xq, xs, ws = _operands(m, n, k, gated, w_rows=w_rows)
+    for m, n, k, gated, quant, save, trans, bias in cases:
+        xq, xs, ws = _operands(m, n, k, gated)
         b = (torch.randn(n, device="cuda") * 0.1,) * 2 if bias else (None, None)
-        kw = dict(activation=SILU if gated else IDENT, quant_out=quant, out_dtype=torch.float32 if w_rows else
-                  torch.bfloat16, save_gu=save, w_rows=w_rows)
+        kw = dict(activation=SILU if gated else IDENT, quant_out=quant, out_dtype=torch.float32 if trans else
+                  torch.bfloat16, save_gu=save, out_transposed=trans)
         w2 = (ws[2], ws[3]) if gated else (None, None)
         ref = K.fp8_gemm(xq, xs, ws[0], ws[1], *w2, *b, **kw)
-        for pair in ((False, True) if not (save or w_rows) else (False,)):
+        for pair in ((False, True) if not save else (False,)):
             got = W.gemm(xq, xs, ws[0], ws[1], *w2, *b, pair=pair, **kw)
             torch.cuda.synchronize()
             ok &= _compare(got, ref, quant, f"m={m} n={n} k={k} gated={gated} quant={quant} save_gu={save} "
-                                           f"w_rows={w_rows} bias={bias} pair={pair}")
+                                           f"out_transposed={trans} bias={bias} pair={pair}")
     print("CHECK", "OK" if ok else "FAILED", flush=True)
     return ok
 
@@ -131,14 +131,14 @@ def bench(d: int, h: int, sizes) -> None:
             rows.append(line)
         del xq, xs, wg, sg, wu, su, hq, hs, wd, sd, gu
         torch.cuda.empty_cache()
-    # Training's weight gradients: both operands grouped along the tokens (w_rows), K = 4096 tokens.
-    for (mm, nn, kk) in ((h, d, 4096), (d, h, 4096)):
-        aq, asc, (bq, bs) = _operands(mm, nn, kk, False, w_rows=True)
-        tt = _bench(lambda: K.fp8_gemm(aq, asc, bq, bs, activation=IDENT, quant_out=False, out_dtype=torch.float32,
-                                       w_rows=True))
-        tw = _bench(lambda: W.gemm(aq, asc, bq, bs, activation=IDENT, quant_out=False, out_dtype=torch.float32,
-                                   w_rows=True))
-        for name, us in (("triton w_rows", tt), ("ws w_rows", tw)):
+    # Training's weight gradients (K = 4096 tokens; the second operand in 128×128 blocks): dWg, dWu [h, d] and dWd
+    # stored transposed ([d, h] from an [h, d] product), bf16 out.
+    for (mm, nn, kk, trans) in ((h, d, 4096, False), (h, d, 4096, True)):
+        aq, asc, (bq, bs) = _operands(mm, nn, kk, False)
+        kw = dict(activation=IDENT, quant_out=False, out_dtype=torch.bfloat16, out_transposed=trans)
+        tt = _bench(lambda: K.fp8_gemm(aq, asc, bq, bs, **kw))
+        tw = _bench(lambda: W.gemm(aq, asc, bq, bs, **kw))
+        for name, us in ((f"triton wgrad{' T' if trans else ''}", tt), (f"ws wgrad{' T' if trans else ''}", tw)):
             line = f"{mm}x{nn}x{kk} {name:22s} {us:9.1f} µs {2 * mm * nn * kk / us / 1e6:7.0f} TFLOP/s"
             print(line, flush=True)
             rows.append(line)

@@ -1,6 +1,6 @@
 """FP8 training on mlpfuse's kernels (ops/fp8_train.py) and the two kernel features it adds (kernels/fp8_gemm.py):
-the gated GEMM's epilogue writing g and u in e4m3 (save_gu), and a second operand with one scale per row and K block
-(w_rows, the weight gradients' layout). Oracles: float64 products of the same quantized operands, float64 autograd
+the gated GEMM's epilogue writing g and u in e4m3 (save_gu), and its output stored transposed (out_transposed, the
+down weight's gradient). Oracles: float64 products of the same quantized operands, float64 autograd
 of the MLP, and the recipe's reference path (reference.gated_mlp_fp8_train). On the CPU through Triton's
 interpreter (fp32 inputs: its bf16 dot is wrong), on a GPU as they are."""
 
@@ -115,26 +115,29 @@ def test_the_quantized_glu_backward_compiles_for_hopper_without_spilling():
         assert r["spills"] == 0, r
 
 
-def test_a_second_operand_with_row_scales_is_the_dequantized_product():
-    """w_rows: out [M, N] = a·wᵀ with a's scales 1×128 and w's one per row and K block (both along K, as the weight
-    gradients' operands are along the tokens), against the float64 product of the dequantized operands; K not a
-    multiple of 128, rows of very different scales."""
+@pytest.mark.parametrize("m", [40] + ([1100] if DEVICE == "cuda" else []))
+def test_a_transposed_output_is_the_dequantized_product_stored_transposed(m):
+    """out_transposed: the epilogue stores zᵀ [N, M] (the down weight's gradient comes out so): against the float64
+    product of the dequantized operands (a 1×128 along K, w in 128×128 blocks), K not a multiple of 128, rows of
+    very different scales; bit for bit the row-major call's output transposed. On a GPU also past WS_MIN_ROWS (the
+    warp-specialized kernel on Hopper)."""
     gen = torch.Generator().manual_seed(6)
     kern = _k()
-    a = _rand(gen, 40, 330)
-    w = _rand(gen, 200, 330) * torch.logspace(-6, 6, 200, device=DEVICE)[:, None]
+    a = _rand(gen, m, 330) * torch.logspace(-6, 6, m, device=DEVICE)[:, None]
+    w = fp8.quantize_weight(_rand(gen, 200, 330))
     aq, as_ = kern.quantize(a)
-    wq, ws = kern.quantize(w)
-    out = kern.fp8_gemm(aq, as_, wq, ws, activation=activations.IDENTITY, quant_out=False, out_dtype=torch.float32,
-                        w_rows=True)
+    kw = dict(activation=activations.IDENTITY, quant_out=False, out_dtype=torch.float32)
+    out_t = kern.fp8_gemm(aq, as_, w.values, w.scale_inv, out_transposed=True, **kw)
+    assert out_t.shape == (200, m) and out_t.is_contiguous()
     ad = fp8.dequantize_activation(aq, as_, torch.float64)
-    wd = fp8.dequantize_activation(wq, ws, torch.float64)
+    wd = w.dequantize(torch.float64)
     ref = ad @ wd.T
     bound = (ACC or 340 * 2.0**-24) * (ad.abs() @ wd.abs().T) + 2.0**-24 * ref.abs()
-    assert bool(((out.double() - ref).abs() <= bound).all())
-    # the block-scale reading of the same bytes is another product: the flag is what makes it right
-    with pytest.raises(Exception, match="w1_scale: expected fp32 scales of shape"):
-        kern.fp8_gemm(aq, as_, wq, ws, activation=activations.IDENTITY, quant_out=False, out_dtype=torch.float32)
+    assert bool(((out_t.t().double() - ref).abs() <= bound).all())
+    assert torch.equal(out_t.t(), kern.fp8_gemm(aq, as_, w.values, w.scale_inv, **kw))
+    with pytest.raises(Exception, match="out_transposed: needs quant_out=False"):
+        kern.fp8_gemm(aq, as_, w.values, w.scale_inv, activation=activations.IDENTITY, quant_out=True,
+                      out_transposed=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

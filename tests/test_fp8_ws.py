@@ -23,7 +23,7 @@ _COMPILE = r"""
 from mlpfuse.kernels import fp8_gemm_ws as W
 
 results = []
-for gated, quant, pair, bias, save in json.loads(sys.argv[1]):
+for gated, quant, pair, bias, save, trans in json.loads(sys.argv[1]):
     m, n, k = 4096, 2048, 1024
     f8 = torch.float8_e4m3fn
     a, w = torch.empty(m, k, dtype=f8), torch.empty(n, k, dtype=f8)
@@ -33,7 +33,7 @@ for gated, quant, pair, bias, save in json.loads(sys.argv[1]):
     args = dict(a_desc=ad, sa=sa, w1_desc=wd1, s1=sa, w2_desc=wd2, s2=sa, b1=b, b2=b, out=out, sout=sa, gq=out, gs=sa,
                 uq=out, us=sa, M=m, N=n, K=k, s_sam=8, s_s1=8, s_s2=8, s_om=n, s_som=n // 128)
     consts = dict(ACT=3 if gated else 0, GATED=gated, HAS_B1=bias, HAS_B2=bias, QUANT_OUT=quant, SAVE_GU=save,
-                  W_ROWS=False, BN=128, GROUP_M=16, STAGES=W.stages(gated, pair), I64=False, PAIR=pair)
+                  TRANS_OUT=trans, BN=128, GROUP_M=16, STAGES=W.stages(gated, pair), I64=False, PAIR=pair)
     r = compile_sm90(W.mlpfuse_fp8_gemm_ws_kernel, args, consts, num_warps=4, maxnreg=168)
     ptx = r.pop("ptx")
     r.update(wgmma=ptx.count("wgmma.mma_async"), tma=ptx.count("cp.async.bulk.tensor"),
@@ -43,9 +43,12 @@ for gated, quant, pair, bias, save in json.loads(sys.argv[1]):
 print(json.dumps(results))
 """
 
-# (gated, quantized output, paired weight tiles, biases, save_gu): the forms fp8_gemm and FP8 training launch
-FORMS = [(True, True, True, False, False), (True, True, True, True, False), (False, False, True, False, False),
-         (False, False, False, True, False), (True, True, False, False, False), (True, True, False, False, True)]
+# (gated, quantized output, paired weight tiles, biases, save_gu, output transposed): the forms fp8_gemm and FP8
+# training launch
+FORMS = [(True, True, True, False, False, False), (True, True, True, True, False, False),
+         (False, False, True, False, False, False), (False, False, False, True, False, False),
+         (True, True, False, False, False, False), (True, True, False, False, True, False),
+         (False, False, True, False, False, True)]
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,7 @@ def compiled():
 @pytest.mark.parametrize("i", range(len(FORMS)), ids=[str(f) for f in FORMS])
 def test_each_form_compiles_for_hopper_without_spilling(compiled, i):
     r = compiled[i]
-    _, _, pair, _, save = FORMS[i]
+    _, _, pair, _, save, _ = FORMS[i]
     # save_gu quantizes g, u and h in the epilogue, whose divisions' slow-path calls cost a few registers' spill there
     # (348 bytes of spill stores and loads a thread when measured); in the K loop a spill would be a tile's worth
     # (the two-accumulator form that was dropped spilled 0.2–2.5 KB, 8 KB with save_gu)

@@ -80,6 +80,14 @@ def _quantize_rows(v, EMULATE: tl.constexpr):
     return _e4m3(tl.math.div_rn(v, s[:, None]), EMULATE), s
 
 
+@triton.jit
+def _quantize_cols(v, EMULATE: tl.constexpr):
+    """v [128, C] fp32 (one scale group per column: 128 consecutive rows, e.g. tokens) → (values e4m3, scale_inv [C]
+    fp32): the groups of a transposed view's 1×128 quantization, as `quantize(t.t())` makes them."""
+    s = _scale_inv(tl.max(tl.abs(v), axis=0), tl.max((v != v).to(tl.int32), axis=0) > 0)
+    return _e4m3(tl.math.div_rn(v, s[None, :]), EMULATE), s
+
+
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_fp8_quantize_kernel(x, q, s, M, K, sxm, sxk, sqm, ssm, BM: tl.constexpr, EMULATE: tl.constexpr,
                                 I64: tl.constexpr):
@@ -162,12 +170,10 @@ def mlpfuse_fp8_weight_quantize_kernel(w, q, s, N, K, s_wn, s_wk, s_qn, s_sn, TR
 
 @triton.jit
 def _k_sum(a, sa, w, ws, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam, s_w, s_ws, TMA: tl.constexpr,
-           BM: tl.constexpr, BN: tl.constexpr, W_ROWS: tl.constexpr):
+           BM: tl.constexpr, BN: tl.constexpr):
     """Σ_b sa[:, b]·sw_b·(a_b·w_bᵀ) over the K blocks b of one weight: each block's tensor-core sum promoted to
-    the fp32 accumulator with its row scales and the weight's scales for the block: the tile's one 128×128 block
-    scale (BN divides 128, so a tile's columns share one weight block per K block), or with W_ROWS one scale per
-    weight row and K block (scales [N, ceil(K/128)], the activations' layout: the weight gradients' second
-    operand)."""
+    the fp32 accumulator with its row scales and the weight's scale for the block: the tile's one 128×128 block
+    scale (BN divides 128, so a tile's columns share one weight block per K block)."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for ki in range(tl.cdiv(K, 128)):
         k0 = ki * 128
@@ -180,11 +186,7 @@ def _k_sum(a, sa, w, ws, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam, s_w
             at = tl.load(a + rm[:, None] * s_am + rk[None, :], mask=mmask[:, None] & kmask, other=0.0)
             wt = tl.load(w + rn[:, None] * s_w + rk[None, :], mask=nmask[:, None] & kmask, other=0.0)
         sx = tl.load(sa + rm * s_sam + ki, mask=mmask, other=1.0)
-        if W_ROWS:
-            sw = tl.load(ws + rn * s_ws + ki, mask=nmask, other=1.0)
-            acc += tl.dot(at, wt.T) * sx[:, None] * sw[None, :]
-        else:
-            acc += tl.dot(at, wt.T) * (sx * tl.load(ws + (off_n // 128) * s_ws + ki))[:, None]
+        acc += tl.dot(at, wt.T) * (sx * tl.load(ws + (off_n // 128) * s_ws + ki))[:, None]
     return acc
 
 
@@ -194,11 +196,11 @@ def mlpfuse_fp8_gemm_kernel(
     M, N, K, s_am, s_sam, s_w1, s_s1, s_w2, s_s2, s_om, s_som,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, QUANT_OUT: tl.constexpr,
     TMA: tl.constexpr, EMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
-    I64: tl.constexpr, SAVE_GU: tl.constexpr, W_ROWS: tl.constexpr,
+    I64: tl.constexpr, SAVE_GU: tl.constexpr, TRANS_OUT: tl.constexpr,
 ):
-    """z = act(a·W1ᵀ + b1) [· (a·W2ᵀ + b2)], a e4m3 with 1×128 scales, each W e4m3 with 128×128 block scales (or,
-    W_ROWS, one per row and 128-wide K block). QUANT_OUT: z leaves quantized 1×128 (values in out, scales in sout;
-    BN = 128). SAVE_GU (gated, QUANT_OUT): the pre-activations g = a·W1ᵀ + b1 and u = a·W2ᵀ + b2 leave quantized
+    """z = act(a·W1ᵀ + b1) [· (a·W2ᵀ + b2)], a e4m3 with 1×128 scales, each W e4m3 with 128×128 block scales.
+    QUANT_OUT: z leaves quantized 1×128 (values in out, scales in sout; BN = 128); else in out's dtype, TRANS_OUT as
+    zᵀ (out [N, M], row stride s_om). SAVE_GU (gated, QUANT_OUT): the pre-activations g = a·W1ᵀ + b1 and u = a·W2ᵀ + b2 leave quantized
     the same way too (gq/gs, uq/us, out's and sout's layout) — what FP8 training keeps for the backward."""
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -216,8 +218,7 @@ def mlpfuse_fp8_gemm_kernel(
         # One weight's K loop at a time (gate's, its activation held, then up's): one accumulator and one block
         # product live at once, so 128×128 tiles fit in registers; x's tile is read once per loop, as by one
         # GEMM over both weights' columns.
-        acc = _k_sum(a, sa, w1, s1, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam, s_w1, s_s1, TMA, BM, BN,
-                     W_ROWS)
+        acc = _k_sum(a, sa, w1, s1, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam, s_w1, s_s1, TMA, BM, BN)
         if HAS_B1:
             acc += tl.load(b1 + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
         mask = mmask[:, None] & nmask[None, :]
@@ -227,8 +228,7 @@ def mlpfuse_fp8_gemm_kernel(
             tl.store(gs + rm * s_som + pid_n, scale, mask=mmask)
         z = act_fwd(acc, ACT)
         if GATED:
-            acc = _k_sum(a, sa, w2, s2, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam, s_w2, s_s2, TMA, BM, BN,
-                         W_ROWS)
+            acc = _k_sum(a, sa, w2, s2, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam, s_w2, s_s2, TMA, BM, BN)
             if HAS_B2:
                 acc += tl.load(b2 + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
             if SAVE_GU:
@@ -240,6 +240,8 @@ def mlpfuse_fp8_gemm_kernel(
             values, scale = _quantize_rows(tl.where(nmask[None, :], z, 0.0), EMULATE)
             tl.store(out + rm[:, None] * s_om + rn[None, :], values, mask=mask)
             tl.store(sout + rm * s_som + pid_n, scale, mask=mmask)
+        elif TRANS_OUT:
+            tl.store(out + rn[None, :] * s_om + rm[:, None], z.to(out.dtype.element_ty), mask=mask)
         else:
             tl.store(out + rm[:, None] * s_om + rn[None, :], z.to(out.dtype.element_ty), mask=mask)
 
@@ -471,15 +473,14 @@ def _check_act(x: torch.Tensor, name: str = "x", any_strides: bool = False) -> N
 
 
 def _check_weight(name: str, w: torch.Tensor, s: torch.Tensor, k: int, like: torch.Tensor,
-                  n: int | None = None, rows: bool = False) -> None:
-    """Values e4m3 [n, k] and scales fp32 [ceil(n/128), ceil(k/128)] (`rows`: [n, ceil(k/128)]), row-major, on
-    `like`'s device."""
+                  n: int | None = None) -> None:
+    """Values e4m3 [n, k] and scales fp32 [ceil(n/128), ceil(k/128)], row-major, on `like`'s device."""
     n_rows = w.shape[0] if w.dim() == 2 else -1
     if (w.dtype != fp8.DTYPE or w.dim() != 2 or w.shape[1] != k or (n is not None and n_rows != n)
             or w.stride(1) != 1 or w.device != like.device):
         raise InputError(f"{name}: expected row-major {fp8.DTYPE} values of shape ({n if n is not None else 'N'}, "
                          f"{k}) on {like.device}, got {w.dtype} {tuple(w.shape)} on {w.device}")
-    shape = (n_rows, -(-k // GROUP)) if rows else fp8.weight_scale_shape(n_rows, k)
+    shape = fp8.weight_scale_shape(n_rows, k)
     if (s.dtype != fp8.SCALE_DTYPE or tuple(s.shape) != shape or (s.stride(1) != 1 and shape[1] > 1)
             or s.device != like.device):  # (a one-column scale's stride is never stepped)
         raise InputError(f"{name}_scale: expected fp32 scales of shape {shape} on {like.device}, got {s.dtype} "
@@ -491,14 +492,14 @@ def _check_bias(name: str, b, n: int, like: torch.Tensor) -> None:
         raise InputError(f"{name}: expected a floating-point tensor of shape ({n},) on {like.device}")
 
 
-def _check_operands(w1, s1, w2, s2, b1, b2, k: int, like: torch.Tensor, rows: bool = False):
+def _check_operands(w1, s1, w2, s2, b1, b2, k: int, like: torch.Tensor):
     """Both GEMMs' weights and biases, checked: (N, gated, w2, s2), the second weight standing in for itself or, when
-    there is none, for the first (the kernel then never reads it). `rows`: the weights' scales per row (W_ROWS)."""
-    _check_weight("w1", w1, s1, k, like, rows=rows)
+    there is none, for the first (the kernel then never reads it)."""
+    _check_weight("w1", w1, s1, k, like)
     n = w1.shape[0]
     gated = w2 is not None
     if gated:
-        _check_weight("w2", w2, s2, k, like, n, rows=rows)
+        _check_weight("w2", w2, s2, k, like, n)
     else:
         w2, s2 = w1, s1
     _check_bias("b1", b1, n, like)
@@ -584,8 +585,7 @@ def _gemm_config(m: int, n: int, quant_out: bool, gated: bool) -> tuple[int, int
 # 273), at 512 rows slower (the down GEMM's 128 tiles leave SMs idle: 171 against 71 µs; the
 # cut-over at 1024 lies between, not measured itself);
 # `benchmarks/fp8_ws_probe.py`, benchmarks/results/nvidia-h200/fp8-ws/. Same sums, same epilogue: bit for bit the
-# Triton kernel's outputs in that probe (save_gu too, in its one-tile gated form). Not for w_rows (the weight
-# gradients: 386 against 408–426 TFLOP/s). MLPFUSE_FP8_WS=0 turns it off.
+# Triton kernel's outputs in that probe (save_gu too, in its one-tile gated form). MLPFUSE_FP8_WS=0 turns it off.
 WS_MIN_ROWS = 1024
 WS = os.environ.get("MLPFUSE_FP8_WS", "1") == "1"
 _ws_module = None
@@ -607,16 +607,16 @@ def _ws(device: torch.device):
 
 
 def outputs(a: torch.Tensor, a_scale: torch.Tensor, n: int, quant_out: bool, out_dtype: torch.dtype,
-            save_gu: bool):
+            save_gu: bool, out_transposed: bool = False):
     """fp8_gemm's fresh outputs for a [M, K] and N columns: (out, sout, saved, what fp8_gemm returns). sout is a_scale
     when the output is not quantized, and saved (gq, gs, uq, us) those two again without save_gu: placeholders the
-    kernels never write."""
+    kernels never write. `out_transposed`: out is [N, M]."""
     m = a.shape[0]
     if quant_out:
         out = torch.empty(m, n, device=a.device, dtype=fp8.DTYPE)
         sout = torch.empty(m, -(-n // GROUP), device=a.device, dtype=fp8.SCALE_DTYPE)
     else:
-        out = torch.empty(m, n, device=a.device, dtype=out_dtype)
+        out = torch.empty(*((n, m) if out_transposed else (m, n)), device=a.device, dtype=out_dtype)
         sout = a_scale
     saved = tuple(torch.empty_like(t) for t in (out, sout, out, sout)) if save_gu else (out, sout, out, sout)
     return out, sout, saved, (out, sout, *saved) if save_gu else (out, sout) if quant_out else out
@@ -625,15 +625,17 @@ def outputs(a: torch.Tensor, a_scale: torch.Tensor, n: int, quant_out: bool, out
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
              w2: torch.Tensor | None = None, s2: torch.Tensor | None = None, b1: torch.Tensor | None = None,
              b2: torch.Tensor | None = None, *, activation: int, quant_out: bool,
-             out_dtype: torch.dtype = torch.bfloat16, save_gu: bool = False, w_rows: bool = False):
+             out_dtype: torch.dtype = torch.bfloat16, save_gu: bool = False, out_transposed: bool = False):
     """z = act(a·W1ᵀ + b1) [· (a·W2ᵀ + b2) when w2 is given], a [M, K] e4m3 with 1×128 scales, each weight e4m3
-    [N, K] with its 128×128 scales (`w_rows`: one scale per row and 128-wide K block, [N, ceil(K/128)]); returns z
-    in `out_dtype`, or (values, scale_inv) of z quantized 1×128 when `quant_out`. `save_gu` (gated, quant_out): also
+    [N, K] with its 128×128 scales; returns z in `out_dtype` (`out_transposed`: zᵀ [N, M], row-major, written so by
+    the epilogue), or (values, scale_inv) of z quantized 1×128 when `quant_out`. `save_gu` (gated, quant_out): also
     g = a·W1ᵀ + b1 and u = a·W2ᵀ + b2 quantized 1×128, returning (z values, z scales, g values, g scales, u values,
     u scales)."""
     if save_gu and not (quant_out and w2 is not None):
         raise InputError("save_gu: needs a gated call (w2) with quant_out=True")
-    plan_key = None if save_gu or w_rows else _plan_key("gemm", (a, a_scale), (w1, s1, w2, s2, b1, b2), activation,
+    if out_transposed and quant_out:
+        raise InputError("out_transposed: needs quant_out=False (a quantized z is grouped along its rows)")
+    plan_key = None if save_gu or out_transposed else _plan_key("gemm", (a, a_scale), (w1, s1, w2, s2, b1, b2), activation,
                                                          quant_out, out_dtype)
     plan = _plans.get(plan_key) if plan_key is not None else None
     if plan is not None:
@@ -648,15 +650,15 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch
             or (a_scale.stride(1) != 1 and a_scale.shape[1] > 1)):
         raise InputError(f"a_scale: expected fp32 scales of shape ({m}, {-(-k // GROUP)}), got {a_scale.dtype} "
                          f"{tuple(a_scale.shape)}")
-    n, gated, w2, s2 = _check_operands(w1, s1, w2, s2, b1, b2, k, a, w_rows)
-    out, sout, saved, done = outputs(a, a_scale, n, quant_out, out_dtype, save_gu)
+    n, gated, w2, s2 = _check_operands(w1, s1, w2, s2, b1, b2, k, a)
+    out, sout, saved, done = outputs(a, a_scale, n, quant_out, out_dtype, save_gu, out_transposed)
     if m == 0 or n == 0:
         return done
     use_tma = C.tma_capable(a.device) and k > 0 and C.tma_ok(a) and C.tma_ok(w1) and C.tma_ok(w2)
-    ws = _ws(a.device) if use_tma and m >= WS_MIN_ROWS and not w_rows else None
+    ws = _ws(a.device) if use_tma and m >= WS_MIN_ROWS else None
     if ws is not None:
         ws.launch(a, a_scale, w1, s1, w2 if gated else None, s2, b1, b2, out, sout, activation, quant_out,
-                  saved=saved if save_gu else None)
+                  saved=saved if save_gu else None, out_transposed=out_transposed)
         return done
     bm, bn, group_m, warps, stages = _gemm_config(m, n, quant_out, gated)
     aa, wa1, wa2 = a, w1, w2
@@ -665,7 +667,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch
         wa2 = C.desc(w2, [bn, GROUP]) if gated else wa1
     i64 = C.needs_i64(a, out, w1, w2)
     consts = (activation, gated, b1 is not None, b2 is not None, quant_out, use_tma, _EMULATE, bm, bn, group_m, i64,
-              save_gu, w_rows)
+              save_gu, out_transposed)
     key = (consts, out.dtype, n, k, a.stride(0), a_scale.stride(0), w1.stride(0), s1.stride(0), w2.stride(0),
            s2.stride(0), out.stride(0), sout.stride(0), C.align16(a), C.align16(a_scale), C.align16(out),
            C.align16(sout), C.align16(w1), C.align16(s1), C.align16(w2), C.align16(s2),

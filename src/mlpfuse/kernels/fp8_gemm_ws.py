@@ -9,15 +9,15 @@ Here a program is three partitions:
     loader      one warp: the TMA loads of a stage — the two 64-row halves of x's tile and the weight tile(s) —
                 into a ring of STAGES shared-memory buffers, `ready[s]` signalled by the copies' byte count
     consumer 0  four warps (one warpgroup): rows 0–63 of the 128-row tile; per K block its wgmma, the wait, the
-                promotion (row scales × the weight block's scale, or × the weight rows' scales), `empty[s]` arrived
+                promotion (row scales × the weight block's scale), `empty[s]` arrived
     consumer 1  rows 64–127, the same
 
 The two consumers share the stages but not a lockstep (each waits only on `ready`, the ring is released when both
 have arrived), so one's MMA runs while the other scales, and the loader runs STAGES blocks ahead. PAIR: each stage
 carries two weight tiles against one x tile — gated, gate's and up's at the same columns; otherwise the weight's
 next 256 columns — and each K block's two products are promoted one after the other (at most three 64×128 fp32
-tiles live per thread: two sums, one product). Without PAIR (save_gu, w_rows: their epilogue or per-column scales
-need the registers) a stage holds one weight tile, and a gated tile runs gate's K loop, parks act(g) in shared
+tiles live per thread: two sums, one product). Without PAIR (save_gu: its epilogue needs the registers) a stage
+holds one weight tile, and a gated tile runs gate's K loop, parks act(g) in shared
 memory, then runs up's. The epilogue is `fp8_gemm`'s: biases, the activation, the GLU, then either the output in its dtype or quantized
 1×128 (a 128-column tile is one scale group per row), the pre-activations too with SAVE_GU.
 
@@ -63,12 +63,16 @@ def _store_quantized(vq, sq, v, rm, rn, mmask, nmask, s_om, s_som, group):
 
 
 @gluon.jit
-def _store(z, out, sout, rm, rn, mmask, nmask, s_om, s_som, group, QUANT_OUT: gl.constexpr):
+def _store(z, out, sout, rm, rn, mmask, nmask, s_om, s_som, group, QUANT_OUT: gl.constexpr, TRANS_OUT: gl.constexpr):
     if QUANT_OUT:
         _store_quantized(out, sout, z, rm, rn, mmask, nmask, s_om, s_som, group)
     else:
         mask = gl.expand_dims(mmask, 1) & gl.expand_dims(nmask, 0)
-        gl.store(out + gl.expand_dims(rm, 1) * s_om + gl.expand_dims(rn, 0), z.to(out.dtype.element_ty), mask=mask)
+        if TRANS_OUT:  # zᵀ: out [N, M]
+            at = gl.expand_dims(rn, 0) * s_om + gl.expand_dims(rm, 1)
+        else:
+            at = gl.expand_dims(rm, 1) * s_om + gl.expand_dims(rn, 0)
+        gl.store(out + at, z.to(out.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -113,34 +117,23 @@ def _loader(a_desc, w1_desc, w2_desc, a0, a1, ws, ws2, ready, empty, M, N, K,
 
 
 @gluon.jit
-def _k_sum(a_bufs, ws, ready, empty, it, sa, rm, mmask, s_sam, w_scale, s_ws, N, K, off_n,
-           W_ROWS: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, layout: gl.constexpr):
+def _k_sum(a_bufs, ws, ready, empty, it, sa, rm, mmask, s_sam, w_scale, s_ws, K, off_n,
+           BN: gl.constexpr, STAGES: gl.constexpr, layout: gl.constexpr):
     """Σ_b sa[:, b]·sw_b·(a_b·w_bᵀ) over one weight tile's K blocks, from the ring's next stages (`it` counts the
-    stages consumed so far): each block's wgmma, then its promotion with the rows' scales and the weight's (the
-    tile's one 128×128 block scale, or with W_ROWS one per weight row and block). Returns (sum, it)."""
-    cols_l: gl.constexpr = gl.SliceLayout(0, layout)
+    stages consumed so far): each block's wgmma, then its promotion with the rows' scales and the tile's one
+    128×128 block scale. Returns (sum, it)."""
     acc = gl.zeros([HALF, BN], gl.float32, layout)
     p = gl.zeros([HALF, BN], gl.float32, layout)
     col_block = off_n // BK
-    if W_ROWS:
-        rn = off_n + gl.arange(0, BN, layout=cols_l)
-        nmask = rn < N
     for ki in range(gl.cdiv(K, BK)):
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         # The product's registers are the last product's (dead once promoted): use_acc=False ignores them.
         p = warpgroup_mma(a_bufs.index(s), ws.index(s).permute((1, 0)), p, use_acc=False, is_async=True)
-        sx = gl.load(sa + rm * s_sam + ki, mask=mmask, other=1.0)
-        if W_ROWS:
-            sw = gl.load(w_scale + rn * s_ws + ki, mask=nmask, other=1.0)
-        else:
-            sx = sx * gl.load(w_scale + col_block * s_ws + ki)
+        sx = gl.load(sa + rm * s_sam + ki, mask=mmask, other=1.0) * gl.load(w_scale + col_block * s_ws + ki)
         p = warpgroup_mma_wait(num_outstanding=0, deps=(p, ))
         mbarrier.arrive(empty.index(s), count=1)
-        if W_ROWS:
-            acc = acc + p * gl.expand_dims(sx, 1) * gl.expand_dims(sw, 0)
-        else:
-            acc = acc + p * gl.expand_dims(sx, 1)
+        acc = acc + p * gl.expand_dims(sx, 1)
         it += 1
     return acc, it
 
@@ -178,7 +171,7 @@ def _k_sum_pair(a_bufs, ws, ws2, ready, empty, it, sa, rm, mmask, s_sam, s1, s2,
 @gluon.jit
 def _consumer(a_bufs, shared, tail, HALF_INDEX: gl.constexpr, ACT: gl.constexpr, GATED: gl.constexpr,
               HAS_B1: gl.constexpr, HAS_B2: gl.constexpr, QUANT_OUT: gl.constexpr, SAVE_GU: gl.constexpr,
-              W_ROWS: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+              TRANS_OUT: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
               I64: gl.constexpr, PAIR: gl.constexpr):
     ws, ws2, zbuf, ready, empty = shared
     sa, s1, s2, b1, b2, out, sout, gq, gs, uq, us, M, N, K, s_sam, s_s1, s_s2, s_om, s_som = tail
@@ -209,8 +202,8 @@ def _consumer(a_bufs, shared, tail, HALF_INDEX: gl.constexpr, ACT: gl.constexpr,
                                             s_s1, K, group, gl.minimum(group + 1, gl.cdiv(N, BK) - 1), BN, STAGES,
                                             layout)
         else:
-            acc, it = _k_sum(a_bufs, ws, ready, empty, it, sa, rm, mmask, s_sam, s1, s_s1, N, K, off_n, W_ROWS, BN,
-                             STAGES, layout)
+            acc, it = _k_sum(a_bufs, ws, ready, empty, it, sa, rm, mmask, s_sam, s1, s_s1, K, off_n, BN, STAGES,
+                             layout)
         # The columns' indices only now: kept through the K loop they would hold 32 more registers a thread.
         rn = off_n + gl.arange(0, BN, layout=cols_l)
         if I64:
@@ -224,20 +217,20 @@ def _consumer(a_bufs, shared, tail, HALF_INDEX: gl.constexpr, ACT: gl.constexpr,
             if not PAIR:
                 # act(g) waits in shared memory through up's K loop (in registers it would take 64 more a thread).
                 z_here.store(z)
-                acc2, it = _k_sum(a_bufs, ws, ready, empty, it, sa, rm, mmask, s_sam, s2, s_s2, N, K, off_n, W_ROWS,
-                                  BN, STAGES, layout)
+                acc2, it = _k_sum(a_bufs, ws, ready, empty, it, sa, rm, mmask, s_sam, s2, s_s2, K, off_n, BN,
+                                  STAGES, layout)
                 z = z_here.load(layout)
             acc2 = _with_bias(acc2, b2, rn, nmask, HAS_B2)
             if SAVE_GU:
                 _store_quantized(uq, us, acc2, rm, rn, mmask, nmask, s_om, s_som, group)
-            _store(z * acc2, out, sout, rm, rn, mmask, nmask, s_om, s_som, group, QUANT_OUT)
+            _store(z * acc2, out, sout, rm, rn, mmask, nmask, s_om, s_som, group, QUANT_OUT, TRANS_OUT)
         else:
-            _store(z, out, sout, rm, rn, mmask, nmask, s_om, s_som, group, QUANT_OUT)
+            _store(z, out, sout, rm, rn, mmask, nmask, s_om, s_som, group, QUANT_OUT, TRANS_OUT)
             if PAIR:  # the tile's second 128 columns
                 rn2 = rn + BN
                 nmask2 = rn2 < N
                 z2 = _act(_with_bias(acc2, b1, rn2, nmask2, HAS_B1), ACT)
-                _store(z2, out, sout, rm, rn2, mmask, nmask2, s_om, s_som, group + 1, QUANT_OUT)
+                _store(z2, out, sout, rm, rn2, mmask, nmask2, s_om, s_som, group + 1, QUANT_OUT, TRANS_OUT)
 
 
 @gluon.jit(do_not_specialize=["M"])
@@ -245,11 +238,12 @@ def mlpfuse_fp8_gemm_ws_kernel(
     a_desc, sa, w1_desc, s1, w2_desc, s2, b1, b2, out, sout, gq, gs, uq, us,
     M, N, K, s_sam, s_s1, s_s2, s_om, s_som,
     ACT: gl.constexpr, GATED: gl.constexpr, HAS_B1: gl.constexpr, HAS_B2: gl.constexpr, QUANT_OUT: gl.constexpr,
-    SAVE_GU: gl.constexpr, W_ROWS: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+    SAVE_GU: gl.constexpr, TRANS_OUT: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
     I64: gl.constexpr, PAIR: gl.constexpr,
 ):
     """kernels.fp8_gemm.mlpfuse_fp8_gemm_kernel's z, warp-specialized (module docstring). a_desc: x's values
-    [M, K] in [64, 128] boxes; w*_desc: the weights' [N, K] in [BN, 128] boxes."""
+    [M, K] in [64, 128] boxes; w*_desc: the weights' [N, K] in [BN, 128] boxes. TRANS_OUT: z (not quantized) stored
+    as zᵀ, out [N, M] of row stride s_om."""
     a0 = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF, BK], a_desc.layout)
     a1 = gl.allocate_shared_memory(a_desc.dtype, [STAGES, HALF, BK], a_desc.layout)
     ws = gl.allocate_shared_memory(w1_desc.dtype, [STAGES, BN, BK], w1_desc.layout)
@@ -267,9 +261,9 @@ def mlpfuse_fp8_gemm_ws_kernel(
     shared = (ws, ws2, zbuf, ready, empty)
     tail = (sa, s1, s2, b1, b2, out, sout, gq, gs, uq, us, M, N, K, s_sam, s_s1, s_s2, s_om, s_som)
     gl.warp_specialize([
-        (_consumer, (a0, shared, tail, 0, ACT, GATED, HAS_B1, HAS_B2, QUANT_OUT, SAVE_GU, W_ROWS, BN, GROUP_M, STAGES,
+        (_consumer, (a0, shared, tail, 0, ACT, GATED, HAS_B1, HAS_B2, QUANT_OUT, SAVE_GU, TRANS_OUT, BN, GROUP_M, STAGES,
                      I64, PAIR)),
-        (_consumer, (a1, shared, tail, 1, ACT, GATED, HAS_B1, HAS_B2, QUANT_OUT, SAVE_GU, W_ROWS, BN, GROUP_M, STAGES,
+        (_consumer, (a1, shared, tail, 1, ACT, GATED, HAS_B1, HAS_B2, QUANT_OUT, SAVE_GU, TRANS_OUT, BN, GROUP_M, STAGES,
                      I64, PAIR)),
         (_loader, (a_desc, w1_desc, w2_desc, a0, a1, ws, ws2, ready, empty, M, N, K, GATED, BN, GROUP_M, STAGES,
                    PAIR)),
@@ -296,16 +290,17 @@ def stages(gated: bool, pair: bool) -> int:
 
 
 def launch(a, a_scale, w1, s1, w2, s2, b1, b2, out, sout, activation: int, quant_out: bool, *,
-           saved=None, w_rows: bool = False, stages_: int | None = None, group_m: int = 16, pair: bool = True):
-    """z into `out` (and `sout` when quant_out), as kernels.fp8_gemm.fp8_gemm computes it, whose checks the arguments
-    passed (TMA-ready row-major e4m3 operands on an sm_90 device). `saved`: (gq, gs, uq, us) to keep g and u too.
-    `pair`: two weight tiles a stage (gated: gate's and up's; else 256 columns of the one weight), unless w_rows or
-    saved ask for the one-tile form."""
+           saved=None, out_transposed: bool = False, stages_: int | None = None, group_m: int = 16,
+           pair: bool = True):
+    """z into `out` (and `sout` when quant_out; zᵀ into out [N, M] when `out_transposed`), as
+    kernels.fp8_gemm.fp8_gemm computes it, whose checks the arguments passed (TMA-ready row-major e4m3 operands on an
+    sm_90 device). `saved`: (gq, gs, uq, us) to keep g and u too. `pair`: two weight tiles a stage (gated: gate's
+    and up's; else 256 columns of the one weight), unless saved asks for the one-tile form."""
     m, k = a.shape
     n = w1.shape[0]
     gated = w2 is not None
     save_gu = saved is not None
-    pair = pair and not (w_rows or save_gu)
+    pair = pair and not save_gu
     w2, s2 = (w2, s2) if gated else (w1, s1)
     bn = 128
     ad, wd1, wd2 = descriptors(a, w1, w2, bn)
@@ -315,15 +310,16 @@ def launch(a, a_scale, w1, s1, w2, s2, b1, b2, out, sout, activation: int, quant
     mlpfuse_fp8_gemm_ws_kernel[grid](
         ad, a_scale, wd1, s1, wd2, s2, a_scale if b1 is None else b1, a_scale if b2 is None else b2, out, sout,
         *(saved or (out, sout, out, sout)), m, n, k, a_scale.stride(0), s1.stride(0), s2.stride(0), out.stride(0),
-        sout.stride(0), activation, gated, b1 is not None, b2 is not None, quant_out, save_gu, w_rows, bn, group_m,
+        sout.stride(0), activation, gated, b1 is not None, b2 is not None, quant_out, save_gu, out_transposed, bn, group_m,
         stages_ or stages(gated, pair), i64, pair, num_warps=4, maxnreg=168)
 
 
 def gemm(a, a_scale, w1, s1, w2=None, s2=None, b1=None, b2=None, *, activation: int, quant_out: bool,
-         out_dtype=None, save_gu: bool = False, w_rows: bool = False, **options):
+         out_dtype=None, save_gu: bool = False, out_transposed: bool = False, **options):
     """kernels.fp8_gemm.fp8_gemm's result on this kernel alone (its arguments as that function checks them; for
     probes and tests: fp8_gemm takes this kernel itself where it measured faster). `options`: launch's."""
-    out, sout, saved, done = _fp8_gemm.outputs(a, a_scale, w1.shape[0], quant_out, out_dtype, save_gu)
+    out, sout, saved, done = _fp8_gemm.outputs(a, a_scale, w1.shape[0], quant_out, out_dtype, save_gu,
+                                               out_transposed)
     launch(a, a_scale, w1, s1, w2, s2, b1, b2, out, sout, activation, quant_out, saved=saved if save_gu else None,
-           w_rows=w_rows, **options)
+           out_transposed=out_transposed, **options)
     return done

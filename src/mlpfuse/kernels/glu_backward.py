@@ -24,7 +24,7 @@ from mlpfuse.errors import InputError
 from mlpfuse.kernels import _common as C
 from mlpfuse.kernels._common import tile_coords
 from mlpfuse.kernels.configs import KernelConfig, pick
-from mlpfuse.kernels.fp8_gemm import _EMULATE, _quantize_rows
+from mlpfuse.kernels.fp8_gemm import _EMULATE, _quantize_cols, _quantize_rows
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -401,10 +401,7 @@ def mlpfuse_fp8_glu_backward_kernel(
     dg = d * u * act_grad(g, ACT)  # masked elements: d = 0, so dg = du = 0 (and h = 0: g = u = 0)
     du = d * a
     if ALONG_TOKENS:
-        # [N, M] outputs, stored from the tile transposed (through shared memory), along their rows: stored from the
-        # tile as loaded, each thread's bytes landed a row apart (one byte per 128-byte line)
-        at = rn[:, None] * s_o + rm[None, :]
-        mask = nmask[:, None] & mmask[None, :]
+        at = rn[None, :] * s_o + rm[:, None]  # [N, M] outputs
         scale_at, scale_mask = rn * s_os + tl.program_id(0), nmask
         if SUMS:
             parts = tl.num_programs(0) * N
@@ -422,9 +419,11 @@ def mlpfuse_fp8_glu_backward_kernel(
 @triton.jit
 def _store_fp8(v, values, scales, at, scale_at, mask, scale_mask, ALONG_TOKENS: tl.constexpr,
                EMULATE: tl.constexpr):
-    """v quantized 1×128 along the tile's rows, or with ALONG_TOKENS along its columns (a column is a token group:
-    v is transposed first, `at` and `mask` address the transposed tile)."""
-    q, sc = _quantize_rows(tl.trans(v) if ALONG_TOKENS else v, EMULATE)
+    """v quantized 1×128 along the tile's columns (ALONG_TOKENS: a column is a token group) or its rows."""
+    if ALONG_TOKENS:
+        q, sc = _quantize_cols(v, EMULATE)
+    else:
+        q, sc = _quantize_rows(v, EMULATE)
     tl.store(values + at, q, mask=mask)
     tl.store(scales + scale_at, sc, mask=scale_mask)
 

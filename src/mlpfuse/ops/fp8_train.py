@@ -68,13 +68,13 @@ def _forward(x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, bg: Optional[Tensor]
 
 def _backward(dy: Tensor, xq: Tensor, xs: Tensor, gq: Tensor, gs: Tensor, uq: Tensor, us: Tensor, wg: Tensor,
               wu: Tensor, wd: Tensor, activation: str, backend: str) -> tuple[Tensor, ...]:
-    """dx (fp32), dWg, dWu, dWdᵀ (each in its weight's dtype) and the three bias gradients (fp32) (module
+    """dx (fp32), dWg, dWu, dWd (each in its weight's dtype) and the three bias gradients (fp32) (module
     docstring)."""
     if _reference_path(dy.device, backend):
         from mlpfuse import reference
 
         dx, dwg, dwu, dwd, *dbs = reference.fp8_train_backward(dy, xq, xs, wg, wu, wd, (gq, gs, uq, us), activation)
-        return dx, dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.t().to(wd.dtype).contiguous(), *dbs
+        return dx, dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype), *dbs
     from mlpfuse.kernels import glu_backward
 
     k = _kernels()
@@ -91,13 +91,13 @@ def _backward(dy: Tensor, xq: Tensor, xs: Tensor, gq: Tensor, gs: Tensor, uq: Te
     dx = (k.fp8_gemm(*dg, *qg, activation=ident, quant_out=False, out_dtype=_F32)
           + k.fp8_gemm(*du, *qu, activation=ident, quant_out=False, out_dtype=_F32))
     # the weight gradients: one operand along the tokens, the other in 128×128 blocks (as a weight, transposed in
-    # the pass that quantizes it): the forward's GEMM form. dWd comes out as dWdᵀ (autograd gets its transpose)
+    # the pass that quantizes it): the forward's GEMM form. dWd = (hᵀ·dy)ᵀ, stored transposed by the epilogue
     x_blocks = k.quantize_weight(fp8.dequantize_activation(xq, xs, dy.dtype), transposed=True)
-    dwd_t = k.fp8_gemm(*h_t, *k.quantize_weight(dy, transposed=True), activation=ident, quant_out=False,
-                       out_dtype=wd.dtype)
+    dwd = k.fp8_gemm(*h_t, *k.quantize_weight(dy, transposed=True), activation=ident, quant_out=False,
+                     out_dtype=wd.dtype, out_transposed=True)
     dwg = k.fp8_gemm(*dg_t, *x_blocks, activation=ident, quant_out=False, out_dtype=wg.dtype)
     dwu = k.fp8_gemm(*du_t, *x_blocks, activation=ident, quant_out=False, out_dtype=wu.dtype)
-    return dx, dwg, dwu, dwd_t, dbg, dbu, dy.sum(0, dtype=_F32)
+    return dx, dwg, dwu, dwd, dbg, dbu, dy.sum(0, dtype=_F32)
 
 
 # As custom ops, so that torch.compile and export see two nodes (the forward keeping x, g and u in e4m3, and the
@@ -136,7 +136,7 @@ def _(dy, xq, xs, gq, gs, uq, us, gate_weight, up_weight, down_weight, activatio
     def like(w, *shape):
         return dy.new_empty(*shape, dtype=w.dtype)
 
-    return (f32(m, d), like(gate_weight, h, d), like(up_weight, h, d), like(down_weight, h, d), f32(h), f32(h),
+    return (f32(m, d), like(gate_weight, h, d), like(up_weight, h, d), like(down_weight, d, h), f32(h), f32(h),
             f32(d))
 
 
@@ -150,11 +150,11 @@ def _setup(ctx, inputs, output):
 
 def _backward_autograd(ctx, dy, *_):
     xq, xs, gq, gs, uq, us, wg, wu, wd = ctx.saved_tensors
-    dx, dwg, dwu, dwd_t, *dbs = torch.ops.mlpfuse.fp8_gated_mlp_train_backward(dy.contiguous(), xq, xs, gq, gs, uq, us,
+    dx, dwg, dwu, dwd, *dbs = torch.ops.mlpfuse.fp8_gated_mlp_train_backward(dy.contiguous(), xq, xs, gq, gs, uq, us,
                                                                              wg, wu, wd, ctx.activation,
                                                                              ctx.backend)
     biases = [None if dt is None else t.to(dt) for t, dt in zip(dbs, ctx.bias_dtypes)]
-    return dx.to(ctx.x_dtype), dwg, dwu, dwd_t.t(), *biases, None, None
+    return dx.to(ctx.x_dtype), dwg, dwu, dwd, *biases, None, None
 
 
 _train_op.register_autograd(_backward_autograd, setup_context=_setup)
