@@ -156,10 +156,10 @@ def mlpfuse_fp8_weight_quantize_kernel(w, q, s, N, K, s_wn, s_wk, s_qn, s_sn, TR
     scale = _scale_inv(tl.max(tl.max(tl.abs(v), axis=1), axis=0),
                        tl.max(tl.max((v != v).to(tl.int32), axis=1), axis=0) > 0)
     if TRANSPOSED:
-        # transposed in registers (through shared memory) before the division, so that the store runs along Wᵀ's
-        # rows: a store along W's columns wrote one byte per 128-byte line and took 4× the pass's time (~300 µs
-        # against ~70 for a 14336×4096 weight on an H200, benchmarks/fp8_train_probe.py)
-        values = _e4m3(tl.math.div_rn(tl.trans(v), scale), EMULATE)
+        # the e4m3 values transposed (through shared memory), so that the store runs along Wᵀ's rows: transposing
+        # the fp32 values instead (or the bf16 ones, as a transposing store had Triton do) ran at a quarter of the
+        # pass's speed (H200, 14336×4096: 75 µs against 260–290; benchmarks/fp8_transpose_probe.py)
+        values = tl.trans(_e4m3(tl.math.div_rn(v, scale), EMULATE))
         tl.store(q + rk[:, None] * s_qn + rn[None, :], values, mask=(rk[:, None] < K) & (rn[None, :] < N))
         tl.store(s + bk * s_sn + bn, scale)
     else:

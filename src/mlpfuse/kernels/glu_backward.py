@@ -401,7 +401,10 @@ def mlpfuse_fp8_glu_backward_kernel(
     dg = d * u * act_grad(g, ACT)  # masked elements: d = 0, so dg = du = 0 (and h = 0: g = u = 0)
     du = d * a
     if ALONG_TOKENS:
-        at = rn[None, :] * s_o + rm[:, None]  # [N, M] outputs
+        # [N, M] outputs, stored from the quantized tile transposed (its e4m3 bytes, through shared memory), along
+        # their rows (transposing the fp32 tile instead ran slower than storing across rows)
+        at = rn[:, None] * s_o + rm[None, :]
+        mask = nmask[:, None] & mmask[None, :]
         scale_at, scale_mask = rn * s_os + tl.program_id(0), nmask
         if SUMS:
             parts = tl.num_programs(0) * N
@@ -422,6 +425,7 @@ def _store_fp8(v, values, scales, at, scale_at, mask, scale_mask, ALONG_TOKENS: 
     """v quantized 1×128 along the tile's columns (ALONG_TOKENS: a column is a token group) or its rows."""
     if ALONG_TOKENS:
         q, sc = _quantize_cols(v, EMULATE)
+        q = tl.trans(q)  # `at` and `mask` address the transposed tile
     else:
         q, sc = _quantize_rows(v, EMULATE)
     tl.store(values + at, q, mask=mask)
