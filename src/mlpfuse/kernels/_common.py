@@ -410,6 +410,12 @@ def align16(t) -> bool:
     return t.data_ptr() % 16 == 0
 
 
+def int_class(v: int) -> tuple[bool, bool]:
+    """The facts Triton specializes an integer argument on (== 1, multiple of 16): what a launch key must hold for
+    an integer it does not hold exactly."""
+    return v == 1, v % 16 == 0
+
+
 # RMSNorm prologues (a kernel's NORM constexpr): none; weight·x·r (Llama, Mistral, Qwen, ...); x·r·(1 + weight)
 # (Gemma); r = 1/sqrt(mean(x²) + eps) per row, in fp32. ops.norm's WEIGHT_AFTER and ONE_PLUS are these values.
 NORM_NONE, NORM_WEIGHT_AFTER, NORM_ONE_PLUS = 0, 1, 2

@@ -366,7 +366,7 @@ def glu_backward_pointwise(dh: torch.Tensor, g: torch.Tensor, u: torch.Tensor, *
 # ---------------------------------------------------------------- FP8 training: the GLU backward, quantized
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
 def mlpfuse_fp8_glu_backward_kernel(
     dh, gq, gs, uq, us, o1, s1, o2, s2, o3, s3, sums,
     M, N, s_dh, s_g, s_gs, s_o, s_os,
@@ -467,7 +467,8 @@ def fp8_glu_backward(dh: torch.Tensor, g: torch.Tensor, g_scale: torch.Tensor, u
                 (False, (_FP8_NARROW, 128), (*dg, *du, *du), (dh.stride(0), g.stride(0), g_scale.stride(0), n, gn)),
                 (True, (128, _FP8_NARROW), (*dgt, *dut, *ht), (dh.stride(0), g.stride(0), g_scale.stride(0), m, gm))):
             consts = (activation, along, bias_sums and along, bm, bn, _EMULATE, i64)
-            key = (consts, n, *ints, tuple(C.align16(t) for t in (dh, g, u, g_scale, u_scale)))
+            # M specialized (its multiple-of-16 fact lets the token pass's transposed stores hold over 16 bytes)
+            key = (consts, n, C.int_class(m), *ints, tuple(C.align16(t) for t in (dh, g, u, g_scale, u_scale)))
             _fp8_launch(key, (-(-m // bm), -(-n // bn)), (dh, g, g_scale, u, u_scale, *outs,
                                                          sums if sums is not None else dh, m, n, *ints), consts,
                         num_warps=4, num_stages=1)
