@@ -156,9 +156,11 @@ def mlpfuse_fp8_weight_quantize_kernel(w, q, s, N, K, s_wn, s_wk, s_qn, s_sn, TR
     scale = _scale_inv(tl.max(tl.max(tl.abs(v), axis=1), axis=0),
                        tl.max(tl.max((v != v).to(tl.int32), axis=1), axis=0) > 0)
     if TRANSPOSED:
-        # the e4m3 values transposed (through shared memory), so that the store runs along Wᵀ's rows: transposing
-        # the fp32 values instead (or the bf16 ones, as a transposing store had Triton do) ran at a quarter of the
-        # pass's speed (H200, 14336×4096: 75 µs against 260–290; benchmarks/fp8_transpose_probe.py)
+        # the e4m3 values transposed (through shared memory: a quarter of the fp32 tile's bytes), so that the store
+        # runs along Wᵀ's rows in 16-byte vectors — which needs N specialized (quantize_weight's key): with N
+        # unspecialized the mask could not be shown constant over 16 bytes and each thread stored 64 single bytes,
+        # 260–290 µs against 75 for a 14336×4096 weight on an H200 (benchmarks/fp8_transpose_probe.py,
+        # benchmarks/results/nvidia-h200/fp8-train-wgrad/)
         values = tl.trans(_e4m3(tl.math.div_rn(v, scale), EMULATE))
         tl.store(q + rk[:, None] * s_qn + rn[None, :], values, mask=(rk[:, None] < K) & (rn[None, :] < N))
         tl.store(s + bk * s_sn + bn, scale)
@@ -561,7 +563,7 @@ def quantize_weight(w: torch.Tensor, transposed: bool = False) -> tuple[torch.Te
     i64 = C.needs_i64(w, q)
     ints = (n, k, w.stride(0), w.stride(1), q.stride(0), s.stride(0))
     consts = (transposed, _EMULATE, i64)
-    # N specialized (its multiple-of-16 fact lets the transposed store's mask hold over 16 bytes: one vector store
+    # N specialized (its multiple-of-16 fact lets the transposed store's mask hold over 16 bytes: vector stores
     # where an unspecialized N left 64 byte stores a thread, ~3.5× the pass's time)
     key = (w.dtype, consts, C.align16(w), C.int_class(n), *ints[1:])
     _weight_quantize_launch(key, (gn, gk), (w, q, s, *ints), consts, num_warps=8, num_stages=1)

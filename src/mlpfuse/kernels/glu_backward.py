@@ -401,8 +401,8 @@ def mlpfuse_fp8_glu_backward_kernel(
     dg = d * u * act_grad(g, ACT)  # masked elements: d = 0, so dg = du = 0 (and h = 0: g = u = 0)
     du = d * a
     if ALONG_TOKENS:
-        # [N, M] outputs, stored from the quantized tile transposed (its e4m3 bytes, through shared memory), along
-        # their rows (transposing the fp32 tile instead ran slower than storing across rows)
+        # [N, M] outputs, stored from the quantized tile transposed (its e4m3 bytes, through shared memory) along
+        # their rows, in vectors where M is a multiple of 16 (M is specialized for that: the launch key)
         at = rn[:, None] * s_o + rm[None, :]
         mask = nmask[:, None] & mmask[None, :]
         scale_at, scale_mask = rn * s_os + tl.program_id(0), nmask
