@@ -49,12 +49,13 @@ def test_the_gated_epilogue_writes_g_and_u_each_within_one_rounding():
         assert bool(((got - ref).abs() <= U * ref.abs() + SUB * sc + slack * (1 + U)).all())
 
 
-@pytest.mark.parametrize("act,m,n", [("silu", 200, 300), ("gelu_tanh", 130, 128), ("relu", 64, 260)])
+@pytest.mark.parametrize("act,m,n", [("silu", 200, 300), ("gelu_tanh", 130, 128), ("relu", 64, 260), ("silu", 70, 256)])
 def test_the_quantized_glu_backward_is_the_unfused_one_bit_for_bit(act, m, n):
     """fp8_glu_backward: dg and du written quantized along the channels and dgᵀ, duᵀ, hᵀ along the tokens,
     against glu_backward_split's fp32 dg, du, h quantized by fp8_gemm.quantize (the views transposed for the token
     groups): the same e4m3 bits and scales, partial tiles both ways; a NaN in dh reaches its row's and column's
-    groups and no other; the bias parts sum to the columns of dg and du."""
+    groups and no other; the bias parts sum to the columns of dg and du. With N whole blocks, dg and du written side
+    by side into one operand (`joined`) are the same bits."""
     from mlpfuse.kernels import glu_backward
 
     gen = torch.Generator().manual_seed(9)
@@ -83,6 +84,15 @@ def test_the_quantized_glu_backward_is_the_unfused_one_bit_for_bit(act, m, n):
     assert torch.allclose(dbg[finite].double(), dg32[:, finite].double().sum(0), rtol=1e-5, atol=1e-5)
     assert torch.allclose(dbu[finite].double(), du32[:, finite].double().sum(0), rtol=1e-5, atol=1e-5)
     assert bool(dbg[7].isnan()) and bool(dbu[7].isnan())
+    if n % 128 == 0:
+        both = (torch.empty(m, 2 * n, device=dh.device, dtype=fp8.DTYPE),
+                torch.empty(m, 2 * n // 128, device=dh.device, dtype=torch.float32))
+        got = glu_backward.fp8_glu_backward(dh, gq, gs, uq, us, activation=a_id, joined=both)
+        assert same((both[0][:, :n], both[1][:, :n // 128]), dg) and same((both[0][:, n:], both[1][:, n // 128:]), du)
+        assert all(same(a, b) for a, b in zip(got[2:5], (dg_t, du_t, h_t)))
+    else:
+        with pytest.raises(Exception, match="joined: expected"):
+            glu_backward.fp8_glu_backward(dh, gq, gs, uq, us, activation=a_id, joined=(dh, dh))
 
 
 _GLU_COMPILE = r"""
@@ -178,6 +188,24 @@ def test_quantizing_a_weight_in_one_pass_is_the_recipe_and_its_transpose_too(dty
         assert torch.equal(s.nan_to_num(7.0), rs.nan_to_num(7.0))
 
 
+def test_quantizing_into_the_halves_of_one_operand_is_quantizing_each_weight():
+    """quantize_weight(out=...): Wgᵀ and Wuᵀ written side by side into one [D, 2H] operand and its scales (what the
+    backward's one dx GEMM reads) are each weight's own bits; a wrong shape is one error."""
+    gen = torch.Generator().manual_seed(13)
+    kern = _k()
+    wg, wu = _rand(gen, 256, 200), _rand(gen, 256, 200, scale=3.0)
+    q = torch.empty(200, 512, device=DEVICE, dtype=fp8.DTYPE)
+    s = torch.empty(2, 4, device=DEVICE, dtype=torch.float32)
+    for half, w in enumerate((wg, wu)):
+        kern.quantize_weight(w, transposed=True, out=(q[:, 256 * half:256 * (half + 1)], s[:, 2 * half:2 * half + 2]))
+    for half, w in enumerate((wg, wu)):
+        rq, rs = kern.quantize_weight(w, transposed=True)
+        assert torch.equal(q[:, 256 * half:256 * (half + 1)].view(torch.uint8), rq.view(torch.uint8))
+        assert torch.equal(s[:, 2 * half:2 * half + 2], rs)
+    with pytest.raises(Exception, match="out: expected"):
+        kern.quantize_weight(wg, transposed=True, out=(q, s))
+
+
 def test_save_gu_needs_a_gated_quantized_call():
     gen = torch.Generator().manual_seed(7)
     kern = _k()
@@ -211,13 +239,14 @@ def _train(act):
     return lambda x, wg, wu, wd, bg, bu, bd: fp8_gated_mlp_train(x, wg, wu, wd, bg, bu, bd, act, backend="triton")
 
 
-@pytest.mark.parametrize("act,bias", [("silu", True), ("gelu_tanh", False)])
-def test_fp8_training_on_the_kernels_is_the_recipe(act, bias):
+@pytest.mark.parametrize("act,bias,h", [("silu", True, 384), ("gelu_tanh", False, 384), ("silu", False, 320)])
+def test_fp8_training_on_the_kernels_is_the_recipe(act, bias, h):
     """Forward and every gradient against float64 autograd (the training target: cosine ≥ 0.99, a few e4m3
     roundings norm-wise, as the reference path) and against the reference path itself: the same roundings, so the
     two differ only where an fp32 sum in another order rounds across an e4m3 boundary — far less than FP8's own
-    error (a backward in another precision or recipe would differ by about that error)."""
-    x, ws, bs, dy = _case(1, bias=bias)
+    error (a backward in another precision or recipe would differ by about that error). H = 384: dx as one GEMM over
+    [dg | du]; H = 320 (not whole blocks): two GEMMs added."""
+    x, ws, bs, dy = _case(1, bias=bias, h=h)
     y, grads = _grads(_train(act), x, ws, bs, dy)
     yr, grads_r = _grads(lambda x, *p: reference.gated_mlp_fp8_train(x, *p[:3], act, *p[3:]), x, ws, bs, dy)
     y64, grads64 = _grads(lambda x, *p: reference.gated_mlp(x, *p[:3], act, *p[3:]), x, ws, bs, dy.double())

@@ -548,16 +548,26 @@ def quantize(x: torch.Tensor, block_m: int = 32, *, norm_weight: torch.Tensor | 
     return q, s
 
 
-def quantize_weight(w: torch.Tensor, transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(w: torch.Tensor, transposed: bool = False,
+                    out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """W [N, K] (any float dtype and strides) → (values e4m3, scale_inv fp32), one scale per 128×128 block, bit for
     bit fp8.quantize_weight(w)'s values and scales in one pass over W; `transposed`: those of Wᵀ [K, N] (what the
-    backward's GEMMs read) in the same pass, no copy of W or of its values."""
+    backward's GEMMs read) in the same pass, no copy of W or of its values. `out`: (values, scales) to write into
+    instead of fresh tensors — views with unit column stride, e.g. the halves of one operand two weights share."""
     fp8.check_weight_source(w)
     n, k = w.shape
     gn, gk = -(-n // GROUP), -(-k // GROUP)
     rows, cols, srows, scols = (k, n, gk, gn) if transposed else (n, k, gn, gk)
-    q = torch.empty(rows, cols, device=w.device, dtype=fp8.DTYPE)
-    s = torch.empty(srows, scols, device=w.device, dtype=fp8.SCALE_DTYPE)
+    if out is None:
+        q = torch.empty(rows, cols, device=w.device, dtype=fp8.DTYPE)
+        s = torch.empty(srows, scols, device=w.device, dtype=fp8.SCALE_DTYPE)
+    else:
+        q, s = out
+        if (q.shape != (rows, cols) or s.shape != (srows, scols) or q.dtype != fp8.DTYPE
+                or s.dtype != fp8.SCALE_DTYPE or q.stride(1) != 1 or (s.stride(1) != 1 and scols > 1)
+                or q.device != w.device or s.device != w.device):
+            raise InputError(f"out: expected {fp8.DTYPE} values ({rows}, {cols}) and fp32 scales ({srows}, {scols}) "
+                             f"with unit column stride on {w.device}")
     if n == 0 or k == 0:
         return q, s.fill_(1.0)
     i64 = C.needs_i64(w, q)
@@ -565,7 +575,7 @@ def quantize_weight(w: torch.Tensor, transposed: bool = False) -> tuple[torch.Te
     consts = (transposed, _EMULATE, i64)
     # N specialized (its multiple-of-16 fact lets the transposed store's mask hold over 16 bytes: vector stores
     # where an unspecialized N left 64 byte stores a thread, ~3.5× the pass's time)
-    key = (w.dtype, consts, C.align16(w), C.int_class(n), *ints[1:])
+    key = (w.dtype, consts, C.align16(w), C.align16(q), C.align16(s), C.int_class(n), *ints[1:])
     _weight_quantize_launch(key, (gn, gk), (w, q, s, *ints), consts, num_warps=8, num_stages=1)
     return q, s
 

@@ -440,12 +440,14 @@ _FP8_NARROW = 8
 
 
 def fp8_glu_backward(dh: torch.Tensor, g: torch.Tensor, g_scale: torch.Tensor, u: torch.Tensor,
-                     u_scale: torch.Tensor, *, activation: int, bias_sums: bool = False):
+                     u_scale: torch.Tensor, *, activation: int, bias_sums: bool = False, joined: tuple | None = None):
     """FP8 training's GLU backward from the dh GEMM's fp32 output and the forward's e4m3 g, u (1×128 scales), its
     outputs quantized for the GEMMs that read them (mlpfuse_fp8_glu_backward_kernel, two passes): returns
     ((dg values, scales), (du values, scales)) 1×128 along the channels, then ((values, scales) of dgᵀ, duᵀ, hᵀ)
     1×128 along the tokens, then the column sums of dg and du (fp32, added in a fixed order: None unless
-    `bias_sums`). Bit for bit `fp8_gemm.quantize` of glu_backward_split's fp32 dg, du, h and of their transposes."""
+    `bias_sums`). Bit for bit `fp8_gemm.quantize` of glu_backward_split's fp32 dg, du, h and of their transposes.
+    `joined` (N a multiple of 128): (values [M, 2N], scales [M, 2N/128]) to write dg and du into side by side, one
+    operand for dx = [dg | du]·[Wg; Wu] as one GEMM."""
     _check_fp8_pair(dh, g, g_scale, "g")
     _check_fp8_pair(dh, u, u_scale, "u")
     if dh.dtype != torch.float32 or dh.stride(1) != 1 or g.stride() != u.stride() or g.stride(1) != 1 \
@@ -458,17 +460,27 @@ def fp8_glu_backward(dh: torch.Tensor, g: torch.Tensor, g_scale: torch.Tensor, u
         return (torch.empty(rows, cols, device=dh.device, dtype=fp8.DTYPE),
                 torch.empty(rows, groups, device=dh.device, dtype=fp8.SCALE_DTYPE))
 
-    dg, du = quantized(m, n, gn), quantized(m, n, gn)
+    if joined is not None:
+        jv, js = joined
+        if (n % fp8.GROUP or jv.shape != (m, 2 * n) or js.shape != (m, 2 * gn) or jv.dtype != fp8.DTYPE
+                or js.dtype != fp8.SCALE_DTYPE or not jv.is_contiguous() or not js.is_contiguous()):
+            raise InputError(f"joined: expected contiguous {fp8.DTYPE} ({m}, {2 * n}) and fp32 ({m}, {2 * gn}) with N a "
+                             f"multiple of {fp8.GROUP}")
+        dg = jv[:, :n], js[:, :gn]
+        du = jv[:, n:], js[:, gn:]
+    else:
+        dg, du = quantized(m, n, gn), quantized(m, n, gn)
     dgt, dut, ht = quantized(n, m, gm), quantized(n, m, gm), quantized(n, m, gm)
     sums = torch.empty(2, gm, n, device=dh.device, dtype=torch.float32) if bias_sums else None
     if m and n:
         i64 = C.needs_i64(dh, g, dgt[0])
         for along, (bm, bn), outs, ints in (
-                (False, (_FP8_NARROW, 128), (*dg, *du, *du), (dh.stride(0), g.stride(0), g_scale.stride(0), n, gn)),
+                (False, (_FP8_NARROW, 128), (*dg, *du, *du),
+                 (dh.stride(0), g.stride(0), g_scale.stride(0), dg[0].stride(0), dg[1].stride(0))),
                 (True, (128, _FP8_NARROW), (*dgt, *dut, *ht), (dh.stride(0), g.stride(0), g_scale.stride(0), m, gm))):
             consts = (activation, along, bias_sums and along, bm, bn, _EMULATE, i64)
             # M specialized (its multiple-of-16 fact lets the token pass's transposed stores hold over 16 bytes)
-            key = (consts, n, C.int_class(m), *ints, tuple(C.align16(t) for t in (dh, g, u, g_scale, u_scale)))
+            key = (consts, n, C.int_class(m), *ints, tuple(C.align16(t) for t in (dh, g, u, g_scale, u_scale, *outs)))
             _fp8_launch(key, (-(-m // bm), -(-n // bn)), (dh, g, g_scale, u, u_scale, *outs,
                                                          sums if sums is not None else dh, m, n, *ints), consts,
                         num_warps=4, num_stages=1)

@@ -6,7 +6,7 @@ the numerics of `mlpfuse.reference.gated_mlp_fp8_train` (its oracle; docs/fp8.md
               down GEMM on h → y
     backward  dh = dy·Wd                  dy 1×128 along D, Wdᵀ's 128×128 blocks
               dg, du, h from dh and the saved e4m3 g, u in one pass, written only quantized (kernels.glu_backward)
-              dx = dg·Wg + du·Wu          dg, du 1×128 along H
+              dx = [dg | du]·[Wg; Wu]     dg, du 1×128 along H, side by side: one GEMM over 2H
               dWdᵀ = hᵀ·dy, dWg = dgᵀ·x, dWu = duᵀ·x
                                           h, dg, du grouped 128×1 along the tokens, dy and x in 128×128 blocks
                                           (the forward's GEMM form: one scale per row and K block against one per
@@ -19,9 +19,9 @@ scales, g and u in e4m3 with theirs.
 This form composes the kernels: each weight quantized in one kernel pass, straight into Wᵀ's layout for the
 backward; the GLU backward one pass over dh that writes dg, du and h only as the five quantized operands of the
 GEMMs after it (no fp32 dg, du or h); dy and x quantized into 128×128 blocks transposed, in one pass each. Correct
-against the oracle. Measured on an H200 (docs/fp8.md, "Training"): every GEMM at 976–1230 TFLOP/s but the gated
-forward with save_gu (one weight tile a stage); what remains is around the GEMMs: the transposed quantizations, the
-GLU backward's token pass, dh written in fp32.
+against the oracle. Measured on an H200 (docs/fp8.md, "Training"): every GEMM at ~970–1230 TFLOP/s but the
+gated forward with save_gu (one weight tile a stage); what remains is around the GEMMs: the GLU backward's token
+pass, dh written in fp32.
 """
 
 from __future__ import annotations
@@ -69,28 +69,44 @@ def _forward(x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, bg: Optional[Tensor]
 
 def _backward(dy: Tensor, xq: Tensor, xs: Tensor, gq: Tensor, gs: Tensor, uq: Tensor, us: Tensor, wg: Tensor,
               wu: Tensor, wd: Tensor, activation: str, backend: str) -> tuple[Tensor, ...]:
-    """dx (fp32), dWg, dWu, dWd (each in its weight's dtype) and the three bias gradients (fp32) (module
-    docstring)."""
+    """dx (in dy's dtype, x's), dWg, dWu, dWd (each in its weight's dtype) and the three bias gradients (fp32)
+    (module docstring)."""
     if _reference_path(dy.device, backend):
         from mlpfuse import reference
 
         dx, dwg, dwu, dwd, *dbs = reference.fp8_train_backward(dy, xq, xs, wg, wu, wd, (gq, gs, uq, us), activation)
-        return dx, dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype), *dbs
+        return dx.to(dy.dtype), dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype), *dbs
     from mlpfuse.kernels import glu_backward
 
     k = _kernels()
     act = activations.get(activation)
     ident = activations.IDENTITY
-    # Wᵀ in the recipe, each weight's blocks quantized and transposed in one pass over it
-    qg, qu, qd = (k.quantize_weight(w.detach(), transposed=True) for w in (wg, wu, wd))
-    dh = k.fp8_gemm(*k.quantize(dy), *qd, activation=ident, quant_out=False, out_dtype=_F32)
+    m, d, h = dy.shape[0], wg.shape[1], wg.shape[0]
+    # Wᵀ in the recipe, each weight's blocks quantized and transposed in one pass over it; Wgᵀ and Wuᵀ side by side
+    # ([D, 2H]) when H is whole blocks, so that dx is one GEMM over [dg | du]
+    joined = h % fp8.GROUP == 0
+    if joined:
+        gd, gh = -(-d // fp8.GROUP), h // fp8.GROUP
+        wgu = (torch.empty(d, 2 * h, device=dy.device, dtype=fp8.DTYPE),
+               torch.empty(gd, 2 * gh, device=dy.device, dtype=fp8.SCALE_DTYPE))
+        k.quantize_weight(wg.detach(), transposed=True, out=(wgu[0][:, :h], wgu[1][:, :gh]))
+        k.quantize_weight(wu.detach(), transposed=True, out=(wgu[0][:, h:], wgu[1][:, gh:]))
+        dgu = (torch.empty(m, 2 * h, device=dy.device, dtype=fp8.DTYPE),
+               torch.empty(m, 2 * gh, device=dy.device, dtype=fp8.SCALE_DTYPE))
+    else:
+        qg, qu = (k.quantize_weight(w.detach(), transposed=True) for w in (wg, wu))
+    dh = k.fp8_gemm(*k.quantize(dy), *k.quantize_weight(wd.detach(), transposed=True), activation=ident,
+                    quant_out=False, out_dtype=_F32)
     # dg = dh·u·act'(g), du = dh·act(g), h = act(g)·u in one pass over dh and the e4m3 g, u, each written only as
     # the quantized operands its GEMMs read: dg, du along the channels; dgᵀ, duᵀ, hᵀ along the tokens
     dg, du, dg_t, du_t, h_t, dbg, dbu = glu_backward.fp8_glu_backward(dh, gq, gs, uq, us, activation=act.id,
-                                                                      bias_sums=True)
+                                                                      bias_sums=True, joined=dgu if joined else None)
     del dh
-    dx = (k.fp8_gemm(*dg, *qg, activation=ident, quant_out=False, out_dtype=_F32)
-          + k.fp8_gemm(*du, *qu, activation=ident, quant_out=False, out_dtype=_F32))
+    if joined:
+        dx = k.fp8_gemm(*dgu, *wgu, activation=ident, quant_out=False, out_dtype=dy.dtype)
+    else:
+        dx = (k.fp8_gemm(*dg, *qg, activation=ident, quant_out=False, out_dtype=_F32)
+              + k.fp8_gemm(*du, *qu, activation=ident, quant_out=False, out_dtype=_F32)).to(dy.dtype)
     # the weight gradients: one operand along the tokens, the other in 128×128 blocks (as a weight, transposed in
     # the pass that quantizes it): the forward's GEMM form. dWd = (hᵀ·dy)ᵀ, stored transposed by the epilogue
     x_blocks = k.quantize_weight(fp8.dequantize_activation(xq, xs, dy.dtype), transposed=True)
@@ -137,7 +153,7 @@ def _(dy, xq, xs, gq, gs, uq, us, gate_weight, up_weight, down_weight, activatio
     def like(w, *shape):
         return dy.new_empty(*shape, dtype=w.dtype)
 
-    return (f32(m, d), like(gate_weight, h, d), like(up_weight, h, d), like(down_weight, d, h), f32(h), f32(h),
+    return (dy.new_empty(m, d), like(gate_weight, h, d), like(up_weight, h, d), like(down_weight, d, h), f32(h), f32(h),
             f32(d))
 
 
