@@ -105,6 +105,25 @@ def test_fp8_is_inference_only_and_other_misuse_is_one_line():
         m(torch.randn(4, 255, device=DEVICE))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_blocks_under_autocast_give_their_own_numbers(backend):
+    """Inside torch.autocast (bf16) the FP8 block and linear compute the recipe as outside it — the same output,
+    bit for bit, in x's dtype — at a decode size and a prefill size (the reference path's F.linear would otherwise
+    be recast to bf16 inside the op)."""
+    m = _mlp(4)
+    m.backend = backend
+    m.to_fp8()
+    f = Fp8Linear.from_linear(nn.Linear(256, 130, device=DEVICE), activation="silu")
+    for rows in (4, 40):
+        x = torch.randn(rows, 256, device=DEVICE)
+        with torch.no_grad():
+            want = m(x), f(x)
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                got = m(x), f(x)
+        for a, b in zip(got, want):
+            assert a.dtype == torch.float32 and torch.equal(a, b)
+
+
 def test_fp8_linear_matches_its_reference():
     torch.manual_seed(3)
     lin = nn.Linear(300, 130, device=DEVICE)

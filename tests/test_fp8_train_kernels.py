@@ -360,3 +360,49 @@ def test_fp8_training_compiles_whole_to_the_same_numbers():
     torch._dynamo.reset()
     yc, grads_c = _grads(torch.compile(step, backend="aot_eager", fullgraph=True), x, ws, bs, dy)
     assert torch.equal(y, yc) and all(torch.equal(a, b) for a, b in zip(grads, grads_c))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_fp8_training_under_activation_checkpointing_is_the_same_step(backend, reentrant):
+    """torch.utils.checkpoint around the FP8 block (the kernels, and the reference path a CPU takes): the
+    recomputed forward is the same quantized forward, so output and every gradient equal the plain step's."""
+    from mlpfuse.ops.fp8_train import fp8_gated_mlp_train
+
+    x, ws, bs, dy = _case(6, m=64, d=128, h=256)
+
+    def fn(*a):
+        return fp8_gated_mlp_train(*a[:4], *a[4:], activation="silu", backend=backend)
+
+    def step(f):  # .backward(), as a reentrant checkpoint needs (it refuses autograd.grad)
+        inputs = [x, *ws, *[b for b in bs if b is not None]]
+        for t in inputs:
+            t.grad = None
+        y = f(x, *ws, *bs)
+        y.backward(dy)
+        return [y.detach(), *(t.grad for t in inputs)]
+
+    plain = step(fn)
+    ckpt = step(lambda *a: torch.utils.checkpoint.checkpoint(fn, *a, use_reentrant=reentrant))
+    for a, b in zip(plain, ckpt):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_fp8_training_under_autocast_is_the_fp8_step_unchanged(backend):
+    """Under torch.autocast (bf16) with fp32 master weights the FP8 block computes its own recipe, not autocast's
+    bf16 GEMMs: output and gradients equal the step outside autocast bit for bit, in the inputs' and weights' dtypes
+    (the optimizer's masters keep fp32 gradients)."""
+    from mlpfuse.ops.fp8_train import fp8_gated_mlp_train
+
+    x, ws, bs, dy = _case(7, m=64, d=128, h=256)
+
+    def fn(*a):
+        return fp8_gated_mlp_train(*a[:4], *a[4:], activation="silu", backend=backend)
+
+    plain = _grads(fn, x, ws, bs, dy)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        auto = _grads(fn, x, ws, bs, dy)
+    assert auto[0].dtype == torch.float32 and all(g.dtype == torch.float32 for g in auto[1])
+    for a, b in zip([plain[0], *plain[1]], [auto[0], *auto[1]]):
+        assert torch.equal(a, b)

@@ -105,6 +105,13 @@ def _kernels():
     return dispatch.kernel("fp8_gemm")
 
 
+def outside_autocast(device: torch.device):
+    """The recipe's reference path runs its own dtypes: inside a custom op's implementation torch.autocast would
+    still recast its F.linear calls (to bf16 under a bf16 region: other numbers than the kernels', and an output
+    dtype the op's fake does not promise), so it runs with autocast off."""
+    return torch.autocast(device.type, enabled=False)
+
+
 def _weight(values: Tensor, scale: Tensor, dtype: torch.dtype) -> fp8.Fp8Weight:
     return fp8.Fp8Weight(values, scale, dtype)
 
@@ -120,10 +127,11 @@ def _gated_impl(x, wg, sg, wu, su, wd, sd, bg, bu, bd, activation: str, backend:
         if norm_kind:
             x2 = rms_norm(x2, norm_weight, norm_eps, norm_kind)
         w = [None if v is None else _weight(v, s, x.dtype) for v, s in ((wg, sg), (wu, su), (wd, sd))]
-        if m <= WEIGHT_ONLY_MAX_M:
-            y = reference.gated_mlp_fp8_weight_only(x2, *w, act.name, bg, bu, bd)
-        else:
-            y = reference.gated_mlp_fp8(x2, *w, act.name, bg, bu, bd)
+        with outside_autocast(x.device):
+            if m <= WEIGHT_ONLY_MAX_M:
+                y = reference.gated_mlp_fp8_weight_only(x2, *w, act.name, bg, bu, bd)
+            else:
+                y = reference.gated_mlp_fp8(x2, *w, act.name, bg, bu, bd)
         y = y.reshape(*x.shape[:-1], wd.shape[0])
         return y if residual is None else residual + y
     kern = _kernels()
@@ -154,10 +162,11 @@ def _linear_impl(x, w, s, b, activation: str, backend: str) -> Tensor:
     m = x2.shape[0]
     if _path(x.device, backend) == "torch":
         weight = _weight(w, s, x.dtype)
-        if m <= WEIGHT_ONLY_MAX_M:
-            y = reference.linear_fp8_weight_only(x2, weight, b, act.name)
-        else:
-            y = reference.linear_fp8(x2, weight, b, act.name)
+        with outside_autocast(x.device):
+            if m <= WEIGHT_ONLY_MAX_M:
+                y = reference.linear_fp8_weight_only(x2, weight, b, act.name)
+            else:
+                y = reference.linear_fp8(x2, weight, b, act.name)
         return y.reshape(*x.shape[:-1], w.shape[0])
     kern = _kernels()
     x2 = x2.contiguous()

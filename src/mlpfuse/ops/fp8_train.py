@@ -42,6 +42,12 @@ def _kernels():
     return fp8_gemm
 
 
+def _outside_autocast(device: torch.device):
+    from mlpfuse.ops import fp8_mlp
+
+    return fp8_mlp.outside_autocast(device)
+
+
 def _reference_path(device: torch.device, backend: str) -> bool:
     """The FP8 backend decision (ops.fp8_mlp): the recipe's reference path in PyTorch ops ("torch"; what "auto"
     takes on a CPU), else the kernels. Made inside the ops, which torch.compile does not trace."""
@@ -56,7 +62,8 @@ def _forward(x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, bg: Optional[Tensor]
     if _reference_path(x.device, backend):
         from mlpfuse import reference
 
-        y, *kept = reference.fp8_train_forward(x, wg, wu, wd, bg, bu, bd, activation)
+        with _outside_autocast(x.device):
+            y, *kept = reference.fp8_train_forward(x, wg, wu, wd, bg, bu, bd, activation)
         return (y.to(x.dtype), *kept)
     k = _kernels()
     qg, qu, qd = (k.quantize_weight(w.detach()) for w in (wg, wu, wd))
@@ -74,7 +81,9 @@ def _backward(dy: Tensor, xq: Tensor, xs: Tensor, gq: Tensor, gs: Tensor, uq: Te
     if _reference_path(dy.device, backend):
         from mlpfuse import reference
 
-        dx, dwg, dwu, dwd, *dbs = reference.fp8_train_backward(dy, xq, xs, wg, wu, wd, (gq, gs, uq, us), activation)
+        with _outside_autocast(dy.device):
+            dx, dwg, dwu, dwd, *dbs = reference.fp8_train_backward(dy, xq, xs, wg, wu, wd, (gq, gs, uq, us),
+                                                                   activation)
         return dx.to(dy.dtype), dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype), *dbs
     from mlpfuse.kernels import glu_backward
 
