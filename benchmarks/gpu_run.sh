@@ -23,6 +23,7 @@
 #        warp-specialized GEMM against the Triton kernel and cuBLAS, the output error against the rowwise recipe over
 #        64–16384 tokens and 4 layers), fp8-train (FP8 training's tests and the 4-layer train step),
 #        fp8-train-probe (one FP8 block's forward + backward kernel by kernel, bf16 and torchao beside it),
+#        fp8-train-lm (the stdlib model trained in bf16, mlpfuse bf16 / save-fp8 / FP8 and torchao float8),
 #        train-share (the MLPs' share of a train step, torchao beside it),
 #        graph-profile-fp8 (the decode step's MLP rows in bf16 and FP8, as bytes against the copy rate),
 #        attention-tests, decode-linear-probe, attention-ab (the attention's projections on the decode kernel: their
@@ -145,6 +146,7 @@ for spec in "$@"; do
         fp8-prefill) run_step fp8-prefill "$secs" python3 -m mlpfuse bench --model llama3-8b --mode prefill \
             --tokens 1x8192 --variants eager,mlpfuse,mlpfuse-fp8 --rounds 5 --out "$W/model-fp8-prefill" ;;
         fp8-lm) run_step fp8-lm "$secs" python3 benchmarks/stdlib_lm.py "$W/stdlib-lm" ;;
+        fp8-train-lm) run_step fp8-train-lm "$secs" python3 benchmarks/stdlib_train.py "$W/stdlib-train" ;;
         fp8-stream) run_step fp8-stream "$secs" python3 benchmarks/fp8_stream_probe.py ;;
         fp8-stream-unroll) run_step fp8-stream-unroll "$secs" python3 benchmarks/fp8_stream_probe.py --unroll ;;
         fp8-train) run_step fp8-train "$secs" bash -c "python3 -m pytest -q -p no:cacheprovider \
