@@ -149,15 +149,17 @@ def main() -> int:
     uq, us = fp8_gemm.quantize(torch.randn(m, h, device=dev, dtype=bf))
     moved = m * h * (2 * (4 + 1 + 1) + 5)  # both passes read dh, g, u; five e4m3 outputs
     glu = {}
-    saved = glu_backward._FP8_NARROW
-    print(f"\nfp8_glu_backward alone, {m}×{h} (both passes; GB/s on {moved / 1e6:.0f} MB):")
-    for narrow in (8, 16, 32):
-        glu_backward._FP8_NARROW = narrow
+    saved = glu_backward._FP8_NARROW, glu_backward._FP8_WARPS
+    print(f"\nfp8_glu_backward alone, {m}×{h} (both passes; GB/s on {moved / 1e6:.0f} MB), by the tiles' narrow "
+          "side and the warps of the channel and token passes:")
+    for narrow, warps in ((8, (4, 4)), (16, (4, 4)), (32, (4, 4)), (8, (4, 1)), (8, (4, 2)), (16, (4, 2)),
+                          (16, (4, 1)), (8, (2, 2)), (16, (8, 4))):
+        glu_backward._FP8_NARROW, glu_backward._FP8_WARPS = narrow, warps
         us_ = 1e3 * triton.testing.do_bench(lambda: glu_backward.fp8_glu_backward(
             dh, gq, gs, uq, us, activation=activations.get("silu").id, bias_sums=True), warmup=25, rep=100)
-        glu[narrow] = us_
-        print(f"  narrow {narrow:2d}: {us_:7.1f} µs  {moved / us_ / 1e3:6.0f} GB/s")
-    glu_backward._FP8_NARROW = saved
+        glu[f"{narrow} {warps[0]}/{warps[1]}"] = us_
+        print(f"  narrow {narrow:2d}, warps {warps[0]}/{warps[1]}: {us_:7.1f} µs  {moved / us_ / 1e3:6.0f} GB/s")
+    glu_backward._FP8_NARROW, glu_backward._FP8_WARPS = saved
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"shape": [m, d, h], "times": table, "grad_cosine": cos, "kernels": ktab, "glu_us": glu}, f, indent=1)

@@ -434,9 +434,15 @@ def _store_fp8(v, values, scales, at, scale_at, mask, scale_mask, ALONG_TOKENS: 
 
 _fp8_launch = C.Launcher(mlpfuse_fp8_glu_backward_kernel)
 # The narrow side of both passes' tiles (rows of the channel-group pass, columns of the token-group pass). Compiled
-# for sm_90 at 4 warps, 8, 16 and 32 spill nothing; 8 needs the fewest registers (93 and 141 a thread, against 174
-# and 150–254 at 16), so the most tiles in flight per SM for a pass that is all memory traffic. Not timed yet.
+# for sm_90 at 4 warps, 8, 16 and 32 spill nothing. Timed on an H200 (4096×14336, both passes, 4 warps each;
+# benchmarks/fp8_train_probe.py): 8 1252 µs, 16 1251, 32 1625 (with the token pass's stores as vectors; before,
+# 1398 / 1630 / 2174).
 _FP8_NARROW = 8
+# Warps per program of each pass (channel groups, token groups). The token pass's column reductions cross its warps
+# (SASS for sm_90 at 4 warps: 39 barriers and ~265 instructions an element a thread against ~122 for the channel
+# pass; at 1 warp 7 barriers and ~135): which is faster is for benchmarks/fp8_train_probe.py's sweep to say; not
+# timed yet at other than 4.
+_FP8_WARPS = (4, 4)
 
 
 def fp8_glu_backward(dh: torch.Tensor, g: torch.Tensor, g_scale: torch.Tensor, u: torch.Tensor,
@@ -481,8 +487,9 @@ def fp8_glu_backward(dh: torch.Tensor, g: torch.Tensor, g_scale: torch.Tensor, u
             consts = (activation, along, bias_sums and along, bm, bn, _EMULATE, i64)
             # M specialized (its multiple-of-16 fact lets the token pass's transposed stores hold over 16 bytes)
             key = (consts, n, C.int_class(m), *ints, tuple(C.align16(t) for t in (dh, g, u, g_scale, u_scale, *outs)))
-            _fp8_launch(key, (-(-m // bm), -(-n // bn)), (dh, g, g_scale, u, u_scale, *outs,
-                                                         sums if sums is not None else dh, m, n, *ints), consts,
-                        num_warps=4, num_stages=1)
+            warps = _FP8_WARPS[1 if along else 0]
+            _fp8_launch((key, warps), (-(-m // bm), -(-n // bn)), (dh, g, g_scale, u, u_scale, *outs,
+                                                                  sums if sums is not None else dh, m, n, *ints),
+                        consts, num_warps=warps, num_stages=1)
     bias = (sums[0].sum(0), sums[1].sum(0)) if bias_sums else (None, None)
     return dg, du, dgt, dut, ht, *bias
