@@ -5,7 +5,7 @@ cuBLAS's rowwise FP8 GEMM, on one Hopper GPU.
     PYTHONPATH=src python3 benchmarks/fp8_ws_probe.py --bench     # do_bench µs and TFLOP/s, tiles and ring depths
 
 --check compares, on the same quantized operands, every output of the two kernels (h's values and scales, or the
-GEMM's output, g and u with save_gu, the per-row weight scales of the weight gradients): the largest relative
+GEMM's output, g and u with save_gu in both forms, the output stored transposed): the largest relative
 difference of the dequantized results, and the fraction of e4m3 values that differ. Both kernels sum each 128-wide
 K block on the tensor cores and promote it with the same scales, so they should agree to fp32 rounding.
 """
@@ -64,7 +64,7 @@ def check() -> bool:
                   torch.bfloat16, save_gu=save, out_transposed=trans)
         w2 = (ws[2], ws[3]) if gated else (None, None)
         ref = K.fp8_gemm(xq, xs, ws[0], ws[1], *w2, *b, **kw)
-        for pair in ((False, True) if not save else (False,)):
+        for pair in (False, True):
             got = W.gemm(xq, xs, ws[0], ws[1], *w2, *b, pair=pair, **kw)
             torch.cuda.synchronize()
             ok &= _compare(got, ref, quant, f"m={m} n={n} k={k} gated={gated} quant={quant} save_gu={save} "
@@ -119,6 +119,11 @@ def bench(d: int, h: int, sizes) -> None:
         for pair, st, gm in ((False, 4, 16), (True, 3, 16), (True, 4, 8), (True, 4, 16)):
             t[f"ws gated{' pair' if pair else ''} s{st} g{gm}"] = _bench(
                 lambda: W.gemm(xq, xs, wg, sg, wu, su, activation=SILU, quant_out=True, stages_=st, group_m=gm,
+                               pair=pair))
+        # FP8 training's forward: g and u kept (save_gu), one weight tile a stage (as launched) or paired
+        for pair, st in ((False, 4), (True, 4), (True, 3)):
+            t[f"ws gated save_gu{' pair' if pair else ''} s{st}"] = _bench(
+                lambda: W.gemm(xq, xs, wg, sg, wu, su, activation=SILU, quant_out=True, save_gu=True, stages_=st,
                                pair=pair))
         for pair, st, gm in ((False, 6, 16), (True, 3, 16), (True, 4, 8), (True, 4, 16)):
             t[f"ws down{' pair' if pair else ''} s{st} g{gm}"] = _bench(

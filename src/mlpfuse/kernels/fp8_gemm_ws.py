@@ -291,16 +291,17 @@ def stages(gated: bool, pair: bool) -> int:
 
 def launch(a, a_scale, w1, s1, w2, s2, b1, b2, out, sout, activation: int, quant_out: bool, *,
            saved=None, out_transposed: bool = False, stages_: int | None = None, group_m: int = 16,
-           pair: bool = True):
+           pair: bool | None = None):
     """z into `out` (and `sout` when quant_out; zᵀ into out [N, M] when `out_transposed`), as
     kernels.fp8_gemm.fp8_gemm computes it, whose checks the arguments passed (TMA-ready row-major e4m3 operands on an
     sm_90 device). `saved`: (gq, gs, uq, us) to keep g and u too. `pair`: two weight tiles a stage (gated: gate's
-    and up's; else 256 columns of the one weight), unless saved asks for the one-tile form."""
+    and up's; else 256 columns of the one weight); None: paired unless `saved` (whose epilogue, paired, spills: 5.3 KB
+    a thread for sm_90 — for probes to time both)."""
     m, k = a.shape
     n = w1.shape[0]
     gated = w2 is not None
     save_gu = saved is not None
-    pair = pair and not save_gu
+    pair = not save_gu if pair is None else pair
     w2, s2 = (w2, s2) if gated else (w1, s1)
     bn = 128
     ad, wd1, wd2 = descriptors(a, w1, w2, bn)
