@@ -162,7 +162,8 @@ def main() -> int:
     glu_backward._FP8_NARROW, glu_backward._FP8_WARPS = saved
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"shape": [m, d, h], "times": table, "grad_cosine": cos, "kernels": ktab, "glu_us": glu}, f, indent=1)
+            json.dump({"shape": [m, d, h], "times": table, "grad_cosine": cos, "kernels": ktab, "glu_us": glu}, f,
+                      indent=1)
     return 0
 
 

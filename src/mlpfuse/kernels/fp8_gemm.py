@@ -202,8 +202,9 @@ def mlpfuse_fp8_gemm_kernel(
 ):
     """z = act(a·W1ᵀ + b1) [· (a·W2ᵀ + b2)], a e4m3 with 1×128 scales, each W e4m3 with 128×128 block scales.
     QUANT_OUT: z leaves quantized 1×128 (values in out, scales in sout; BN = 128); else in out's dtype, TRANS_OUT as
-    zᵀ (out [N, M], row stride s_om). SAVE_GU (gated, QUANT_OUT): the pre-activations g = a·W1ᵀ + b1 and u = a·W2ᵀ + b2 leave quantized
-    the same way too (gq/gs, uq/us, out's and sout's layout) — what FP8 training keeps for the backward."""
+    zᵀ (out [N, M], row stride s_om). SAVE_GU (gated, QUANT_OUT): the pre-activations g = a·W1ᵀ + b1 and
+    u = a·W2ᵀ + b2 leave quantized the same way too (gq/gs, uq/us, out's and sout's layout) — what FP8 training
+    keeps for the backward."""
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)):
@@ -649,8 +650,8 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch
         raise InputError("save_gu: needs a gated call (w2) with quant_out=True")
     if out_transposed and quant_out:
         raise InputError("out_transposed: needs quant_out=False (a quantized z is grouped along its rows)")
-    plan_key = None if save_gu or out_transposed else _plan_key("gemm", (a, a_scale), (w1, s1, w2, s2, b1, b2), activation,
-                                                         quant_out, out_dtype)
+    plan_key = None if save_gu or out_transposed else _plan_key("gemm", (a, a_scale), (w1, s1, w2, s2, b1, b2),
+                                                                activation, quant_out, out_dtype)
     plan = _plans.get(plan_key) if plan_key is not None else None
     if plan is not None:
         done = plan.run(a, a_scale)

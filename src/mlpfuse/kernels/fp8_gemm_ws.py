@@ -17,9 +17,10 @@ have arrived), so one's MMA runs while the other scales, and the loader runs STA
 carries two weight tiles against one x tile — gated, gate's and up's at the same columns; otherwise the weight's
 next 256 columns — and each K block's two products are promoted one after the other (at most three 64×128 fp32
 tiles live per thread: two sums, one product). Without PAIR (save_gu: its epilogue needs the registers) a stage
-holds one weight tile, and a gated tile runs gate's K loop, parks act(g) in shared
-memory, then runs up's. The epilogue is `fp8_gemm`'s: biases, the activation, the GLU, then either the output in its dtype or quantized
-1×128 (a 128-column tile is one scale group per row), the pre-activations too with SAVE_GU.
+holds one weight tile, and a gated tile runs gate's K loop, parks act(g) in shared memory, then runs up's. The
+epilogue is `fp8_gemm`'s: biases, the activation, the GLU, then either the output in its dtype (or, TRANS_OUT, its
+transpose) or quantized 1×128 (a 128-column tile is one scale group per row), the pre-activations too with
+SAVE_GU.
 
 Needs sm_90 (wgmma, TMA, setmaxnreg) and Triton's Gluon; `fp8_gemm` takes it on Hopper for the sizes where it
 measured faster, the Triton kernel elsewhere (and under the interpreter: Gluon has none, so the CPU tests run the
@@ -63,7 +64,8 @@ def _store_quantized(vq, sq, v, rm, rn, mmask, nmask, s_om, s_som, group):
 
 
 @gluon.jit
-def _store(z, out, sout, rm, rn, mmask, nmask, s_om, s_som, group, QUANT_OUT: gl.constexpr, TRANS_OUT: gl.constexpr):
+def _store(z, out, sout, rm, rn, mmask, nmask, s_om, s_som, group, QUANT_OUT: gl.constexpr,
+           TRANS_OUT: gl.constexpr):
     if QUANT_OUT:
         _store_quantized(out, sout, z, rm, rn, mmask, nmask, s_om, s_som, group)
     else:
@@ -261,10 +263,10 @@ def mlpfuse_fp8_gemm_ws_kernel(
     shared = (ws, ws2, zbuf, ready, empty)
     tail = (sa, s1, s2, b1, b2, out, sout, gq, gs, uq, us, M, N, K, s_sam, s_s1, s_s2, s_om, s_som)
     gl.warp_specialize([
-        (_consumer, (a0, shared, tail, 0, ACT, GATED, HAS_B1, HAS_B2, QUANT_OUT, SAVE_GU, TRANS_OUT, BN, GROUP_M, STAGES,
-                     I64, PAIR)),
-        (_consumer, (a1, shared, tail, 1, ACT, GATED, HAS_B1, HAS_B2, QUANT_OUT, SAVE_GU, TRANS_OUT, BN, GROUP_M, STAGES,
-                     I64, PAIR)),
+        (_consumer, (a0, shared, tail, 0, ACT, GATED, HAS_B1, HAS_B2, QUANT_OUT, SAVE_GU, TRANS_OUT, BN, GROUP_M,
+                     STAGES, I64, PAIR)),
+        (_consumer, (a1, shared, tail, 1, ACT, GATED, HAS_B1, HAS_B2, QUANT_OUT, SAVE_GU, TRANS_OUT, BN, GROUP_M,
+                     STAGES, I64, PAIR)),
         (_loader, (a_desc, w1_desc, w2_desc, a0, a1, ws, ws2, ready, empty, M, N, K, GATED, BN, GROUP_M, STAGES,
                    PAIR)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -311,7 +313,8 @@ def launch(a, a_scale, w1, s1, w2, s2, b1, b2, out, sout, activation: int, quant
     mlpfuse_fp8_gemm_ws_kernel[grid](
         ad, a_scale, wd1, s1, wd2, s2, a_scale if b1 is None else b1, a_scale if b2 is None else b2, out, sout,
         *(saved or (out, sout, out, sout)), m, n, k, a_scale.stride(0), s1.stride(0), s2.stride(0), out.stride(0),
-        sout.stride(0), activation, gated, b1 is not None, b2 is not None, quant_out, save_gu, out_transposed, bn, group_m,
+        sout.stride(0), activation, gated, b1 is not None, b2 is not None, quant_out, save_gu, out_transposed, bn,
+        group_m,
         stages_ or stages(gated, pair), i64, pair, num_warps=4, maxnreg=168)
 
 

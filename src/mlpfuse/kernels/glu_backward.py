@@ -470,8 +470,8 @@ def fp8_glu_backward(dh: torch.Tensor, g: torch.Tensor, g_scale: torch.Tensor, u
         jv, js = joined
         if (n % fp8.GROUP or jv.shape != (m, 2 * n) or js.shape != (m, 2 * gn) or jv.dtype != fp8.DTYPE
                 or js.dtype != fp8.SCALE_DTYPE or not jv.is_contiguous() or not js.is_contiguous()):
-            raise InputError(f"joined: expected contiguous {fp8.DTYPE} ({m}, {2 * n}) and fp32 ({m}, {2 * gn}) with N a "
-                             f"multiple of {fp8.GROUP}")
+            raise InputError(f"joined: expected contiguous {fp8.DTYPE} ({m}, {2 * n}) and fp32 ({m}, {2 * gn}) "
+                             f"with N a multiple of {fp8.GROUP}")
         dg = jv[:, :n], js[:, :gn]
         du = jv[:, n:], js[:, gn:]
     else:

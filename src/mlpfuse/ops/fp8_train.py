@@ -91,8 +91,8 @@ def _backward(dy: Tensor, xq: Tensor, xs: Tensor, gq: Tensor, gs: Tensor, uq: Te
     act = activations.get(activation)
     ident = activations.IDENTITY
     m, d, h = dy.shape[0], wg.shape[1], wg.shape[0]
-    # Wᵀ in the recipe, each weight's blocks quantized and transposed in one pass over it; Wgᵀ and Wuᵀ side by side
-    # ([D, 2H]) when H is whole blocks, so that dx is one GEMM over [dg | du]
+    # Wᵀ in the recipe, each weight's blocks quantized and transposed in one pass over it; Wgᵀ and Wuᵀ side by
+    # side ([D, 2H]) when H is whole blocks, so that dx is one GEMM over [dg | du]
     joined = h % fp8.GROUP == 0
     if joined:
         gd, gh = -(-d // fp8.GROUP), h // fp8.GROUP
@@ -117,8 +117,9 @@ def _backward(dy: Tensor, xq: Tensor, xs: Tensor, gq: Tensor, gs: Tensor, uq: Te
         dx = (k.fp8_gemm(*dg, *qg, activation=ident, quant_out=False, out_dtype=_F32)
               + k.fp8_gemm(*du, *qu, activation=ident, quant_out=False, out_dtype=_F32)).to(dy.dtype)
     # the weight gradients: one operand along the tokens, the other in 128×128 blocks (as a weight, transposed in
-    # the pass that quantizes it): the forward's GEMM form. dWd = (hᵀ·dy)ᵀ, stored transposed by the epilogue
-    x_blocks = k.quantize_weight(fp8.dequantize_activation(xq, xs, dy.dtype), transposed=True)
+    # the pass that quantizes it): the forward's GEMM form. dWd = (hᵀ·dy)ᵀ, stored transposed by the epilogue. x
+    # comes back from its e4m3 values in fp32, as the reference path dequantizes it (no rounding between)
+    x_blocks = k.quantize_weight(fp8.dequantize_activation(xq, xs), transposed=True)
     dwd = k.fp8_gemm(*h_t, *k.quantize_weight(dy, transposed=True), activation=ident, quant_out=False,
                      out_dtype=wd.dtype, out_transposed=True)
     dwg = k.fp8_gemm(*dg_t, *x_blocks, activation=ident, quant_out=False, out_dtype=wg.dtype)
