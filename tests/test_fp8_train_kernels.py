@@ -406,3 +406,42 @@ def test_fp8_training_under_autocast_is_the_fp8_step_unchanged(backend):
     assert auto[0].dtype == torch.float32 and all(g.dtype == torch.float32 for g in auto[1])
     for a, b in zip([plain[0], *plain[1]], [auto[0], *auto[1]]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_gated_mlp_built_for_fp8_training_trains_its_own_weights_in_fp8(backend):
+    """GatedMLP(precision="fp8-train"): its nn.Linear weights stay the optimizer's masters (state_dict unchanged,
+    parameters in their dtype), its forward and backward are ops.fp8_train's — bit for bit the functional call on
+    the same weights; an optimizer step moves them; to_fp8() then makes the inference module; misuse is one line."""
+    from mlpfuse.modules import GatedMLP
+    from mlpfuse.ops.fp8_train import fp8_gated_mlp_train
+
+    torch.manual_seed(8)
+    m = GatedMLP(128, 256, "silu", bias=True, device=DEVICE, precision="fp8-train", backend=backend)
+    assert "precision=fp8-train" in repr(m)
+    assert set(m.state_dict()) == {f"{p}.{t}" for p in ("gate_proj", "up_proj", "down_proj") for t in ("weight", "bias")}
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in m.parameters())
+    x = torch.randn(64, 128, device=DEVICE, requires_grad=True)
+    dy = torch.randn(64, 128, device=DEVICE)
+    y = m(x)
+    y.backward(dy)
+    grads = [x.grad, *(p.grad for p in m.parameters())]
+    params = [p.detach().clone().requires_grad_() for p in m.parameters()]
+    x2 = x.detach().clone().requires_grad_()
+    wg, bg, wu, bu, wd, bd = params
+    y2 = fp8_gated_mlp_train(x2, wg, wu, wd, bg, bu, bd, "silu", backend=backend)
+    y2.backward(dy)
+    assert torch.equal(y, y2)
+    for a, b in zip(grads, [x2.grad, *(p.grad for p in params)]):
+        assert torch.equal(a, b)
+    before = m.gate_proj.weight.detach().clone()
+    torch.optim.SGD(m.parameters(), lr=0.1).step()
+    assert not torch.equal(before, m.gate_proj.weight)
+    m.to_fp8()
+    assert m.precision == "fp8" and m.gate_proj.weight.dtype == fp8.DTYPE
+    for bad, match in ((dict(save="fp8"), "keeps g and u in FP8 already"),
+                       (dict(recompute=True), "'fp8-train' keeps x, g and u"),
+                       (dict(precision="fp4"), "'fp8' or 'fp8-train'")):
+        kw = dict(precision="fp8-train") | bad
+        with pytest.raises(Exception, match=match):
+            GatedMLP(128, 256, "silu", **kw)

@@ -239,6 +239,10 @@ class GatedMLP(nn.Module):
     save: "high" (default: training keeps the pre-activations g and u in the weights' dtype) or "fp8" (training,
     eager and compiled, keeps them in the FP8 recipe, written by the gated GEMM's epilogue: half their bytes; the
     backward reads them dequantized — mlpfuse.ops.gated_mlp.gated_mlp_call); not with recompute or precision="fp8".
+    precision: None (the weights' dtype), "fp8" (inference: the projections held in the FP8 recipe, `to_fp8`), or
+    "fp8-train" (training in FP8: the weights stay in their dtype, the optimizer's masters, and every GEMM of the
+    forward and the backward runs in e4m3 on them, quantized per step — mlpfuse.ops.fp8_train; g and u kept for the
+    backward in FP8; what patch(precision="fp8") swaps in for a model in train mode).
     """
 
     def __init__(
@@ -256,7 +260,7 @@ class GatedMLP(nn.Module):
     ):
         super().__init__()
         dim, hidden = _check_init((("dim", dim), ("hidden", hidden)), bias, device, dtype)
-        precision = _check_precision(precision)
+        precision = _check_precision(precision, recompute)
         self.save: str = check_save(save, recompute, precision)
         self.dim, self.hidden = dim, hidden
         self.activation: str = activations.get(activation).name
@@ -266,14 +270,17 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(dim, hidden, bias=bias, device=device, dtype=dtype)
         self.down_proj = nn.Linear(hidden, dim, bias=bias, device=device, dtype=dtype)
         self._plan = CallPlan()
-        self.precision: str = ""
+        self.precision: str = "fp8-train" if precision == "fp8-train" else ""
         if precision == "fp8":
             self.to_fp8()
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.jit.is_scripting():
-            if self.__dict__.get("precision") == "fp8":
+            precision = self.__dict__.get("precision")
+            if precision == "fp8":
                 return self._fp8_forward(x)
+            if precision == "fp8-train":
+                return self._fp8_train_forward(x)
             # Plain dict reads instead of six nn.Module.__getattr__ calls: at decode sizes the host time per call
             # is the cost.
             mods = self._modules
@@ -313,6 +320,19 @@ class GatedMLP(nn.Module):
                                      d.weight_scale_inv, g.bias, u.bias, d.bias, self.activation, self.backend)
 
     @torch.jit.unused
+    def _fp8_train_forward(self, x: Tensor) -> Tensor:
+        from mlpfuse.ops import fp8_train
+
+        mods = self._modules
+        wg, bg = _weight_bias(mods["gate_proj"])
+        wu, bu = _weight_bias(mods["up_proj"])
+        wd, bd = _weight_bias(mods["down_proj"])
+        if _sharded(wg, wu, wd):
+            raise InputError("precision='fp8-train': sharded (DTensor) weights are not supported; train the block "
+                             "unsharded or with precision=None")
+        return fp8_train.fp8_gated_mlp_train(x, wg, wu, wd, bg, bu, bd, self.activation, self.backend)
+
+    @torch.jit.unused
     def to_fp8(self) -> "GatedMLP":
         """Quantize the three projections into the FP8 recipe (mlpfuse.fp8: e4m3, one fp32 scale per 128×128
         block), in place, dropping the high-precision weights; returns the module. Inference only afterwards. The
@@ -345,7 +365,8 @@ class GatedMLP(nn.Module):
 
     def extra_repr(self) -> str:
         bias = self.gate_proj.bias is not None
-        fp8_note = ", precision=fp8" if getattr(self, "precision", "") == "fp8" else ""
+        precision = getattr(self, "precision", "")
+        fp8_note = f", precision={precision}" if precision else ""
         return (
             f"dim={self.dim}, hidden={self.hidden}, activation={self.activation}, bias={bias}"
             f"{_repr_backend(self.backend)}{', recompute=True' if getattr(self, 'recompute', False) else ''}{fp8_note}"
@@ -627,15 +648,22 @@ def check_save(save, recompute, precision: str = "") -> str:
         raise InputError("save: 'fp8' keeps g and u for the backward; recompute=True keeps neither — choose one")
     if save == "fp8" and precision == "fp8":
         raise InputError("save: precision='fp8' blocks are inference-only; save='fp8' is for training")
+    if save == "fp8" and precision == "fp8-train":
+        raise InputError("save: precision='fp8-train' keeps g and u in FP8 already; save='fp8' is for bf16 training")
     return save
 
 
-def _check_precision(precision) -> str:
+def _check_precision(precision, recompute=False, allowed=("fp8", "fp8-train")) -> str:
     if precision is None or precision == "":
         return ""
-    if not isinstance(precision, str) or precision.strip().lower() != "fp8":
-        raise InputError(f"precision: expected None (the weights' own dtype) or 'fp8', got {precision!r}")
-    return "fp8"
+    if not isinstance(precision, str) or precision.strip().lower() not in allowed:
+        names = " or ".join(repr(a) for a in allowed)
+        raise InputError(f"precision: expected None (the weights' own dtype) or {names}, got {precision!r}")
+    precision = precision.strip().lower()
+    if precision == "fp8-train" and recompute is True:
+        raise InputError("precision: 'fp8-train' keeps x, g and u in FP8 for the backward; recompute=True is for "
+                         "precision=None")
+    return precision
 
 
 class Fp8Linear(nn.Module):

@@ -62,7 +62,7 @@ def patch(model: nn.Module, backend: Optional[str] = "auto", *, verify: bool = T
     _checks.flag("fuse_residuals", fuse_residuals)
     _checks.flag("fuse_attention", fuse_attention)
     _checks.flag("recompute", recompute)
-    precision = _check_precision(precision)
+    precision = _check_precision(precision, allowed=("fp8",))  # train or eval mode decides which FP8
     save = check_save(save, recompute, precision)
     if precision == "fp8" and recompute:
         raise InputError("recompute: not with precision='fp8' (its training keeps g and u in FP8 instead)")
