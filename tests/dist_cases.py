@@ -226,6 +226,41 @@ def fsdp_matches_single(rank, world, mesh, kind, bias, backend, dtype):
     return _counts(comms)
 
 
+def fsdp_fp8_train_matches_single(rank, world, mesh, bias, backend):
+    """FSDP2 over GatedMLP(precision="fp8-train"): each rank's FP8 step on its own batch with the gathered masters;
+    the reduce-scattered gradients equal the mean of the single-process block's gradients on each rank's batch (FP8
+    quantizes per batch — the weight gradients' token groups — so that is the oracle, not one step on both)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    dim, hidden = 128, 256  # whole FP8 blocks
+    block = GatedMLP(dim, hidden, "silu", bias=bias, precision="fp8-train", backend=backend)
+    single = copy.deepcopy(block)
+    fully_shard(block, mesh=mesh)
+    torch.manual_seed(1)
+    x = torch.randn(world, 40, dim)
+    dy = torch.randn(world, 40, dim)
+    want_y, want = None, {}
+    for r in range(world):
+        single.zero_grad(set_to_none=True)
+        xs = x[r].clone().requires_grad_()
+        ys = single(xs)
+        (ys * dy[r]).sum().backward()
+        if r == rank:
+            want_y, want_dx = ys.detach(), xs.grad
+        for name, g in _grads(single).items():
+            want[name] = want.get(name, 0) + g / world  # FSDP2 averages the ranks' gradients
+    xt = x[rank].clone().requires_grad_()
+    y = block(xt)
+    (y * dy[rank]).sum().backward()
+    assert torch.equal(y, want_y)  # the same FP8 forward on the gathered masters
+    torch.testing.assert_close(xt.grad, want_dx, rtol=0, atol=0)
+    got = _grads(block)
+    for name in want:
+        assert isinstance(dict(block.named_parameters())[name], DTensor), name
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
 def model_matches_single(rank, world, mesh):
     """tensor_parallel on a model holding every kind of block between plain layers."""
     torch.manual_seed(0)

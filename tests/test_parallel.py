@@ -146,6 +146,17 @@ def test_fsdp2_equals_single_process(group, kind, bias, backend, dtype):
         assert all(n == 1 for n in c.values()), c
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_fsdp2_trains_an_fp8_block_as_one_process_would(group, bias, backend):
+    """GatedMLP(precision="fp8-train") under FSDP2: outputs and input gradients equal the block's own, the averaged
+    weight gradients the mean of each rank's single-process FP8 step (the reference path, and the kernels through
+    Triton's interpreter)."""
+    if backend == "triton" and _triton_on_cpu() is not None:
+        pytest.skip(_triton_on_cpu())
+    group.run(CASES, "fsdp_fp8_train_matches_single", bias=bias, backend=backend)
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_fsdp2_over_tensor_parallel(group, kind, bias):
