@@ -71,29 +71,48 @@ def windows(data: torch.Tensor, batch: int, seq: int, gen: torch.Generator) -> t
     return torch.stack([data[s:s + seq + 1] for s in starts.tolist()]).long()
 
 
+def autocast(device: str):
+    """The bf16 autocast region training runs in (on CUDA; off on the CPU)."""
+    return torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=device != "cpu")
+
+
+def loss_of(model: nn.Module, w: torch.Tensor, device: str) -> torch.Tensor:
+    """The next-byte cross-entropy of windows w [batch, seq + 1] (the model under autocast, the loss in fp32)."""
+    with autocast(device):
+        logits = model(input_ids=w[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
+
+
 def train(model: nn.Module, data: torch.Tensor, steps: int, batch: int, seq: int, lr: float, seed: int,
-          device: str) -> list[float]:
-    """AdamW with warm-up and cosine decay, fp32 master weights under bf16 autocast (on CUDA); the loss per step."""
+          device: str) -> tuple[list[float], float]:
+    """AdamW with warm-up and cosine decay, fp32 master weights under bf16 autocast (on CUDA): the loss per step,
+    and the tokens per second over the steps after the first tenth (warm-up and any compilation fall before)."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps)))))
-    losses = []
+    losses, skip, t0 = [], max(1, steps // 10), None
+    cuda = device.startswith("cuda")
     model.train()
-    for _ in range(steps):
-        w = windows(data, batch, seq, gen).to(device)
-        with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=device != "cpu"):
-            logits = model(input_ids=w[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
+    for step in range(steps):
+        if step == skip:
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        loss = loss_of(model, windows(data, batch, seq, gen).to(device), device)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(loss.detach().item())
+        losses.append(loss.detach())  # read after the loop: an .item() a step would wait on the GPU each step
+    if cuda:
+        torch.cuda.synchronize()
+    timed = steps - skip
+    tps = timed * batch * seq / (time.perf_counter() - t0) if t0 is not None and timed > 0 else float("nan")
     model.eval()
-    return losses
+    return [float(x) for x in losses], tps
 
 
 @torch.inference_mode()
@@ -156,7 +175,7 @@ def main(argv=None) -> dict:
 
     model = build_model(a.layers, a.hidden, a.intermediate, a.heads, a.seq, a.seed).to(a.device)
     t0 = time.perf_counter()
-    losses = train(model, train_data, a.steps, a.batch, a.seq, a.lr, a.seed, a.device)
+    losses, _ = train(model, train_data, a.steps, a.batch, a.seq, a.lr, a.seed, a.device)
     train_s = time.perf_counter() - t0
     print(f"trained {a.steps} steps in {train_s:.0f} s: loss {losses[0]:.3f} -> {sum(losses[-20:]) / 20:.3f}",
           flush=True)

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-import time
 
 import torch
 import torch.nn as nn
@@ -63,53 +61,14 @@ def prepare(variant: str, model: nn.Module, device: str) -> tuple[nn.Module, str
     raise SystemExit(f"unknown variant {variant!r}; expected one of {', '.join(VARIANTS)}")
 
 
-def _autocast(device: str):
-    return torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=not device.startswith("cpu"))
-
-
-def _loss(model: nn.Module, w: torch.Tensor, device: str) -> torch.Tensor:
-    with _autocast(device):
-        logits = model(input_ids=w[:, :-1]).logits
-    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
-
-
 def mlp_grads(model: nn.Module, w: torch.Tensor, device: str) -> dict[str, torch.Tensor]:
     """Every MLP weight's gradient of the loss on batch w (the model's parameters by name, as built)."""
     model.zero_grad(set_to_none=True)
-    _loss(model, w, device).backward()
+    stdlib_lm.loss_of(model, w, device).backward()
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
              if ".mlp." in n and n.endswith("weight") and p.grad is not None}
     model.zero_grad(set_to_none=True)
     return grads
-
-
-def train(model: nn.Module, data: torch.Tensor, a, device: str) -> tuple[list[float], float]:
-    """stdlib_lm.train's loop (AdamW, warm-up, cosine decay, clipping, the same windows); returns the loss per step
-    and the tokens per second over the steps after the first tenth."""
-    gen = torch.Generator().manual_seed(a.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warm = max(1, a.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, a.steps)))))
-    losses, skip, t0 = [], max(1, a.steps // 10), None
-    for step in range(a.steps):
-        if step == skip:
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-        w = stdlib_lm.windows(data, a.batch, a.seq, gen).to(device)
-        loss = _loss(model, w, device)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.detach())
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    timed = a.steps - skip
-    tps = timed * a.batch * a.seq / (time.perf_counter() - t0) if t0 is not None and timed > 0 else float("nan")
-    return [float(x) for x in losses], tps
 
 
 def plot(curves: dict[str, list[float]], path: str) -> None:
@@ -182,10 +141,9 @@ def main(argv=None) -> dict:
         if a.device.startswith("cuda"):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        losses, tps = train(model, data, a, a.device)
+        losses, tps = stdlib_lm.train(model, data, a.steps, a.batch, a.seq, a.lr, a.seed, a.device)
         peak = torch.cuda.max_memory_allocated() / 2**20 if a.device.startswith("cuda") else float("nan")
-        model.eval()
-        with _autocast(a.device):
+        with stdlib_lm.autocast(a.device):
             held_loss = stdlib_lm.evaluate(model, held, a.seq, a.batch, a.eval_windows, a.device)
         rows[variant] = {"note": note, "losses": losses, "held_out_loss": held_loss, "tokens_per_s": tps,
                          "peak_mib": peak, "grad_cosine": cos}
