@@ -76,10 +76,6 @@ def _step(fn, x, ws, dy, params):
     return step
 
 
-def _gemm_flops(name: str, m: int, d: int, h: int) -> float:
-    return 2.0 * m * d * h  # every GEMM of the block is one m×d×h product (gate+up counted as two)
-
-
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=4096)
