@@ -260,7 +260,7 @@ class GatedMLP(nn.Module):
     ):
         super().__init__()
         dim, hidden = _check_init((("dim", dim), ("hidden", hidden)), bias, device, dtype)
-        precision = _check_precision(precision, recompute)
+        precision = _check_precision(precision)
         self.save: str = check_save(save, recompute, precision)
         self.dim, self.hidden = dim, hidden
         self.activation: str = activations.get(activation).name
@@ -640,7 +640,8 @@ class FusedLinear(nn.Linear):
 
 
 def check_save(save, recompute, precision: str = "") -> str:
-    """`save` checked: "high" or "fp8" (what training keeps of g and u), and not contradicting the others."""
+    """`save` checked: "high" or "fp8" (what training keeps of g and u), and not contradicting the others (nor
+    `recompute` contradicting `precision`)."""
     if not isinstance(save, str) or save.strip().lower() not in ("high", "fp8"):
         raise InputError(f"save: expected 'high' (g and u kept in the weights' dtype) or 'fp8', got {save!r}")
     save = save.strip().lower()
@@ -650,20 +651,19 @@ def check_save(save, recompute, precision: str = "") -> str:
         raise InputError("save: precision='fp8' blocks are inference-only; save='fp8' is for training")
     if save == "fp8" and precision == "fp8-train":
         raise InputError("save: precision='fp8-train' keeps g and u in FP8 already; save='fp8' is for bf16 training")
+    if precision == "fp8-train" and recompute is True:
+        raise InputError("precision: 'fp8-train' keeps x, g and u in FP8 for the backward; recompute=True is for "
+                         "precision=None")
     return save
 
 
-def _check_precision(precision, recompute=False, allowed=("fp8", "fp8-train")) -> str:
+def _check_precision(precision, allowed=("fp8", "fp8-train")) -> str:
     if precision is None or precision == "":
         return ""
     if not isinstance(precision, str) or precision.strip().lower() not in allowed:
         names = " or ".join(repr(a) for a in allowed)
         raise InputError(f"precision: expected None (the weights' own dtype) or {names}, got {precision!r}")
-    precision = precision.strip().lower()
-    if precision == "fp8-train" and recompute is True:
-        raise InputError("precision: 'fp8-train' keeps x, g and u in FP8 for the backward; recompute=True is for "
-                         "precision=None")
-    return precision
+    return precision.strip().lower()
 
 
 class Fp8Linear(nn.Module):
