@@ -29,14 +29,12 @@ Triton kernel, whose numerics this one repeats step for step).
 
 from __future__ import annotations
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from mlpfuse import fp8
 from mlpfuse.activations import act_fwd as _act_fwd
 from mlpfuse.kernels import _common as C
 from mlpfuse.kernels import fp8_gemm as _fp8_gemm
