@@ -148,8 +148,8 @@ def main() -> int:
     saved = glu_backward._FP8_NARROW, glu_backward._FP8_WARPS
     print(f"\nfp8_glu_backward alone, {m}×{h} (both passes; GB/s on {moved / 1e6:.0f} MB), by the tiles' narrow "
           "side and the warps of the channel and token passes:")
-    for narrow, warps in ((8, (4, 4)), (16, (4, 4)), (32, (4, 4)), (8, (4, 1)), (8, (4, 2)), (16, (4, 2)),
-                          (16, (4, 1)), (8, (2, 2)), (16, (8, 4))):
+    for narrow, warps in ((8, (2, 2)), (8, (4, 4)), (8, (2, 1)), (8, (1, 1)), (8, (1, 2)), (16, (2, 2)),
+                          (4, (2, 2)), (4, (1, 1))):
         glu_backward._FP8_NARROW, glu_backward._FP8_WARPS = narrow, warps
         us_ = 1e3 * triton.testing.do_bench(lambda: glu_backward.fp8_glu_backward(
             dh, gq, gs, uq, us, activation=activations.get("silu").id, bias_sums=True), warmup=25, rep=100)

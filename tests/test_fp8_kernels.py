@@ -50,6 +50,36 @@ def test_quantize_kernel_is_the_recipe_bit_for_bit(dtype):
     assert bool(s[3].isnan()[0]) and not bool(s[3, 1:].isnan().any())  # the NaN's group only
 
 
+def _across_the_exponents(rows, cols, seed):
+    """fp32 rows whose groups sit anywhere in fp32's range: each row's values 2^e·[1, 2) with e drawn from a
+    40-wide window that slides from the subnormals (every value, the amax too, below 2^-126) to 2^127, so that the
+    divisors run from the 2^-126 floor to ~2^119 and dividends are subnormal beside normal scales."""
+    gen = torch.Generator().manual_seed(seed)
+    top = torch.linspace(-150, 127, rows).round()[:, None]
+    e = top - torch.randint(0, 40, (rows, cols), generator=gen)
+    mant = 1.0 + torch.rand(rows, cols, generator=gen, dtype=torch.float64)
+    sign = torch.randint(0, 2, (rows, cols), generator=gen) * 2 - 1
+    return (sign * mant * torch.pow(2.0, e.double())).float()
+
+
+def test_quantizations_divide_as_ieee_across_fp32s_range():
+    """The kernels divide without division instructions (fp8_gemm._divide and _over_448): values and scales equal
+    the recipe's IEEE divisions bit for bit wherever a group lies in fp32's range, subnormal groups included — the
+    activations' 1×128 groups (rows and, through a transposed view, columns) and the weights' 128×128 blocks."""
+    x = _across_the_exponents(2048, 256, 3).to(DEVICE)
+    for view in (x, x.t()):
+        q, s = _k().quantize(view)
+        rq, rs = fp8.quantize_activation(view)
+        assert torch.equal(s, rs)
+        assert _same_bits_or_both_nan(q, rq)
+    w = _across_the_exponents(128 * 24, 128 * 2, 4).to(DEVICE)
+    for transposed in (False, True):
+        got = _k().quantize_weight(w, transposed=transposed)
+        ref = fp8.quantize_weight(w.t().contiguous() if transposed else w)
+        assert torch.equal(got[1], ref.scale_inv)
+        assert _same_bits_or_both_nan(got[0], ref.values)
+
+
 def _case(seed, m, k, n, bias=False, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)

@@ -64,28 +64,86 @@ def _e4m3(v, EMULATE: tl.constexpr):
     return v.to(tl.float8e4nv)
 
 
+# IEEE division without division instructions. PTX's div.rn.f32 compiles to a reciprocal, FMA corrections and a
+# check that branches to a slow-path subroutine for operands out of the corrections' range; in an epilogue holding
+# two fp32 accumulators those calls made ptxas save the live registers around them (the gated GEMM's paired save_gu
+# form: 2.9 KB of spill stores a thread for sm_90). The quantizations' divisors are never out of that range once a
+# tiny group is scaled (below), so the corrections run inline, call-free. Under the interpreter (EMULATE) the
+# division is numpy's, which is IEEE already.
+_TINY_SCALE = tl.constexpr(2.0 ** -78)  # a group's scale below: its values and scale taken ×2^48 (_divide)
+
+
 @triton.jit
-def _scale_inv(amax, has_nan):
+def _reciprocal(s, EMULATE: tl.constexpr):
+    """1/s for s a positive normal float, +inf or NaN: the approximate division's estimate refined by one Newton
+    step (within an ulp: _divide's corrections need no more); 0 for s = inf. Unused under EMULATE (s returned)."""
+    if EMULATE:
+        return s
+    y = 1.0 / s
+    y = tl.fma(y, tl.fma(-s, y, 1.0), y)
+    return tl.where(s == float("inf"), 0.0, y)
+
+
+@triton.jit
+def _divide(v, s, y, EMULATE: tl.constexpr):
+    """v / s rounded to nearest (IEEE) wherever the quotient reaches e4m3's range (|v/s| ≥ 2^-12; below it rounds to
+    ±0 there, and keeps its sign), NaN and inf as IEEE's; s, y: the groups' scales and their _reciprocal, broadcast
+    to v. q = v·y is within two ulps; two corrections q += (v - s·q)·y, each residual exact in an FMA, make it the
+    rounded quotient (the sequence of div.rn's own fast path) — exact while the residual is normal, which holds for
+    |v| ≥ 2^-90: where a quotient of e4m3's range has a smaller v (s under 2^-78, a tiny group), the group's v and s
+    are taken ×2^48 first. s = inf: v·0, as IEEE's v/inf (±0, or NaN for v = ±inf)."""
+    if EMULATE:
+        return tl.math.div_rn(v, s)
+    tiny = s < _TINY_SCALE
+    v = tl.where(tiny, v * 281474976710656.0, v)
+    s = tl.where(tiny, s * 281474976710656.0, s)
+    y = tl.where(tiny, y * 3.552713678800501e-15, y)
+    q = v * y
+    r = tl.fma(tl.fma(-s, q, v), y, q)
+    r = tl.fma(tl.fma(-s, r, v), y, r)
+    return tl.where(y == 0.0, q, r)
+
+
+@triton.jit
+def _scale_inv(amax, has_nan, EMULATE: tl.constexpr):
     """A scale group's scale_inv, as fp8's: max(amax/448, 2^-126), 1 for an all-zero group, NaN for a group holding
-    a NaN (found apart: tl.max drops NaNs, max.f32 returning the other operand); ±inf makes it inf."""
-    s = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
+    a NaN (found apart: tl.max drops NaNs, max.f32 returning the other operand); ±inf makes it inf. amax/448 is
+    IEEE's, by _divide's corrections with 448's reciprocal (amax under 2^-64 scaled by 2^64, so the residuals stay
+    normal: below 448·2^-126 the clamp decides anyway). Under EMULATE, numpy's division."""
+    if EMULATE:
+        q = tl.math.div_rn(amax, 448.0)
+    else:
+        q = _over_448(amax)
+    s = tl.maximum(q, 1.1754943508222875e-38)
     s = tl.where(amax == 0.0, 1.0, s)
     return tl.where(has_nan, float("nan"), s)
 
 
 @triton.jit
+def _over_448(amax):
+    """amax/448 rounded to nearest (IEEE), amax ≥ 0 or +inf, call-free (_scale_inv)."""
+    small = amax < 5.421010862427522e-20
+    a = tl.where(small, amax * 18446744073709551616.0, amax)
+    q = a * 0.002232142857142857
+    q = tl.fma(tl.fma(-448.0, q, a), 0.002232142857142857, q)
+    q = tl.fma(tl.fma(-448.0, q, a), 0.002232142857142857, q)
+    q = tl.where(small, q * 5.421010862427522e-20, q)
+    return tl.where(amax == float("inf"), amax, q)
+
+
+@triton.jit
 def _quantize_rows(v, EMULATE: tl.constexpr):
     """v [R, 128] fp32 (one scale group per row) → (values e4m3, scale_inv [R] fp32), as fp8.quantize_activation."""
-    s = _scale_inv(tl.max(tl.abs(v), axis=1), tl.max((v != v).to(tl.int32), axis=1) > 0)
-    return _e4m3(tl.math.div_rn(v, s[:, None]), EMULATE), s
+    s = _scale_inv(tl.max(tl.abs(v), axis=1), tl.max((v != v).to(tl.int32), axis=1) > 0, EMULATE)
+    return _e4m3(_divide(v, s[:, None], _reciprocal(s, EMULATE)[:, None], EMULATE), EMULATE), s
 
 
 @triton.jit
 def _quantize_cols(v, EMULATE: tl.constexpr):
     """v [128, C] fp32 (one scale group per column: 128 consecutive rows, e.g. tokens) → (values e4m3, scale_inv [C]
     fp32): the groups of a transposed view's 1×128 quantization, as `quantize(t.t())` makes them."""
-    s = _scale_inv(tl.max(tl.abs(v), axis=0), tl.max((v != v).to(tl.int32), axis=0) > 0)
-    return _e4m3(tl.math.div_rn(v, s[None, :]), EMULATE), s
+    s = _scale_inv(tl.max(tl.abs(v), axis=0), tl.max((v != v).to(tl.int32), axis=0) > 0, EMULATE)
+    return _e4m3(_divide(v, s[None, :], _reciprocal(s, EMULATE)[None, :], EMULATE), EMULATE), s
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -154,18 +212,18 @@ def mlpfuse_fp8_weight_quantize_kernel(w, q, s, N, K, s_wn, s_wk, s_qn, s_sn, TR
     mask = (rn[:, None] < N) & (rk[None, :] < K)
     v = tl.load(w + rn[:, None] * s_wn + rk[None, :] * s_wk, mask=mask, other=0.0).to(tl.float32)
     scale = _scale_inv(tl.max(tl.max(tl.abs(v), axis=1), axis=0),
-                       tl.max(tl.max((v != v).to(tl.int32), axis=1), axis=0) > 0)
+                       tl.max(tl.max((v != v).to(tl.int32), axis=1), axis=0) > 0, EMULATE)
     if TRANSPOSED:
         # the e4m3 values transposed (through shared memory: a quarter of the fp32 tile's bytes), so that the store
         # runs along Wᵀ's rows in 16-byte vectors — which needs N specialized (quantize_weight's key): with N
         # unspecialized the mask could not be shown constant over 16 bytes and each thread stored 64 single bytes,
         # 260–290 µs against 75 for a 14336×4096 weight on an H200 (benchmarks/fp8_transpose_probe.py,
         # benchmarks/results/nvidia-h200/fp8-train-wgrad/)
-        values = tl.trans(_e4m3(tl.math.div_rn(v, scale), EMULATE))
+        values = tl.trans(_e4m3(_divide(v, scale, _reciprocal(scale, EMULATE), EMULATE), EMULATE))
         tl.store(q + rk[:, None] * s_qn + rn[None, :], values, mask=(rk[:, None] < K) & (rn[None, :] < N))
         tl.store(s + bk * s_sn + bn, scale)
     else:
-        values = _e4m3(tl.math.div_rn(v, scale), EMULATE)
+        values = _e4m3(_divide(v, scale, _reciprocal(scale, EMULATE), EMULATE), EMULATE)
         tl.store(q + rn[:, None] * s_qn + rk[None, :], values, mask=mask)
         tl.store(s + bn * s_sn + bk, scale)
 

@@ -16,8 +16,9 @@ The two consumers share the stages but not a lockstep (each waits only on `ready
 have arrived), so one's MMA runs while the other scales, and the loader runs STAGES blocks ahead. PAIR: each stage
 carries two weight tiles against one x tile — gated, gate's and up's at the same columns; otherwise the weight's
 next 256 columns — and each K block's two products are promoted one after the other (at most three 64×128 fp32
-tiles live per thread: two sums, one product). Without PAIR (save_gu: its epilogue needs the registers) a stage
-holds one weight tile, and a gated tile runs gate's K loop, parks act(g) in shared memory, then runs up's. The
+tiles live per thread: two sums, one product; with save_gu the epilogue parks u in shared memory while g, h and u
+are quantized). Without PAIR (for probes) a stage holds one weight tile, and a gated tile runs gate's K loop, parks
+act(g) in shared memory, then runs up's. The
 epilogue is `fp8_gemm`'s: biases, the activation, the GLU, then either the output in its dtype (or, TRANS_OUT, its
 transpose) or quantized 1×128 (a 128-column tile is one scale group per row), the pre-activations too with
 SAVE_GU.
@@ -210,27 +211,37 @@ def _consumer(a_bufs, shared, tail, HALF_INDEX: gl.constexpr, ACT: gl.constexpr,
             rn = rn.to(gl.int64)
         nmask = rn < N
         acc = _with_bias(acc, b1, rn, nmask, HAS_B1)
-        if SAVE_GU:
+        if PAIR and SAVE_GU:
+            # u waits in shared memory while g, then h, then u are quantized, so that no quantization runs beside
+            # more than one other 64×128 fp32 tile (with g and u both held through g's, ptxas spilled 1.1 KB a
+            # thread for sm_90)
+            z_here.store(_with_bias(acc2, b2, rn, nmask, HAS_B2))
             _store_quantized(gq, gs, acc, rm, rn, mmask, nmask, s_om, s_som, group)
-        z = _act(acc, ACT)
-        if GATED:
-            if not PAIR:
-                # act(g) waits in shared memory through up's K loop (in registers it would take 64 more a thread).
-                z_here.store(z)
-                acc2, it = _k_sum(a_bufs, ws, ready, empty, it, sa, rm, mmask, s_sam, s2, s_s2, K, off_n, BN,
-                                  STAGES, layout)
-                z = z_here.load(layout)
-            acc2 = _with_bias(acc2, b2, rn, nmask, HAS_B2)
-            if SAVE_GU:
-                _store_quantized(uq, us, acc2, rm, rn, mmask, nmask, s_om, s_som, group)
-            _store(z * acc2, out, sout, rm, rn, mmask, nmask, s_om, s_som, group, QUANT_OUT, TRANS_OUT)
+            _store(_act(acc, ACT) * z_here.load(layout), out, sout, rm, rn, mmask, nmask, s_om, s_som, group,
+                   QUANT_OUT, TRANS_OUT)
+            _store_quantized(uq, us, z_here.load(layout), rm, rn, mmask, nmask, s_om, s_som, group)
         else:
-            _store(z, out, sout, rm, rn, mmask, nmask, s_om, s_som, group, QUANT_OUT, TRANS_OUT)
-            if PAIR:  # the tile's second 128 columns
-                rn2 = rn + BN
-                nmask2 = rn2 < N
-                z2 = _act(_with_bias(acc2, b1, rn2, nmask2, HAS_B1), ACT)
-                _store(z2, out, sout, rm, rn2, mmask, nmask2, s_om, s_som, group + 1, QUANT_OUT, TRANS_OUT)
+            if SAVE_GU:
+                _store_quantized(gq, gs, acc, rm, rn, mmask, nmask, s_om, s_som, group)
+            z = _act(acc, ACT)
+            if GATED:
+                if not PAIR:
+                    # act(g) waits in shared memory through up's K loop (in registers it would take 64 more a thread).
+                    z_here.store(z)
+                    acc2, it = _k_sum(a_bufs, ws, ready, empty, it, sa, rm, mmask, s_sam, s2, s_s2, K, off_n, BN,
+                                      STAGES, layout)
+                    z = z_here.load(layout)
+                acc2 = _with_bias(acc2, b2, rn, nmask, HAS_B2)
+                if SAVE_GU:
+                    _store_quantized(uq, us, acc2, rm, rn, mmask, nmask, s_om, s_som, group)
+                _store(z * acc2, out, sout, rm, rn, mmask, nmask, s_om, s_som, group, QUANT_OUT, TRANS_OUT)
+            else:
+                _store(z, out, sout, rm, rn, mmask, nmask, s_om, s_som, group, QUANT_OUT, TRANS_OUT)
+                if PAIR:  # the tile's second 128 columns
+                    rn2 = rn + BN
+                    nmask2 = rn2 < N
+                    z2 = _act(_with_bias(acc2, b1, rn2, nmask2, HAS_B1), ACT)
+                    _store(z2, out, sout, rm, rn2, mmask, nmask2, s_om, s_som, group + 1, QUANT_OUT, TRANS_OUT)
 
 
 @gluon.jit(do_not_specialize=["M"])
@@ -252,7 +263,7 @@ def mlpfuse_fp8_gemm_ws_kernel(
     else:
         ws2 = ws
     z_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-    zbuf = gl.allocate_shared_memory(gl.float32, [2 if GATED and not PAIR else 1, HALF, BN], z_layout)
+    zbuf = gl.allocate_shared_memory(gl.float32, [2 if GATED and (SAVE_GU or not PAIR) else 1, HALF, BN], z_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -280,10 +291,12 @@ def descriptors(a, w1, w2, bn: int):
     return ad, wd1, wd2
 
 
-def stages(gated: bool, pair: bool) -> int:
+def stages(gated: bool, pair: bool, save_gu: bool = False) -> int:
     """Ring depth: 4 for the paired forms (48 KB a stage: x's 128×128 tile and two weight tiles; at 8192 rows the
-    fastest of 3 and 4 in both probe runs), 4 for the two-loop gated form (32 KB a stage and 64 KB for act(g) of the
-    two halves), 6 otherwise (32 KB a stage)."""
+    fastest of 3 and 4 in both probe runs) but 3 with save_gu (its 64 KB of u parked for the epilogue), 4 for the
+    two-loop gated form (32 KB a stage and 64 KB for act(g) of the two halves), 6 otherwise (32 KB a stage)."""
+    if pair and gated and save_gu:
+        return 3
     if pair or gated:
         return 4
     return 6
@@ -291,17 +304,15 @@ def stages(gated: bool, pair: bool) -> int:
 
 def launch(a, a_scale, w1, s1, w2, s2, b1, b2, out, sout, activation: int, quant_out: bool, *,
            saved=None, out_transposed: bool = False, stages_: int | None = None, group_m: int = 16,
-           pair: bool | None = None):
+           pair: bool = True):
     """z into `out` (and `sout` when quant_out; zᵀ into out [N, M] when `out_transposed`), as
     kernels.fp8_gemm.fp8_gemm computes it, whose checks the arguments passed (TMA-ready row-major e4m3 operands on an
     sm_90 device). `saved`: (gq, gs, uq, us) to keep g and u too. `pair`: two weight tiles a stage (gated: gate's
-    and up's; else 256 columns of the one weight); None: paired unless `saved` (whose epilogue, paired, spills: 5.3 KB
-    a thread for sm_90 — for probes to time both)."""
+    and up's; else 256 columns of the one weight); False for probes to time the one-tile forms."""
     m, k = a.shape
     n = w1.shape[0]
     gated = w2 is not None
     save_gu = saved is not None
-    pair = not save_gu if pair is None else pair
     w2, s2 = (w2, s2) if gated else (w1, s1)
     bn = 128
     ad, wd1, wd2 = descriptors(a, w1, w2, bn)
@@ -313,7 +324,7 @@ def launch(a, a_scale, w1, s1, w2, s2, b1, b2, out, sout, activation: int, quant
         *(saved or (out, sout, out, sout)), m, n, k, a_scale.stride(0), s1.stride(0), s2.stride(0), out.stride(0),
         sout.stride(0), activation, gated, b1 is not None, b2 is not None, quant_out, save_gu, out_transposed, bn,
         group_m,
-        stages_ or stages(gated, pair), i64, pair, num_warps=4, maxnreg=168)
+        stages_ or stages(gated, pair, save_gu), i64, pair, num_warps=4, maxnreg=168)
 
 
 def gemm(a, a_scale, w1, s1, w2=None, s2=None, b1=None, b2=None, *, activation: int, quant_out: bool,
