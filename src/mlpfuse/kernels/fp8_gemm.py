@@ -91,7 +91,7 @@ def _divide(v, s, y, EMULATE: tl.constexpr):
     to v. q = v·y is within two ulps; two corrections q += (v - s·q)·y, each residual exact in an FMA, make it the
     rounded quotient (the sequence of div.rn's own fast path) — exact while the residual is normal, which holds for
     |v| ≥ 2^-90: where a quotient of e4m3's range has a smaller v (s under 2^-78, a tiny group), the group's v and s
-    are taken ×2^48 first. s = inf: v·0, as IEEE's v/inf (±0, or NaN for v = ±inf)."""
+    are taken ×2^48 first. s = inf: v·0, as IEEE's v/inf (±0, or NaN for v = ±inf); v·y = ±0 kept as it is."""
     if EMULATE:
         return tl.math.div_rn(v, s)
     tiny = s < _TINY_SCALE
@@ -101,7 +101,7 @@ def _divide(v, s, y, EMULATE: tl.constexpr):
     q = v * y
     r = tl.fma(tl.fma(-s, q, v), y, q)
     r = tl.fma(tl.fma(-s, r, v), y, r)
-    return tl.where(y == 0.0, q, r)
+    return tl.where((y == 0.0) | (q == 0.0), q, r)  # q = ±0: the corrections would lose a zero's sign
 
 
 @triton.jit

@@ -441,8 +441,9 @@ _FP8_NARROW = 8
 # Warps per program of each pass (channel groups, token groups). The token pass's column reductions cross its warps
 # (SASS for sm_90 at 4 warps: 39 barriers and ~265 instructions an element a thread against ~122 for the channel
 # pass). Both passes on an H200 (4096×14336, benchmarks/fp8_train_probe.py, narrow side 8): 4/4 1252 µs, 4/2 1023,
-# 4/1 1041, 2/2 971 (narrow 16: 4/2 1125, 4/1 1049, 8/4 1327).
-_FP8_WARPS = (2, 2)
+# 4/1 1041, 2/2 971 (narrow 16: 4/2 1125, 4/1 1049, 8/4 1327); after the divisions went call-free, 2/2 964, 2/1 834,
+# 1/1 827, 1/2 951, 4/4 1191 (narrow 4 at 1/1: 885).
+_FP8_WARPS = (1, 1)
 
 
 def fp8_glu_backward(dh: torch.Tensor, g: torch.Tensor, g_scale: torch.Tensor, u: torch.Tensor,
