@@ -65,7 +65,8 @@ def mlp_grads(model: nn.Module, w: torch.Tensor, device: str) -> dict[str, torch
     """Every MLP weight's gradient of the loss on batch w (the model's parameters by name, as built)."""
     model.zero_grad(set_to_none=True)
     stdlib_lm.loss_of(model, w, device).backward()
-    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
+    # names as built: a compiled model's carry torch.compile's "_orig_mod." prefix
+    grads = {n.replace("_orig_mod.", ""): p.grad.detach().float().clone() for n, p in model.named_parameters()
              if ".mlp." in n and n.endswith("weight") and p.grad is not None}
     model.zero_grad(set_to_none=True)
     return grads
@@ -167,7 +168,7 @@ def main(argv=None) -> dict:
             continue
         print(f"{v:18s} {r['held_out_loss']:9.4f} {r['held_out_loss'] / base['held_out_loss']:7.4f} "
               f"{r['tokens_per_s']:10,.0f} {r['tokens_per_s'] / base['tokens_per_s']:7.3f} {r['peak_mib']:9.0f} "
-              f"{r['peak_mib'] / base['peak_mib']:7.3f} {min(r['grad_cosine'].values()):12.5f}")
+              f"{r['peak_mib'] / base['peak_mib']:7.3f} {min(r['grad_cosine'].values(), default=float('nan')):12.5f}")
     return result
 
 

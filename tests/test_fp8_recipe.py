@@ -76,6 +76,19 @@ def test_weight_round_trip_is_within_e4m3_roundoff(shape):
     _check_within_roundoff(w64, q.dequantize(torch.float64), _group_scale(w64, "block"))
 
 
+def test_channel_round_trip_keeps_each_channel_at_its_own_scale():
+    """fp8.quantize_channels (FP8 training's weight-gradient operands): one scale per column over all the rows, the
+    values transposed; each value within e4m3's roundoff of its column's amax/448 (float64 oracle), so a column
+    2^20 below its neighbours keeps full precision — channels never share a scale."""
+    x64 = _varied((300, 96), _gen(5)).t().contiguous()  # [96 rows, 300 columns]
+    x64 = x64 * 2.0 ** torch.randint(-20, 21, (1, 300), generator=_gen(6)).double()  # each column its magnitude
+    values, scale_inv = fp8.quantize_channels(x64.float())
+    assert values.shape == (300, 96) and scale_inv.shape == (300,)
+    assert torch.equal(scale_inv.double(), x64.abs().amax(0).div(448).float().double())
+    deq = values.t().double() * scale_inv.double()
+    _check_within_roundoff(x64, deq, (x64.abs().amax(0) / 448).expand_as(x64))
+
+
 def test_a_partial_last_group_is_scaled_by_its_real_elements_only():
     x = torch.full((2, 130), 1000.0)
     x[:, 128:] = torch.tensor([3.0, -5.0])

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from conftest import HAS_TRITON
 from mlpfuse import activations, fp8, reference
-from test_fp8_kernels import ACC, DEVICE, SUB, U, _k
+from test_fp8_kernels import ACC, DEVICE, SUB, U, _k, _same_bits_or_both_nan
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 
@@ -186,6 +186,25 @@ def test_quantizing_a_weight_in_one_pass_is_the_recipe_and_its_transpose_too(dty
             (ref.values, ref.scale_inv)
         assert q.is_contiguous() and torch.equal(q.view(torch.uint8), rv.view(torch.uint8))
         assert torch.equal(s.nan_to_num(7.0), rs.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_quantizing_per_channel_is_the_recipe(dtype):
+    """kernels.fp8_gemm.quantize_channels: bit for bit fp8.quantize_channels — values transposed and one scale per
+    column over all the rows — with a NaN column, a zero column, partial blocks and a transposed view as input."""
+    gen = torch.Generator().manual_seed(14)
+    t = torch.randn(300, 260, generator=gen) * 2.0 ** torch.randint(-8, 8, (1, 260), generator=gen)
+    t[5, 7] = float("nan")
+    t[:, 9] = 0
+    t = t.to(DEVICE, dtype)
+    for src in (t, t[:, 1:200].t()):
+        q, s = _k().quantize_channels(src)
+        rq, rs = fp8.quantize_channels(src)
+        assert q.shape == src.shape[::-1] and q.is_contiguous()
+        assert torch.equal(s.nan_to_num(7.0), rs.nan_to_num(7.0))
+        nan = s.isnan().nonzero().flatten().tolist()  # the NaN's channel, and only it, all NaN
+        assert len(nan) == 1 and bool(q[nan[0]].float().isnan().all()) and int(q.float().isnan().sum()) == q.shape[1]
+        assert _same_bits_or_both_nan(q, rq)
 
 
 def test_quantizing_into_the_halves_of_one_operand_is_quantizing_each_weight():

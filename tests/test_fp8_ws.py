@@ -23,7 +23,7 @@ _COMPILE = r"""
 from mlpfuse.kernels import fp8_gemm_ws as W
 
 results = []
-for gated, quant, pair, bias, save, trans in json.loads(sys.argv[1]):
+for gated, quant, pair, bias, save, trans, col in json.loads(sys.argv[1]):
     m, n, k = 4096, 2048, 1024
     f8 = torch.float8_e4m3fn
     a, w = torch.empty(m, k, dtype=f8), torch.empty(n, k, dtype=f8)
@@ -31,9 +31,10 @@ for gated, quant, pair, bias, save, trans in json.loads(sys.argv[1]):
     out = torch.empty(m, n, dtype=f8 if quant else torch.bfloat16)
     ad, wd1, wd2 = W.descriptors(a, w, w, 128)
     args = dict(a_desc=ad, sa=sa, w1_desc=wd1, s1=sa, w2_desc=wd2, s2=sa, b1=b, b2=b, out=out, sout=sa, gq=out, gs=sa,
-                uq=out, us=sa, M=m, N=n, K=k, s_sam=8, s_s1=8, s_s2=8, s_om=n, s_som=n // 128)
+                uq=out, us=sa, cs=b, M=m, N=n, K=k, s_sam=8, s_s1=8, s_s2=8, s_om=n, s_som=n // 128)
     consts = dict(ACT=3 if gated else 0, GATED=gated, HAS_B1=bias, HAS_B2=bias, QUANT_OUT=quant, SAVE_GU=save,
-                  TRANS_OUT=trans, BN=128, GROUP_M=16, STAGES=W.stages(gated, pair, save), I64=False, PAIR=pair)
+                  TRANS_OUT=trans, BN=128, GROUP_M=16, STAGES=W.stages(gated, pair, save), I64=False, PAIR=pair,
+                  COL_SCALE=col)
     r = compile_sm90(W.mlpfuse_fp8_gemm_ws_kernel, args, consts, num_warps=4, maxnreg=168)
     ptx = r.pop("ptx")
     r.update(wgmma=ptx.count("wgmma.mma_async"), tma=ptx.count("cp.async.bulk.tensor"),
@@ -43,12 +44,13 @@ for gated, quant, pair, bias, save, trans in json.loads(sys.argv[1]):
 print(json.dumps(results))
 """
 
-# (gated, quantized output, paired weight tiles, biases, save_gu, output transposed): the forms fp8_gemm and FP8
-# training launch
-FORMS = [(True, True, True, False, False, False), (True, True, True, True, False, False),
-         (False, False, True, False, False, False), (False, False, False, True, False, False),
-         (True, True, False, False, False, False), (True, True, False, False, True, False),
-         (True, True, True, False, True, False), (False, False, True, False, False, True)]
+# (gated, quantized output, paired weight tiles, biases, save_gu, output transposed, column scales): the forms
+# fp8_gemm and FP8 training launch
+FORMS = [(True, True, True, False, False, False, False), (True, True, True, True, False, False, False),
+         (False, False, True, False, False, False, False), (False, False, False, True, False, False, False),
+         (True, True, False, False, False, False, False), (True, True, True, False, True, False, False),
+         (True, True, True, True, True, False, False), (False, False, True, False, False, True, True),
+         (False, False, True, False, False, False, True)]
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +61,9 @@ def compiled():
 @pytest.mark.parametrize("i", range(len(FORMS)), ids=[str(f) for f in FORMS])
 def test_each_form_compiles_for_hopper_without_spilling(compiled, i):
     r = compiled[i]
-    _, _, pair, _, save, _ = FORMS[i]
-    # save_gu quantizes g, u and h in the epilogue, beside a second fp32 tile: a few registers spill there (244 and
-    # 468 bytes of spill stores a thread, paired and one-tile, when measured); in the K loop a spill would be a tile's
+    _, _, pair, _, save, _, _ = FORMS[i]
+    # save_gu quantizes g, h and u in the epilogue (u parked in shared memory): a few registers spill there (32 and 64
+    # bytes of spill stores a thread without and with biases, when measured); in the K loop a spill would be a tile's
     # worth (the two-accumulator form that was dropped spilled 0.2–2.5 KB, 8 KB with save_gu)
     assert r["spills"] <= (512 if save else 0), r
     # per K block: one wgmma of 4 k32 steps a weight tile, in each of the two consumers' code
@@ -120,12 +122,33 @@ def test_fp8_gemm_on_the_warp_specialized_kernel_is_the_triton_kernel_bit_for_bi
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
+@pytest.mark.parametrize("transposed", [False, True])
+def test_column_scales_are_the_triton_kernels_bit_for_bit(transposed, monkeypatch):
+    """FP8 training's weight-gradient form: a per-row-quantized second operand (block scales of ones), its scales
+    applied per output column in the epilogue; 640 columns are 2.5 paired tiles."""
+    from mlpfuse import activations
+    from mlpfuse.kernels import fp8_gemm as K
+
+    xq, xs, ws = _operands(1100, 640, 1024, False, seed=5)
+    cs = torch.rand(640, device="cuda") * 4.0 + 0.25
+    ones = torch.ones_like(ws[1])
+    kw = dict(activation=activations.IDENTITY, quant_out=False, out_transposed=transposed, col_scale=cs)
+    got = K.fp8_gemm(xq, xs, ws[0], ones, **kw)
+    monkeypatch.setattr(K, "WS", False)
+    ref = K.fp8_gemm(xq, xs, ws[0], ones, **kw)
+    assert _same(got, ref)
+    plain = K.fp8_gemm(xq, xs, ws[0], ones, activation=activations.IDENTITY, quant_out=False, out_dtype=torch.float32)
+    assert torch.allclose(ref.float(), ((plain * cs).t() if transposed else plain * cs).bfloat16().float(), rtol=0,
+                          atol=0)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU")
 def test_the_gated_gemm_keeps_g_and_u_as_the_triton_kernel_does(monkeypatch):
     from mlpfuse import activations
     from mlpfuse.kernels import fp8_gemm as K
 
     xq, xs, ws = _operands(1200, 384, 640, True, seed=3)
     act = activations.get("silu").id
-    got = K.fp8_gemm(xq, xs, *ws, activation=act, quant_out=True, save_gu=True)  # the one-tile warp-specialized form
+    got = K.fp8_gemm(xq, xs, *ws, activation=act, quant_out=True, save_gu=True)  # paired, u parked in shared memory
     monkeypatch.setattr(K, "WS", False)
     assert _same(got, K.fp8_gemm(xq, xs, *ws, activation=act, quant_out=True, save_gu=True))

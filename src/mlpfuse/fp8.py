@@ -108,6 +108,23 @@ def dequantize_activation(values: Tensor, scale_inv: Tensor, dtype: torch.dtype 
     return (values.to(SCALE_DTYPE) * _expand(scale_inv, -1, values.shape[-1])).to(dtype)
 
 
+def channel_scales(t: Tensor) -> Tensor:
+    """scale_inv fp32 [N] of t [M, N] quantized per channel: one scale per column over all M rows (FP8 training's
+    weight gradients: the operand that is not grouped along the tokens)."""
+    if not t.is_floating_point() or t.dtype == DTYPE or t.dim() != 2:
+        raise InputError(f"t: expected a 2-D floating-point tensor, got {t.dtype} of shape {list(t.shape)}")
+    if t.shape[0] == 0:
+        return torch.ones(t.shape[1], device=t.device, dtype=SCALE_DTYPE)
+    return _scale_inv(t.abs().amax(0).to(SCALE_DTYPE))
+
+
+def quantize_channels(t: Tensor) -> tuple[Tensor, Tensor]:
+    """(values, scale_inv): t [M, N] quantized per channel (channel_scales), the values returned transposed —
+    float8_e4m3fn [N, M], row n holding column n over the M rows: a GEMM's operand along M."""
+    scale_inv = channel_scales(t)
+    return (t.to(SCALE_DTYPE) / scale_inv).to(DTYPE).t().contiguous(), scale_inv
+
+
 def _check_activation_scales(values: Tensor, scale_inv: Tensor) -> None:
     if values.dtype != DTYPE:
         raise InputError(f"values: expected dtype {DTYPE}, got {values.dtype}")

@@ -91,7 +91,7 @@ def _divide(v, s, y, EMULATE: tl.constexpr):
     to v. q = v·y is within two ulps; two corrections q += (v - s·q)·y, each residual exact in an FMA, make it the
     rounded quotient (the sequence of div.rn's own fast path) — exact while the residual is normal, which holds for
     |v| ≥ 2^-90: where a quotient of e4m3's range has a smaller v (s under 2^-78, a tiny group), the group's v and s
-    are taken ×2^48 first. s = inf: v·0, as IEEE's v/inf (±0, or NaN for v = ±inf); v·y = ±0 kept as it is."""
+    are taken ×2^48 first. s = inf: y = 0, so v·y is IEEE's v/inf (±0; NaN for v = ±inf, as the corrections)."""
     if EMULATE:
         return tl.math.div_rn(v, s)
     tiny = s < _TINY_SCALE
@@ -101,7 +101,8 @@ def _divide(v, s, y, EMULATE: tl.constexpr):
     q = v * y
     r = tl.fma(tl.fma(-s, q, v), y, q)
     r = tl.fma(tl.fma(-s, r, v), y, r)
-    return tl.where((y == 0.0) | (q == 0.0), q, r)  # q = ±0: the corrections would lose a zero's sign
+    # q = ±0 (v = ±0, or s = inf and v finite: y = 0) is the quotient, whose sign the corrections would lose
+    return tl.where(q == 0.0, q, r)
 
 
 @triton.jit
@@ -198,10 +199,11 @@ def mlpfuse_fp8_norm_quantize_kernel(x, nw, q, s, M, K, sxm, sqm, ssm, eps, BM: 
 
 @triton.jit
 def mlpfuse_fp8_weight_quantize_kernel(w, q, s, N, K, s_wn, s_wk, s_qn, s_sn, TRANSPOSED: tl.constexpr,
-                                       EMULATE: tl.constexpr, I64: tl.constexpr):
+                                       EMULATE: tl.constexpr, I64: tl.constexpr, CHANNELS: tl.constexpr):
     """One 128×128 block of W [N, K] (any strides) → e4m3 values and its one scale, as fp8.quantize_weight: written
     as W's [N, K] (q, s [ceil(N/128), ceil(K/128)]), or TRANSPOSED as Wᵀ's [K, N] (the same values and scales at
-    transposed places: a block-quantized weight's transpose is its blocks transposed)."""
+    transposed places: a block-quantized weight's transpose is its blocks transposed). CHANNELS (with TRANSPOSED):
+    the scales are given, one per column of W (s [K]), and only the values are written, as fp8.quantize_channels."""
     bn = tl.program_id(0)
     bk = tl.program_id(1)
     rn = bn * 128 + tl.arange(0, 128)
@@ -211,21 +213,26 @@ def mlpfuse_fp8_weight_quantize_kernel(w, q, s, N, K, s_wn, s_wk, s_qn, s_sn, TR
         rk = rk.to(tl.int64)
     mask = (rn[:, None] < N) & (rk[None, :] < K)
     v = tl.load(w + rn[:, None] * s_wn + rk[None, :] * s_wk, mask=mask, other=0.0).to(tl.float32)
-    scale = _scale_inv(tl.max(tl.max(tl.abs(v), axis=1), axis=0),
-                       tl.max(tl.max((v != v).to(tl.int32), axis=1), axis=0) > 0, EMULATE)
-    if TRANSPOSED:
-        # the e4m3 values transposed (through shared memory: a quarter of the fp32 tile's bytes), so that the store
-        # runs along Wᵀ's rows in 16-byte vectors — which needs N specialized (quantize_weight's key): with N
-        # unspecialized the mask could not be shown constant over 16 bytes and each thread stored 64 single bytes,
-        # 260–290 µs against 75 for a 14336×4096 weight on an H200 (benchmarks/fp8_transpose_probe.py,
-        # benchmarks/results/nvidia-h200/fp8-train-wgrad/)
+    if CHANNELS:
+        scale = tl.load(s + rk, mask=rk < K, other=1.0)[None, :]
         values = tl.trans(_e4m3(_divide(v, scale, _reciprocal(scale, EMULATE), EMULATE), EMULATE))
         tl.store(q + rk[:, None] * s_qn + rn[None, :], values, mask=(rk[:, None] < K) & (rn[None, :] < N))
-        tl.store(s + bk * s_sn + bn, scale)
     else:
-        values = _e4m3(_divide(v, scale, _reciprocal(scale, EMULATE), EMULATE), EMULATE)
-        tl.store(q + rn[:, None] * s_qn + rk[None, :], values, mask=mask)
-        tl.store(s + bn * s_sn + bk, scale)
+        scale = _scale_inv(tl.max(tl.max(tl.abs(v), axis=1), axis=0),
+                           tl.max(tl.max((v != v).to(tl.int32), axis=1), axis=0) > 0, EMULATE)
+        if TRANSPOSED:
+            # the e4m3 values transposed (through shared memory: a quarter of the fp32 tile's bytes), so that the
+            # store runs along Wᵀ's rows in 16-byte vectors — which needs N specialized (quantize_weight's key): with
+            # N unspecialized the mask could not be shown constant over 16 bytes and each thread stored 64 single
+            # bytes, 260–290 µs against 75 for a 14336×4096 weight on an H200 (benchmarks/fp8_transpose_probe.py,
+            # benchmarks/results/nvidia-h200/fp8-train-wgrad/)
+            values = tl.trans(_e4m3(_divide(v, scale, _reciprocal(scale, EMULATE), EMULATE), EMULATE))
+            tl.store(q + rk[:, None] * s_qn + rn[None, :], values, mask=(rk[:, None] < K) & (rn[None, :] < N))
+            tl.store(s + bk * s_sn + bn, scale)
+        else:
+            values = _e4m3(_divide(v, scale, _reciprocal(scale, EMULATE), EMULATE), EMULATE)
+            tl.store(q + rn[:, None] * s_qn + rk[None, :], values, mask=mask)
+            tl.store(s + bn * s_sn + bk, scale)
 
 
 @triton.jit
@@ -252,17 +259,18 @@ def _k_sum(a, sa, w, ws, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam, s_w
 
 @triton.jit(do_not_specialize=["M"])
 def mlpfuse_fp8_gemm_kernel(
-    a, sa, w1, s1, w2, s2, b1, b2, out, sout, gq, gs, uq, us,
+    a, sa, w1, s1, w2, s2, b1, b2, out, sout, gq, gs, uq, us, cs,
     M, N, K, s_am, s_sam, s_w1, s_s1, s_w2, s_s2, s_om, s_som,
     ACT: tl.constexpr, GATED: tl.constexpr, HAS_B1: tl.constexpr, HAS_B2: tl.constexpr, QUANT_OUT: tl.constexpr,
     TMA: tl.constexpr, EMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr,
-    I64: tl.constexpr, SAVE_GU: tl.constexpr, TRANS_OUT: tl.constexpr,
+    I64: tl.constexpr, SAVE_GU: tl.constexpr, TRANS_OUT: tl.constexpr, COL_SCALE: tl.constexpr,
 ):
     """z = act(a·W1ᵀ + b1) [· (a·W2ᵀ + b2)], a e4m3 with 1×128 scales, each W e4m3 with 128×128 block scales.
     QUANT_OUT: z leaves quantized 1×128 (values in out, scales in sout; BN = 128); else in out's dtype, TRANS_OUT as
     zᵀ (out [N, M], row stride s_om). SAVE_GU (gated, QUANT_OUT): the pre-activations g = a·W1ᵀ + b1 and
     u = a·W2ᵀ + b2 leave quantized the same way too (gq/gs, uq/us, out's and sout's layout) — what FP8 training
-    keeps for the backward."""
+    keeps for the backward. COL_SCALE (not gated): a·W1ᵀ's columns multiplied by cs [N] before the bias — W1's
+    rows quantized with one scale each (FP8 training's weight gradients), W1's block scales then ones."""
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)):
@@ -280,6 +288,8 @@ def mlpfuse_fp8_gemm_kernel(
         # product live at once, so 128×128 tiles fit in registers; x's tile is read once per loop, as by one
         # GEMM over both weights' columns.
         acc = _k_sum(a, sa, w1, s1, off_m, off_n, rm, rn, mmask, nmask, K, s_am, s_sam, s_w1, s_s1, TMA, BM, BN)
+        if COL_SCALE:
+            acc = acc * tl.load(cs + rn, mask=nmask, other=1.0)[None, :]
         if HAS_B1:
             acc += tl.load(b1 + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
         mask = mmask[:, None] & nmask[None, :]
@@ -516,7 +526,7 @@ class _GemmPlan:
         op, sp = out.data_ptr(), sout.data_ptr()
         self.raw(self.grid, torch._C._cuda_getCurrentRawStream(self.device),
                  (*(self.a_maps(ap) if self.a_maps is not None else (ap,)), a_scale.data_ptr(), *self.w_flat,
-                  op, sp, op, sp, op, sp, *self.tail))  # gq, gs, uq, us: unread (plans serve SAVE_GU off)
+                  op, sp, op, sp, op, sp, sp, *self.tail))  # gq, gs, uq, us, cs: unread (SAVE_GU, COL_SCALE off)
         return (out, sout) if self.quant_out else out
 
 
@@ -631,12 +641,29 @@ def quantize_weight(w: torch.Tensor, transposed: bool = False,
         return q, s.fill_(1.0)
     i64 = C.needs_i64(w, q)
     ints = (n, k, w.stride(0), w.stride(1), q.stride(0), s.stride(0))
-    consts = (transposed, _EMULATE, i64)
+    consts = (transposed, _EMULATE, i64, False)
     # N specialized (its multiple-of-16 fact lets the transposed store's mask hold over 16 bytes: vector stores
     # where an unspecialized N left 64 byte stores a thread, ~3.5× the pass's time)
     key = (w.dtype, consts, C.align16(w), C.align16(q), C.align16(s), C.int_class(n), *ints[1:])
     _weight_quantize_launch(key, (gn, gk), (w, q, s, *ints), consts, num_warps=8, num_stages=1)
     return q, s
+
+
+def quantize_channels(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [M, N] (any float dtype and strides) → (values e4m3 [N, M], scale_inv fp32 [N]): one scale per column
+    over all M rows, the values transposed — bit for bit fp8.quantize_channels(t). The scales are fp8's own
+    (a column reduction), the values one pass over t."""
+    scale = fp8.channel_scales(t)
+    m, n = t.shape
+    q = torch.empty(n, m, device=t.device, dtype=fp8.DTYPE)
+    if m and n:
+        i64 = C.needs_i64(t, q)
+        consts = (True, _EMULATE, i64, True)
+        ints = (m, n, t.stride(0), t.stride(1), q.stride(0), 1)
+        key = (t.dtype, consts, C.align16(t), C.align16(q), C.int_class(m), *ints[1:])
+        _weight_quantize_launch(key, (-(-m // GROUP), -(-n // GROUP)), (t, q, scale, *ints), consts, num_warps=8,
+                                num_stages=1)
+    return q, scale
 
 
 def _gemm_config(m: int, n: int, quant_out: bool, gated: bool) -> tuple[int, int, int, int, int]:
@@ -698,17 +725,19 @@ def outputs(a: torch.Tensor, a_scale: torch.Tensor, n: int, quant_out: bool, out
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor,
              w2: torch.Tensor | None = None, s2: torch.Tensor | None = None, b1: torch.Tensor | None = None,
              b2: torch.Tensor | None = None, *, activation: int, quant_out: bool,
-             out_dtype: torch.dtype = torch.bfloat16, save_gu: bool = False, out_transposed: bool = False):
+             out_dtype: torch.dtype = torch.bfloat16, save_gu: bool = False, out_transposed: bool = False,
+             col_scale: torch.Tensor | None = None):
     """z = act(a·W1ᵀ + b1) [· (a·W2ᵀ + b2) when w2 is given], a [M, K] e4m3 with 1×128 scales, each weight e4m3
     [N, K] with its 128×128 scales; returns z in `out_dtype` (`out_transposed`: zᵀ [N, M], row-major, written so by
     the epilogue), or (values, scale_inv) of z quantized 1×128 when `quant_out`. `save_gu` (gated, quant_out): also
     g = a·W1ᵀ + b1 and u = a·W2ᵀ + b2 quantized 1×128, returning (z values, z scales, g values, g scales, u values,
-    u scales)."""
+    u scales). `col_scale` (not gated): fp32 [N], each column of a·W1ᵀ multiplied by its scale before the bias —
+    for a W1 quantized per row (fp8.quantize_channels), passed with block scales of ones."""
     if save_gu and not (quant_out and w2 is not None):
         raise InputError("save_gu: needs a gated call (w2) with quant_out=True")
     if out_transposed and quant_out:
         raise InputError("out_transposed: needs quant_out=False (a quantized z is grouped along its rows)")
-    plan_key = None if save_gu or out_transposed else _plan_key("gemm", (a, a_scale), (w1, s1, w2, s2, b1, b2),
+    plan_key = None if save_gu or out_transposed or col_scale is not None else _plan_key("gemm", (a, a_scale), (w1, s1, w2, s2, b1, b2),
                                                                 activation, quant_out, out_dtype)
     plan = _plans.get(plan_key) if plan_key is not None else None
     if plan is not None:
@@ -724,6 +753,9 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch
         raise InputError(f"a_scale: expected fp32 scales of shape ({m}, {-(-k // GROUP)}), got {a_scale.dtype} "
                          f"{tuple(a_scale.shape)}")
     n, gated, w2, s2 = _check_operands(w1, s1, w2, s2, b1, b2, k, a)
+    if col_scale is not None and (gated or col_scale.dtype != fp8.SCALE_DTYPE or tuple(col_scale.shape) != (n,)
+                                  or col_scale.stride(0) != 1 or col_scale.device != a.device):
+        raise InputError(f"col_scale: expected contiguous fp32 ({n},) on {a.device}, for a call without w2")
     out, sout, saved, done = outputs(a, a_scale, n, quant_out, out_dtype, save_gu, out_transposed)
     if m == 0 or n == 0:
         return done
@@ -731,7 +763,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch
     ws = _ws(a.device) if use_tma and m >= WS_MIN_ROWS else None
     if ws is not None:
         ws.launch(a, a_scale, w1, s1, w2 if gated else None, s2, b1, b2, out, sout, activation, quant_out,
-                  saved=saved if save_gu else None, out_transposed=out_transposed)
+                  saved=saved if save_gu else None, out_transposed=out_transposed, col_scale=col_scale)
         return done
     bm, bn, group_m, warps, stages = _gemm_config(m, n, quant_out, gated)
     aa, wa1, wa2 = a, w1, w2
@@ -740,7 +772,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch
         wa2 = C.desc(w2, [bn, GROUP]) if gated else wa1
     i64 = C.needs_i64(a, out, w1, w2)
     consts = (activation, gated, b1 is not None, b2 is not None, quant_out, use_tma, _EMULATE, bm, bn, group_m, i64,
-              save_gu, out_transposed)
+              save_gu, out_transposed, col_scale is not None)
     key = (consts, out.dtype, n, k, a.stride(0), a_scale.stride(0), w1.stride(0), s1.stride(0), w2.stride(0),
            s2.stride(0), out.stride(0), sout.stride(0), C.align16(a), C.align16(a_scale), C.align16(out),
            C.align16(sout), C.align16(w1), C.align16(s1), C.align16(w2), C.align16(s2),
@@ -748,7 +780,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     grid = (min(tiles, C.num_sms(a.device)),)
     args = (aa, a_scale, wa1, s1, wa2, s2, a if b1 is None else b1, a if b2 is None else b2, out, sout, *saved,
-            m, n, k, a.stride(0), a_scale.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0),
+            a_scale if col_scale is None else col_scale, m, n, k, a.stride(0), a_scale.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0),
             out.stride(0), sout.stride(0))
     _gemm_launch(key, grid, args, consts, num_warps=warps, num_stages=stages)
     if plan_key is not None:
@@ -775,7 +807,7 @@ def _keep_gemm_plan(plan_key, key, grid, args, consts, use_tma: bool, quant_out:
     plan.a_maps = C.Maps(raw, 0, aa.shape, aa.strides) if use_tma else None
     plan.w_flat = (*flat(2, w1, wa1), s1.data_ptr(), *flat(4, w2, wa2), s2.data_ptr(),
                    0 if b1 is None else b1.data_ptr(), 0 if b2 is None else b2.data_ptr())
-    plan.tail = (*args[14:], *consts)
+    plan.tail = (*args[15:], *consts)
     C.keep_plan(_plans, plan_key, plan)
 
 

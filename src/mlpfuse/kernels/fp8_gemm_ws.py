@@ -84,6 +84,13 @@ def _with_bias(acc, b, rn, nmask, HAS: gl.constexpr):
 
 
 @gluon.jit
+def _col_scaled(acc, cs, rn, nmask, HAS: gl.constexpr):
+    if HAS:
+        acc = acc * gl.expand_dims(gl.load(cs + rn, mask=nmask, other=1.0), 0)
+    return acc
+
+
+@gluon.jit
 def _loader(a_desc, w1_desc, w2_desc, a0, a1, ws, ws2, ready, empty, M, N, K,
             GATED: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PAIR: gl.constexpr):
     """Per tile and K block, x's two 64-row halves and the weight tile(s) into the ring's next stage. Gated without
@@ -173,9 +180,9 @@ def _k_sum_pair(a_bufs, ws, ws2, ready, empty, it, sa, rm, mmask, s_sam, s1, s2,
 def _consumer(a_bufs, shared, tail, HALF_INDEX: gl.constexpr, ACT: gl.constexpr, GATED: gl.constexpr,
               HAS_B1: gl.constexpr, HAS_B2: gl.constexpr, QUANT_OUT: gl.constexpr, SAVE_GU: gl.constexpr,
               TRANS_OUT: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-              I64: gl.constexpr, PAIR: gl.constexpr):
+              I64: gl.constexpr, PAIR: gl.constexpr, COL_SCALE: gl.constexpr):
     ws, ws2, zbuf, ready, empty = shared
-    sa, s1, s2, b1, b2, out, sout, gq, gs, uq, us, M, N, K, s_sam, s_s1, s_s2, s_om, s_som = tail
+    sa, s1, s2, b1, b2, out, sout, gq, gs, uq, us, cs, M, N, K, s_sam, s_s1, s_s2, s_om, s_som = tail
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, layout)
     cols_l: gl.constexpr = gl.SliceLayout(0, layout)
@@ -210,7 +217,7 @@ def _consumer(a_bufs, shared, tail, HALF_INDEX: gl.constexpr, ACT: gl.constexpr,
         if I64:
             rn = rn.to(gl.int64)
         nmask = rn < N
-        acc = _with_bias(acc, b1, rn, nmask, HAS_B1)
+        acc = _with_bias(_col_scaled(acc, cs, rn, nmask, COL_SCALE), b1, rn, nmask, HAS_B1)
         if PAIR and SAVE_GU:
             # u waits in shared memory while g, then h, then u are quantized, so that no quantization runs beside
             # more than one other 64×128 fp32 tile (with g and u both held through g's, ptxas spilled 1.1 KB a
@@ -240,17 +247,18 @@ def _consumer(a_bufs, shared, tail, HALF_INDEX: gl.constexpr, ACT: gl.constexpr,
                 if PAIR:  # the tile's second 128 columns
                     rn2 = rn + BN
                     nmask2 = rn2 < N
-                    z2 = _act(_with_bias(acc2, b1, rn2, nmask2, HAS_B1), ACT)
+                    z2 = _act(_with_bias(_col_scaled(acc2, cs, rn2, nmask2, COL_SCALE), b1, rn2, nmask2, HAS_B1),
+                              ACT)
                     _store(z2, out, sout, rm, rn2, mmask, nmask2, s_om, s_som, group + 1, QUANT_OUT, TRANS_OUT)
 
 
 @gluon.jit(do_not_specialize=["M"])
 def mlpfuse_fp8_gemm_ws_kernel(
-    a_desc, sa, w1_desc, s1, w2_desc, s2, b1, b2, out, sout, gq, gs, uq, us,
+    a_desc, sa, w1_desc, s1, w2_desc, s2, b1, b2, out, sout, gq, gs, uq, us, cs,
     M, N, K, s_sam, s_s1, s_s2, s_om, s_som,
     ACT: gl.constexpr, GATED: gl.constexpr, HAS_B1: gl.constexpr, HAS_B2: gl.constexpr, QUANT_OUT: gl.constexpr,
     SAVE_GU: gl.constexpr, TRANS_OUT: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-    I64: gl.constexpr, PAIR: gl.constexpr,
+    I64: gl.constexpr, PAIR: gl.constexpr, COL_SCALE: gl.constexpr,
 ):
     """kernels.fp8_gemm.mlpfuse_fp8_gemm_kernel's z, warp-specialized (module docstring). a_desc: x's values
     [M, K] in [64, 128] boxes; w*_desc: the weights' [N, K] in [BN, 128] boxes. TRANS_OUT: z (not quantized) stored
@@ -270,12 +278,12 @@ def mlpfuse_fp8_gemm_ws_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a stage
     shared = (ws, ws2, zbuf, ready, empty)
-    tail = (sa, s1, s2, b1, b2, out, sout, gq, gs, uq, us, M, N, K, s_sam, s_s1, s_s2, s_om, s_som)
+    tail = (sa, s1, s2, b1, b2, out, sout, gq, gs, uq, us, cs, M, N, K, s_sam, s_s1, s_s2, s_om, s_som)
     gl.warp_specialize([
         (_consumer, (a0, shared, tail, 0, ACT, GATED, HAS_B1, HAS_B2, QUANT_OUT, SAVE_GU, TRANS_OUT, BN, GROUP_M,
-                     STAGES, I64, PAIR)),
+                     STAGES, I64, PAIR, COL_SCALE)),
         (_consumer, (a1, shared, tail, 1, ACT, GATED, HAS_B1, HAS_B2, QUANT_OUT, SAVE_GU, TRANS_OUT, BN, GROUP_M,
-                     STAGES, I64, PAIR)),
+                     STAGES, I64, PAIR, COL_SCALE)),
         (_loader, (a_desc, w1_desc, w2_desc, a0, a1, ws, ws2, ready, empty, M, N, K, GATED, BN, GROUP_M, STAGES,
                    PAIR)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -304,11 +312,12 @@ def stages(gated: bool, pair: bool, save_gu: bool = False) -> int:
 
 def launch(a, a_scale, w1, s1, w2, s2, b1, b2, out, sout, activation: int, quant_out: bool, *,
            saved=None, out_transposed: bool = False, stages_: int | None = None, group_m: int = 16,
-           pair: bool = True):
+           pair: bool = True, col_scale=None):
     """z into `out` (and `sout` when quant_out; zᵀ into out [N, M] when `out_transposed`), as
     kernels.fp8_gemm.fp8_gemm computes it, whose checks the arguments passed (TMA-ready row-major e4m3 operands on an
     sm_90 device). `saved`: (gq, gs, uq, us) to keep g and u too. `pair`: two weight tiles a stage (gated: gate's
-    and up's; else 256 columns of the one weight); False for probes to time the one-tile forms."""
+    and up's; else 256 columns of the one weight); False for probes to time the one-tile forms. `col_scale`:
+    fp8_gemm's."""
     m, k = a.shape
     n = w1.shape[0]
     gated = w2 is not None
@@ -321,18 +330,18 @@ def launch(a, a_scale, w1, s1, w2, s2, b1, b2, out, sout, activation: int, quant
     i64 = C.needs_i64(a, out, w1, w2)
     mlpfuse_fp8_gemm_ws_kernel[grid](
         ad, a_scale, wd1, s1, wd2, s2, a_scale if b1 is None else b1, a_scale if b2 is None else b2, out, sout,
-        *(saved or (out, sout, out, sout)), m, n, k, a_scale.stride(0), s1.stride(0), s2.stride(0), out.stride(0),
-        sout.stride(0), activation, gated, b1 is not None, b2 is not None, quant_out, save_gu, out_transposed, bn,
-        group_m,
-        stages_ or stages(gated, pair, save_gu), i64, pair, num_warps=4, maxnreg=168)
+        *(saved or (out, sout, out, sout)), a_scale if col_scale is None else col_scale, m, n, k,
+        a_scale.stride(0), s1.stride(0), s2.stride(0), out.stride(0), sout.stride(0), activation, gated,
+        b1 is not None, b2 is not None, quant_out, save_gu, out_transposed, bn, group_m,
+        stages_ or stages(gated, pair, save_gu), i64, pair, col_scale is not None, num_warps=4, maxnreg=168)
 
 
 def gemm(a, a_scale, w1, s1, w2=None, s2=None, b1=None, b2=None, *, activation: int, quant_out: bool,
-         out_dtype=None, save_gu: bool = False, out_transposed: bool = False, **options):
+         out_dtype=None, save_gu: bool = False, out_transposed: bool = False, col_scale=None, **options):
     """kernels.fp8_gemm.fp8_gemm's result on this kernel alone (its arguments as that function checks them; for
     probes and tests: fp8_gemm takes this kernel itself where it measured faster). `options`: launch's."""
     out, sout, saved, done = _fp8_gemm.outputs(a, a_scale, w1.shape[0], quant_out, out_dtype, save_gu,
                                                out_transposed)
     launch(a, a_scale, w1, s1, w2, s2, b1, b2, out, sout, activation, quant_out, saved=saved if save_gu else None,
-           out_transposed=out_transposed, **options)
+           out_transposed=out_transposed, col_scale=col_scale, **options)
     return done

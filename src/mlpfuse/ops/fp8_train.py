@@ -8,9 +8,9 @@ the numerics of `mlpfuse.reference.gated_mlp_fp8_train` (its oracle; docs/fp8.md
               dg, du, h from dh and the saved e4m3 g, u in one pass, written only quantized (kernels.glu_backward)
               dx = [dg | du]·[Wg; Wu]     dg, du 1×128 along H, side by side: one GEMM over 2H
               dWdᵀ = hᵀ·dy, dWg = dgᵀ·x, dWu = duᵀ·x
-                                          h, dg, du grouped 128×1 along the tokens, dy and x in 128×128 blocks
-                                          (the forward's GEMM form: one scale per row and K block against one per
-                                          block), written in the weights' dtype
+                                          h, dg, du grouped 128×1 along the tokens, dy and x per channel (one
+                                          scale a column over all the tokens, applied in the epilogue; the
+                                          forward's GEMM form otherwise), written in the weights' dtype
 
 The master weights stay in their dtype (the optimizer's); each step quantizes them (the forward, and again the
 backward: nothing weight-sized is kept between the two). What the step keeps for the backward: x in e4m3 with its
@@ -18,10 +18,10 @@ scales, g and u in e4m3 with theirs.
 
 This form composes the kernels: each weight quantized in one kernel pass, straight into Wᵀ's layout for the
 backward; the GLU backward one pass over dh that writes dg, du and h only as the five quantized operands of the
-GEMMs after it (no fp32 dg, du or h); dy and x quantized into 128×128 blocks transposed, in one pass each. Correct
-against the oracle. Measured on an H200 (docs/fp8.md, "Training"): every GEMM at ~970–1230 TFLOP/s but the
-gated forward with save_gu (one weight tile a stage); what remains is around the GEMMs: the GLU backward's token
-pass, dh written in fp32.
+GEMMs after it (no fp32 dg, du or h); dy and x quantized per channel, transposed, in one pass each. Correct
+against the oracle. Measured on an H200 (docs/fp8.md, "Training"): every GEMM at ~1000–1230 TFLOP/s but the
+gated forward with save_gu (its epilogue quantizes three tiles); around the GEMMs the GLU backward and dh written
+in fp32.
 """
 
 from __future__ import annotations
@@ -116,14 +116,17 @@ def _backward(dy: Tensor, xq: Tensor, xs: Tensor, gq: Tensor, gs: Tensor, uq: Te
     else:
         dx = (k.fp8_gemm(*dg, *qg, activation=ident, quant_out=False, out_dtype=_F32)
               + k.fp8_gemm(*du, *qu, activation=ident, quant_out=False, out_dtype=_F32)).to(dy.dtype)
-    # the weight gradients: one operand along the tokens, the other in 128×128 blocks (as a weight, transposed in
-    # the pass that quantizes it): the forward's GEMM form. dWd = (hᵀ·dy)ᵀ, stored transposed by the epilogue. x
-    # comes back from its e4m3 values in fp32, as the reference path dequantizes it (no rounding between)
-    x_blocks = k.quantize_weight(fp8.dequantize_activation(xq, xs), transposed=True)
-    dwd = k.fp8_gemm(*h_t, *k.quantize_weight(dy, transposed=True), activation=ident, quant_out=False,
-                     out_dtype=wd.dtype, out_transposed=True)
-    dwg = k.fp8_gemm(*dg_t, *x_blocks, activation=ident, quant_out=False, out_dtype=wg.dtype)
-    dwu = k.fp8_gemm(*du_t, *x_blocks, activation=ident, quant_out=False, out_dtype=wu.dtype)
+    # the weight gradients: one operand along the tokens, the other per channel (one scale a column over all the
+    # tokens, transposed in the pass that quantizes it; block scales of ones and the channels' scales applied in
+    # the epilogue): the forward's GEMM form. dWd = (hᵀ·dy)ᵀ, stored transposed by the epilogue. x comes back from
+    # its e4m3 values in fp32, as the reference path dequantizes it (no rounding between)
+    dy_c, dy_s = k.quantize_channels(dy)
+    x_c, x_s = k.quantize_channels(fp8.dequantize_activation(xq, xs))
+    ones = torch.ones(-(-d // fp8.GROUP), -(-m // fp8.GROUP), device=dy.device, dtype=fp8.SCALE_DTYPE)
+    dwd = k.fp8_gemm(*h_t, dy_c, ones, activation=ident, quant_out=False, out_dtype=wd.dtype, out_transposed=True,
+                     col_scale=dy_s)
+    dwg = k.fp8_gemm(*dg_t, x_c, ones, activation=ident, quant_out=False, out_dtype=wg.dtype, col_scale=x_s)
+    dwu = k.fp8_gemm(*du_t, x_c, ones, activation=ident, quant_out=False, out_dtype=wu.dtype, col_scale=x_s)
     return dx, dwg, dwu, dwd, dbg, dbu, dy.sum(0, dtype=_F32)
 
 
