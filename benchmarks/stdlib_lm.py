@@ -84,15 +84,16 @@ def loss_of(model: nn.Module, w: torch.Tensor, device: str) -> torch.Tensor:
 
 
 def train(model: nn.Module, data: torch.Tensor, steps: int, batch: int, seq: int, lr: float, seed: int,
-          device: str) -> tuple[list[float], float]:
+          device: str, grad_norms: list | None = None) -> tuple[list[float], float]:
     """AdamW with warm-up and cosine decay, fp32 master weights under bf16 autocast (on CUDA): the loss per step,
-    and the tokens per second over the steps after the first tenth (warm-up and any compilation fall before)."""
+    and the tokens per second over the steps after the first tenth (warm-up and any compilation fall before).
+    `grad_norms`: a list to append each step's gradient norm to (before clipping)."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps)))))
-    losses, skip, t0 = [], max(1, steps // 10), None
+    losses, norms, skip, t0 = [], [], max(1, steps // 10), None
     cuda = device.startswith("cuda")
     model.train()
     for step in range(steps):
@@ -103,15 +104,18 @@ def train(model: nn.Module, data: torch.Tensor, steps: int, batch: int, seq: int
         loss = loss_of(model, windows(data, batch, seq, gen).to(device), device)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         losses.append(loss.detach())  # read after the loop: an .item() a step would wait on the GPU each step
+        norms.append(norm.detach())
     if cuda:
         torch.cuda.synchronize()
     timed = steps - skip
     tps = timed * batch * seq / (time.perf_counter() - t0) if t0 is not None and timed > 0 else float("nan")
     model.eval()
+    if grad_norms is not None:
+        grad_norms.extend(float(x) for x in norms)
     return [float(x) for x in losses], tps
 
 

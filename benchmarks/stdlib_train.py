@@ -10,10 +10,12 @@ Variants (fp32 master weights, AdamW, bf16 autocast on CUDA as stdlib_lm trains)
     mlpfuse-save-fp8  mlpfuse.patch(model, save="fp8"): bf16 training keeping g and u in FP8 for the backward
     mlpfuse-fp8       mlpfuse.patch(model, precision="fp8") in train mode: every MLP GEMM in e4m3, masters kept
     torchao-fp8       torchao float8 training (rowwise) on the MLP projections, compiled (torchao's own advice)
+    mlpfuse-fp8-reference  (named only) mlpfuse-fp8 on the recipe's reference path (backend="torch")
 Per variant: the loss at every step, the held-out next-byte loss after training (bf16 autocast), tokens per second
 over the steps after the first tenth (the compiled variant's compilation falls in that tenth), the peak CUDA memory
 of training, and — before training, on one fixed batch — each MLP weight's gradient cosine similarity with the
-bf16 model's. Writes OUT/stdlib_train.json and OUT/loss_curves.png; prints a table.
+bf16 model's, and every step's gradient norm before clipping. Writes OUT/stdlib_train.json and OUT/loss_curves.png;
+prints a table.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -32,6 +35,9 @@ import stdlib_lm  # noqa: E402  (the corpus, the model and the held-out evaluati
 import mlpfuse  # noqa: E402
 
 VARIANTS = ("bf16", "mlpfuse-bf16", "mlpfuse-save-fp8", "mlpfuse-fp8", "torchao-fp8")
+# by name only: mlpfuse FP8 training on the recipe's reference path (PyTorch ops, backend="torch") — the same numbers
+# as the kernels by design, to tell the recipe's effect on training from the kernels'
+EXTRA = ("mlpfuse-fp8-reference",)
 
 
 def prepare(variant: str, model: nn.Module, device: str) -> tuple[nn.Module, str]:
@@ -40,12 +46,12 @@ def prepare(variant: str, model: nn.Module, device: str) -> tuple[nn.Module, str
     if variant == "bf16":
         return model, ""
     if variant.startswith("mlpfuse"):
-        kw = {"precision": "fp8"} if variant == "mlpfuse-fp8" else {"save": "fp8"} if variant == "mlpfuse-save-fp8" \
-            else {}
+        kw = {"mlpfuse-fp8": {"precision": "fp8"}, "mlpfuse-fp8-reference": {"precision": "fp8", "backend": "torch"},
+              "mlpfuse-save-fp8": {"save": "fp8"}}.get(variant, {})
         report = mlpfuse.patch(model, **kw)
         if not report.swapped:
             raise SystemExit(f"{variant}: no block swapped: {report.summary()}")
-        if variant == "mlpfuse-fp8" and not all(s.precision == "fp8-train" for s in report.swapped):
+        if "precision" in kw and not all(s.precision == "fp8-train" for s in report.swapped):
             raise SystemExit(f"{variant}: not every block trains in FP8: {report.summary()}")
         return model, report.summary()
     if variant == "torchao-fp8":
@@ -112,9 +118,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args(argv)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
-    bad = [v for v in variants if v not in VARIANTS]
+    bad = [v for v in variants if v not in VARIANTS + EXTRA]
     if bad or "bf16" not in variants:
-        ap.error(f"--variants: expected names from {', '.join(VARIANTS)}, bf16 among them (the baseline); got {bad}")
+        ap.error(f"--variants: expected names from {', '.join(VARIANTS + EXTRA)}, bf16 among them (the baseline); "
+                 f"got {bad}")
     for name in ("hidden", "intermediate"):
         if getattr(a, name) % 128:
             ap.error(f"--{name} must be a multiple of 128 (the FP8 recipe's groups)")
@@ -142,15 +149,17 @@ def main(argv=None) -> dict:
         if a.device.startswith("cuda"):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        losses, tps = stdlib_lm.train(model, data, a.steps, a.batch, a.seq, a.lr, a.seed, a.device)
+        norms: list[float] = []
+        losses, tps = stdlib_lm.train(model, data, a.steps, a.batch, a.seq, a.lr, a.seed, a.device, norms)
         peak = torch.cuda.max_memory_allocated() / 2**20 if a.device.startswith("cuda") else float("nan")
         with stdlib_lm.autocast(a.device):
             held_loss = stdlib_lm.evaluate(model, held, a.seq, a.batch, a.eval_windows, a.device)
         rows[variant] = {"note": note, "losses": losses, "held_out_loss": held_loss, "tokens_per_s": tps,
-                         "peak_mib": peak, "grad_cosine": cos}
+                         "peak_mib": peak, "grad_cosine": cos, "grad_norms": norms}
         print(f"{variant}: loss {losses[0]:.3f} -> {sum(losses[-20:]) / min(20, len(losses)):.3f}, held out "
               f"{held_loss:.4f}, {tps:,.0f} tokens/s, peak {peak:.0f} MiB, min MLP grad cosine "
-              f"{min(cos.values()) if cos else float('nan'):.5f}", flush=True)
+              f"{min(cos.values()) if cos else float('nan'):.5f}, gradient norm before clipping (median of steps "
+              f"0-49 / all) {statistics.median(norms[:50]):.3f} / {statistics.median(norms):.3f}", flush=True)
         del model
         if a.device.startswith("cuda"):
             torch.cuda.empty_cache()

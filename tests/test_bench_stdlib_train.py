@@ -34,9 +34,23 @@ def test_a_tiny_run_trains_each_variant_from_the_same_start(script, tmp_path):
     assert len(cos) == 3 and all(0.99 <= c < 0.99999 for c in cos.values()), cos  # gate, up, down: in FP8
     assert "fp8" in ran["mlpfuse-fp8"]["note"]
     assert abs(ran["mlpfuse-fp8"]["held_out_loss"] / ran["bf16"]["held_out_loss"] - 1) < 0.02
+    for r in ran.values():  # each step's gradient norm before clipping, as clip_grad_norm_ returned it
+        assert len(r["grad_norms"]) == 30 and all(math.isfinite(x) and x > 0 for x in r["grad_norms"])
     saved = json.loads((tmp_path / "stdlib_train.json").read_text())
     assert saved["variants"]["bf16"]["held_out_loss"] == rows["bf16"]["held_out_loss"]
     assert (tmp_path / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_reference_variant_is_the_fp8_step_on_pytorch_ops(script, tmp_path):
+    """mlpfuse-fp8-reference (named only) patches with backend="torch"; on a CPU mlpfuse-fp8 takes that path too, so
+    the two train to the same losses bit for bit."""
+    res = script.main([str(tmp_path), "--layers", "1", "--hidden", "128", "--intermediate", "256", "--heads", "2",
+                       "--seq", "32", "--batch", "4", "--steps", "6", "--eval-windows", "8", "--limit-bytes", "100000",
+                       "--device", "cpu", "--variants", "bf16,mlpfuse-fp8,mlpfuse-fp8-reference"])
+    rows = res["variants"]
+    assert "mlpfuse-fp8-reference" not in script.VARIANTS and "fp8" in rows["mlpfuse-fp8-reference"]["note"]
+    assert rows["mlpfuse-fp8-reference"]["losses"] == rows["mlpfuse-fp8"]["losses"]
+    assert rows["mlpfuse-fp8-reference"]["losses"] != rows["bf16"]["losses"]
 
 
 def test_a_bad_variant_list_is_one_line(script, capsys):

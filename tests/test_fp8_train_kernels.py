@@ -334,6 +334,9 @@ def test_patch_on_a_model_in_train_mode_trains_its_mlps_in_fp8_on_their_own_weig
     assert [s.precision for s in report.swapped] == ["fp8-train", "fp8-train"]
     assert all(0 < s.fp8_error < 2 * U for s in report.swapped) and "2 in fp8" in report.summary()
     assert "precision=fp8 (training)" in repr(model.model.layers[0].mlp)
+    # the report says where the handed-over norm and residual add run: outside any kernel, in the block's forward
+    assert len(report.residuals) == 2 and all("FP8 training" in r.by for r in report.residuals)
+    assert sum("FP8 training" in n.by for n in report.norms) == 2
     assert {n: id(p) for n, p in model.named_parameters()} == {n: id(p) for n, p in params.items()}
     assert list(model.state_dict()) == keys
     ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(3)).to(DEVICE)

@@ -737,8 +737,9 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch
         raise InputError("save_gu: needs a gated call (w2) with quant_out=True")
     if out_transposed and quant_out:
         raise InputError("out_transposed: needs quant_out=False (a quantized z is grouped along its rows)")
-    plan_key = None if save_gu or out_transposed or col_scale is not None else _plan_key("gemm", (a, a_scale), (w1, s1, w2, s2, b1, b2),
-                                                                activation, quant_out, out_dtype)
+    plain = not (save_gu or out_transposed or col_scale is not None)  # the calls plans serve
+    plan_key = _plan_key("gemm", (a, a_scale), (w1, s1, w2, s2, b1, b2), activation, quant_out, out_dtype) \
+        if plain else None
     plan = _plans.get(plan_key) if plan_key is not None else None
     if plan is not None:
         done = plan.run(a, a_scale)
@@ -780,8 +781,8 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, w1: torch.Tensor, s1: torch
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     grid = (min(tiles, C.num_sms(a.device)),)
     args = (aa, a_scale, wa1, s1, wa2, s2, a if b1 is None else b1, a if b2 is None else b2, out, sout, *saved,
-            a_scale if col_scale is None else col_scale, m, n, k, a.stride(0), a_scale.stride(0), w1.stride(0), s1.stride(0), w2.stride(0), s2.stride(0),
-            out.stride(0), sout.stride(0))
+            a_scale if col_scale is None else col_scale, m, n, k, a.stride(0), a_scale.stride(0), w1.stride(0),
+            s1.stride(0), w2.stride(0), s2.stride(0), out.stride(0), sout.stride(0))
     _gemm_launch(key, grid, args, consts, num_warps=warps, num_stages=stages)
     if plan_key is not None:
         _keep_gemm_plan(plan_key, key, grid, args, consts, use_tma, quant_out, out, sout, (a, w1, s1, w2, s2, b1, b2))

@@ -61,7 +61,7 @@ def fuse_norms(model: nn.Module, report) -> None:
         if block.fused_precision == "fp8":
             by = _fp8_norm_by()
         elif block.fused_precision == "fp8-train":
-            by = "its own module (FP8 training)"
+            by = "forward, through the norm's own module (FP8 training)"
         else:
             by = "decode kernels"
         report.norms.append(FusedNorm(norm_path, swapped.path, KINDS[kind], by))

@@ -68,8 +68,9 @@ def fuse_residuals(model: nn.Module, report) -> None:
             report.residuals_kept.append(Left(parent_path, cls.__name__, reason))
             continue
         parent.__class__ = found
-        fp8_block = parent._modules[name].fused_precision == "fp8"
-        by = "its down projection's epilogue at decode sizes (added to its output above them)" if fp8_block else None
+        by = {"fp8": "its down projection's epilogue at decode sizes (added to its output above them)",
+              "fp8-train": "its forward, after the FP8 training step (no epilogue of its own)"}.get(
+            parent._modules[name].fused_precision)
         report.residuals.append(FusedResidual(parent_path, swapped.path, *((by,) if by else ())))
 
 
