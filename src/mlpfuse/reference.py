@@ -356,11 +356,10 @@ def gated_mlp_fp8_bound(x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, activatio
 # In each weight gradient one operand is grouped along the tokens and the other has one scale per channel over all
 # the tokens: the GEMM has the forward's form (one scale per row and K block) with the channel's scale applied once
 # in the epilogue, and runs on the warp-specialized kernel at ~3× the rate of a GEMM with two per-row scale vectors
-# per K block. Channels are never grouped together: the optimizer (Adam) normalises each weight's gradient, so a
-# channel whose values are small beside another channel's must keep its own precision. With dy and x in 128×128
-# blocks instead (channels sharing a scale; every GEMM's error as small on random data), the stdlib model of
-# benchmarks/stdlib_train.py trained to a held-out loss 6.2 % above bf16's (torchao's per-channel float8: 0.3 %
-# below; benchmarks/results/nvidia-h200/stdlib-train/).
+# per K block. Channels are not grouped together, as in torchao's rowwise float8 (Adam normalises each weight's
+# gradient: a channel small beside another keeps its own precision). For one day dy and x were in 128×128 blocks
+# (channels sharing a scale): the stdlib model of benchmarks/stdlib_train.py trained 6.2 % above bf16's held-out
+# loss that way, and 6.4 % per channel — the gap lies elsewhere (benchmarks/results/nvidia-h200/stdlib-train/).
 # All in e4m3 (gradients too: with one scale per 128 values, e4m3's 2^-4 roundoff beats e5m2's 2^-3 wherever a
 # group spans less than e4m3's 2^17 of range; benchmarks/fp8_grad_format.py measures both), products and sums in
 # fp32, the GLU and its backward in fp32 on the saved g and u. Master weights stay in their dtype and are quantized
