@@ -215,24 +215,22 @@ def mlpfuse_fp8_weight_quantize_kernel(w, q, s, N, K, s_wn, s_wk, s_qn, s_sn, TR
     v = tl.load(w + rn[:, None] * s_wn + rk[None, :] * s_wk, mask=mask, other=0.0).to(tl.float32)
     if CHANNELS:
         scale = tl.load(s + rk, mask=rk < K, other=1.0)[None, :]
-        values = tl.trans(_e4m3(_divide(v, scale, _reciprocal(scale, EMULATE), EMULATE), EMULATE))
-        tl.store(q + rk[:, None] * s_qn + rn[None, :], values, mask=(rk[:, None] < K) & (rn[None, :] < N))
     else:
         scale = _scale_inv(tl.max(tl.max(tl.abs(v), axis=1), axis=0),
                            tl.max(tl.max((v != v).to(tl.int32), axis=1), axis=0) > 0, EMULATE)
-        if TRANSPOSED:
-            # the e4m3 values transposed (through shared memory: a quarter of the fp32 tile's bytes), so that the
-            # store runs along Wᵀ's rows in 16-byte vectors — which needs N specialized (quantize_weight's key): with
-            # N unspecialized the mask could not be shown constant over 16 bytes and each thread stored 64 single
-            # bytes, 260–290 µs against 75 for a 14336×4096 weight on an H200 (benchmarks/fp8_transpose_probe.py,
-            # benchmarks/results/nvidia-h200/fp8-train-wgrad/)
-            values = tl.trans(_e4m3(_divide(v, scale, _reciprocal(scale, EMULATE), EMULATE), EMULATE))
-            tl.store(q + rk[:, None] * s_qn + rn[None, :], values, mask=(rk[:, None] < K) & (rn[None, :] < N))
+    values = _e4m3(_divide(v, scale, _reciprocal(scale, EMULATE), EMULATE), EMULATE)
+    if TRANSPOSED:
+        # the e4m3 values transposed (through shared memory: a quarter of the fp32 tile's bytes), so that the store
+        # runs along Wᵀ's rows in 16-byte vectors — which needs N specialized (quantize_weight's key): with N
+        # unspecialized the mask could not be shown constant over 16 bytes and each thread stored 64 single bytes,
+        # 260–290 µs against 75 for a 14336×4096 weight on an H200 (benchmarks/fp8_transpose_probe.py,
+        # benchmarks/results/nvidia-h200/fp8-train-wgrad/)
+        tl.store(q + rk[:, None] * s_qn + rn[None, :], tl.trans(values), mask=(rk[:, None] < K) & (rn[None, :] < N))
+        if not CHANNELS:
             tl.store(s + bk * s_sn + bn, scale)
-        else:
-            values = _e4m3(_divide(v, scale, _reciprocal(scale, EMULATE), EMULATE), EMULATE)
-            tl.store(q + rn[:, None] * s_qn + rk[None, :], values, mask=mask)
-            tl.store(s + bn * s_sn + bk, scale)
+    else:
+        tl.store(q + rn[:, None] * s_qn + rk[None, :], values, mask=mask)
+        tl.store(s + bn * s_sn + bk, scale)
 
 
 @triton.jit
