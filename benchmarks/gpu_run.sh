@@ -25,6 +25,8 @@
 #        fp8-train-probe (one FP8 block's forward + backward kernel by kernel, bf16 and torchao beside it),
 #        fp8-train-lm (the stdlib model trained in bf16, mlpfuse bf16 / save-fp8 / FP8 and torchao float8),
 #        fp8-train-lm-split (the same with mlpfuse FP8 on its kernels and on the reference path, bf16 and torchao),
+#        fp8-train-bisect (mlpfuse FP8 training with each half of the step on the kernels or the reference path, and
+#        the kernels' outputs against the reference path's on the same inputs while the model trains),
 #        train-share (the MLPs' share of a train step, torchao beside it),
 #        graph-profile-fp8 (the decode step's MLP rows in bf16 and FP8, as bytes against the copy rate),
 #        attention-tests, decode-linear-probe, attention-ab (the attention's projections on the decode kernel: their
@@ -150,6 +152,7 @@ for spec in "$@"; do
         fp8-train-lm) run_step fp8-train-lm "$secs" python3 benchmarks/stdlib_train.py "$W/stdlib-train" ;;
         fp8-train-lm-split) run_step fp8-train-lm-split "$secs" python3 benchmarks/stdlib_train.py \
             "$W/stdlib-train-split" --variants bf16,mlpfuse-fp8,mlpfuse-fp8-reference,torchao-fp8 ;;
+        fp8-train-bisect) run_step fp8-train-bisect "$secs" python3 benchmarks/fp8_train_bisect.py "$W/fp8-train-bisect" ;;
         fp8-stream) run_step fp8-stream "$secs" python3 benchmarks/fp8_stream_probe.py ;;
         fp8-stream-unroll) run_step fp8-stream-unroll "$secs" python3 benchmarks/fp8_stream_probe.py --unroll ;;
         fp8-train) run_step fp8-train "$secs" bash -c "python3 -m pytest -q -p no:cacheprovider \

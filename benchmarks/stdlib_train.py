@@ -37,7 +37,7 @@ import mlpfuse  # noqa: E402
 VARIANTS = ("bf16", "mlpfuse-bf16", "mlpfuse-save-fp8", "mlpfuse-fp8", "torchao-fp8")
 # by name only: mlpfuse FP8 training on the recipe's reference path (PyTorch ops, backend="torch") — the same numbers
 # as the kernels by design, to tell the recipe's effect on training from the kernels'
-EXTRA = ("mlpfuse-fp8-reference",)
+EXTRA = ("mlpfuse-fp8-reference", "bf16-compile")
 
 
 def prepare(variant: str, model: nn.Module, device: str) -> tuple[nn.Module, str]:
@@ -45,6 +45,8 @@ def prepare(variant: str, model: nn.Module, device: str) -> tuple[nn.Module, str
     model.train()
     if variant == "bf16":
         return model, ""
+    if variant == "bf16-compile":  # the baseline of the compiled variants (torchao's): compile's own numerics
+        return torch.compile(model), "bf16, compiled"
     if variant.startswith("mlpfuse"):
         kw = {"mlpfuse-fp8": {"precision": "fp8"}, "mlpfuse-fp8-reference": {"precision": "fp8", "backend": "torch"},
               "mlpfuse-save-fp8": {"save": "fp8"}}.get(variant, {})
