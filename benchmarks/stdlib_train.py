@@ -11,6 +11,7 @@ Variants (fp32 master weights, AdamW, bf16 autocast on CUDA as stdlib_lm trains)
     mlpfuse-fp8       mlpfuse.patch(model, precision="fp8") in train mode: every MLP GEMM in e4m3, masters kept
     torchao-fp8       torchao float8 training (rowwise) on the MLP projections, compiled (torchao's own advice)
     mlpfuse-fp8-reference  (named only) mlpfuse-fp8 on the recipe's reference path (backend="torch")
+    bf16-compile      (named only) bf16, compiled: the baseline of a compiled variant (compile's own numerics)
 Per variant: the loss at every step, the held-out next-byte loss after training (bf16 autocast), tokens per second
 over the steps after the first tenth (the compiled variant's compilation falls in that tenth), the peak CUDA memory
 of training, and — before training, on one fixed batch — each MLP weight's gradient cosine similarity with the
@@ -36,7 +37,7 @@ import mlpfuse  # noqa: E402
 
 VARIANTS = ("bf16", "mlpfuse-bf16", "mlpfuse-save-fp8", "mlpfuse-fp8", "torchao-fp8")
 # by name only: mlpfuse FP8 training on the recipe's reference path (PyTorch ops, backend="torch") — the same numbers
-# as the kernels by design, to tell the recipe's effect on training from the kernels'
+# as the kernels by design, to tell the recipe's effect on training from the kernels'; bf16 compiled
 EXTRA = ("mlpfuse-fp8-reference", "bf16-compile")
 
 
