@@ -2,7 +2,7 @@
 same windows, 600 steps of 32×512) in bf16 and with every MLP in FP8, each "split" one way of running the FP8 step.
 
     PYTHONPATH=src python3 benchmarks/fp8_train_bisect.py OUT [--splits bf16,kernels,reference,...]
-        [--compare-steps 0,1,10,50,150,300,599]
+        [--compare-steps 0,1,10,50,150,300,599] [--seeds 0,1,2]
 
 Splits:
     kernels, reference          the step on the FP8 kernels / on the recipe's reference path (PyTorch ops)
@@ -20,7 +20,8 @@ Splits:
 While the kernels train, at the steps named, every MLP call's outputs are compared with the reference path's on the
 very same inputs: the forward's y and the e4m3 codes it keeps (x, g, u: the fraction of codes that differ, the scale
 ratios), the backward's dx, dWg, dWu, dWd (relative Frobenius error). Writes OUT/fp8_train_bisect.json; prints each
-split's held-out loss, the comparison's worst rows and the held-out losses over bf16's.
+split's held-out loss, the comparison's worst rows and the held-out losses over bf16's (of the same seed; with
+--seeds, every split is trained from each seed and the ratios are summarised: single runs spread about ±1 %).
 """
 
 from __future__ import annotations
@@ -237,12 +238,12 @@ ABLATIONS = {
 }
 
 
-def train(model, data, a, split, compare_steps: set[int]):
+def train(model, data, a, seed: int, split, compare_steps: set[int]):
     """stdlib_lm.train's loop (AdamW, warm-up, cosine decay, clipping at 1), with the comparison switched on at the
     named steps."""
     import math
 
-    gen = torch.Generator().manual_seed(a.seed)
+    gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, a.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -265,6 +266,27 @@ def train(model, data, a, split, compare_steps: set[int]):
     return [float(x) for x in losses], [float(x) for x in norms]
 
 
+def run_split(name: str, seed: int, data, held, a, compare_steps: set[int]) -> dict:
+    """One split trained from `seed`: its held-out loss, losses, gradient norms and comparison rows."""
+    model = stdlib_lm.build_model(a.layers, a.hidden, a.intermediate, a.heads, a.seq, seed).to(a.device)
+    model.train()
+    if name == "bf16":
+        split = Split("", "")
+    else:
+        report = mlpfuse.patch(model, precision="fp8")
+        if not all(s.precision == "fp8-train" for s in report.swapped):
+            raise SystemExit(f"{name}: not every block trains in FP8: {report.summary()}")
+        split = Ablation(**ABLATIONS[name]) if name in ABLATIONS else Split(*SPLITS[name])
+    with split:
+        losses, norms = train(model, data, a, seed, split, compare_steps)
+        with stdlib_lm.autocast(a.device):
+            held_loss = stdlib_lm.evaluate(model, held, a.seq, a.batch, a.eval_windows, a.device)
+    del model
+    if a.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {"held_out_loss": held_loss, "losses": losses, "grad_norms": norms, "comparison": split.rows}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
@@ -279,6 +301,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-windows", type=int, default=1024)
     ap.add_argument("--limit-bytes", type=int, default=None, help="read at most this many bytes of each split")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default=None,
+                    help="comma-separated seeds: every split trained from each (initial weights and windows), the "
+                         "held-out losses over bf16's of the same seed summarised; default: --seed alone")
     ap.add_argument("--splits", default="bf16," + ",".join(SPLITS))
     ap.add_argument("--compare-steps", default="0,1,10,50,150,300,599")
     ap.add_argument("--device", default="cuda")
@@ -291,28 +316,20 @@ def main(argv=None) -> dict:
     os.makedirs(a.out, exist_ok=True)
     train_files, held_files = stdlib_lm.split(stdlib_lm.corpus_files())
     data, held = stdlib_lm.read_bytes(train_files, a.limit_bytes), stdlib_lm.read_bytes(held_files, a.limit_bytes)
-    result = {"args": vars(a), "variants": {}}
-    for name in names:
-        model = stdlib_lm.build_model(a.layers, a.hidden, a.intermediate, a.heads, a.seq, a.seed).to(a.device)
-        model.train()
-        if name == "bf16":
-            split = Split("", "")
-        else:
-            report = mlpfuse.patch(model, precision="fp8")
-            if not all(s.precision == "fp8-train" for s in report.swapped):
-                raise SystemExit(f"{name}: not every block trains in FP8: {report.summary()}")
-            split = Ablation(**ABLATIONS[name]) if name in ABLATIONS else Split(*SPLITS[name])
-        with split:
-            losses, norms = train(model, data, a, split, compare_steps if name == "kernels" else set())
-            with stdlib_lm.autocast(a.device):
-                held_loss = stdlib_lm.evaluate(model, held, a.seq, a.batch, a.eval_windows, a.device)
-        result["variants"][name] = {"held_out_loss": held_loss, "losses": losses, "grad_norms": norms,
-                                    "comparison": split.rows}
-        around = "/".join(f"{_mean(losses[s - 10:s + 10]):.3f}" for s in (100, 200, 300))
-        print(f"{name:16s} held out {held_loss:.4f}  train loss (last 20) {_mean(losses[-20:]):.4f}  loss at "
-              f"100/200/300 {around}  grad norm median 0-49 {statistics.median(norms[:50]):.3f}", flush=True)
-        del model
-        torch.cuda.empty_cache()
+    seeds = [int(x) for x in a.seeds.split(",") if x.strip()] if a.seeds else [a.seed]
+    result = {"args": vars(a), "variants": {}, "repeats": {}}
+    for seed in seeds:
+        for name in names:
+            compare = compare_steps if seed == seeds[0] and name == "kernels" else set()
+            row = run_split(name, seed, data, held, a, compare)
+            if seed == seeds[0]:
+                result["variants"][name] = row
+            result["repeats"].setdefault(name, []).append({"seed": seed, "held_out_loss": row["held_out_loss"],
+                                                            "losses": row["losses"]})
+            around = "/".join(f"{_mean(row['losses'][s - 10:s + 10]):.3f}" for s in (100, 200, 300))
+            print(f"{name:16s} seed {seed}: held out {row['held_out_loss']:.4f}  train loss (last 20) "
+                  f"{_mean(row['losses'][-20:]):.4f}  loss at 100/200/300 {around}  grad norm median 0-49 "
+                  f"{statistics.median(row['grad_norms'][:50]):.3f}", flush=True)
     with open(os.path.join(a.out, "fp8_train_bisect.json"), "w") as fh:
         json.dump(result, fh, indent=1)
     rows = result["variants"].get("kernels", {}).get("comparison", [])
@@ -325,10 +342,14 @@ def main(argv=None) -> dict:
         fs = " ".join(f"{k} {max(r[k] for r in f):.3g}" for k in keys_f) if f else ""
         bs = " ".join(f"{k} {max(r[k] for r in b):.3g}" for k in keys_b) if b else ""
         print(f"step {step:4d}: x {f[0]['x_dtype'] if f else '?'} | {fs} | dy {b[0]['dy_dtype'] if b else '?'} | {bs}")
-    base = result["variants"].get("bf16", {}).get("held_out_loss")
-    if base:
-        print("\nheld-out × bf16: " + ", ".join(f"{n} {v['held_out_loss'] / base:.4f}"
-                                                for n, v in result["variants"].items()))
+    if "bf16" in result["repeats"]:
+        base = {r["seed"]: r["held_out_loss"] for r in result["repeats"]["bf16"]}
+        print("\nheld-out × bf16 of the same seed" + (f" (seeds {', '.join(map(str, seeds))}: mean, min–max)"
+                                                      if len(seeds) > 1 else "") + ":")
+        for n, runs in result["repeats"].items():
+            ratios = [r["held_out_loss"] / base[r["seed"]] for r in runs]
+            spread = f" ({min(ratios):.4f}–{max(ratios):.4f})" if len(ratios) > 1 else ""
+            print(f"  {n:16s} {_mean(ratios):.4f}{spread}")
     return result
 
 

@@ -27,6 +27,8 @@
 #        fp8-train-lm-split (the same with mlpfuse FP8 on its kernels and on the reference path, bf16 and torchao),
 #        fp8-train-bisect (mlpfuse FP8 training with each half of the step on the kernels or the reference path, and
 #        the kernels' outputs against the reference path's on the same inputs while the model trains),
+#        fp8-train-recipes (the recipe against a rowwise one with power-of-two scales and against itself with
+#        power-of-two scales, each from two seeds),
 #        train-share (the MLPs' share of a train step, torchao beside it),
 #        graph-profile-fp8 (the decode step's MLP rows in bf16 and FP8, as bytes against the copy rate),
 #        attention-tests, decode-linear-probe, attention-ab (the attention's projections on the decode kernel: their
@@ -153,6 +155,8 @@ for spec in "$@"; do
         fp8-train-lm-split) run_step fp8-train-lm-split "$secs" python3 benchmarks/stdlib_train.py \
             "$W/stdlib-train-split" --variants bf16,mlpfuse-fp8,mlpfuse-fp8-reference,torchao-fp8 ;;
         fp8-train-bisect) run_step fp8-train-bisect "$secs" python3 benchmarks/fp8_train_bisect.py "$W/fp8-train-bisect" ;;
+        fp8-train-recipes) run_step fp8-train-recipes "$secs" python3 benchmarks/fp8_train_bisect.py \
+            "$W/fp8-train-recipes" --splits bf16,abl-none,rowwise-all,pow2 --seeds 0,1 --compare-steps "" ;;
         fp8-stream) run_step fp8-stream "$secs" python3 benchmarks/fp8_stream_probe.py ;;
         fp8-stream-unroll) run_step fp8-stream-unroll "$secs" python3 benchmarks/fp8_stream_probe.py --unroll ;;
         fp8-train) run_step fp8-train "$secs" bash -c "python3 -m pytest -q -p no:cacheprovider \

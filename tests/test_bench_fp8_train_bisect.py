@@ -69,6 +69,16 @@ def test_the_comparison_rows_cover_every_mlp_at_the_steps_named(script, tmp_path
             assert r["dx"] == 0 and r["dwd"] == 0 and r["dwd_ref_norm"] > 0
 
 
+def test_several_seeds_repeat_every_split_from_its_own_start(script, tmp_path, capsys):
+    res = script.main([str(tmp_path), *TINY, "--compare-steps", "", "--splits", "bf16,abl-none", "--seeds", "0,1"])
+    for name in ("bf16", "abl-none"):
+        runs = res["repeats"][name]
+        assert [r["seed"] for r in runs] == [0, 1] and runs[0]["losses"] != runs[1]["losses"]
+    assert res["variants"]["abl-none"]["losses"] == res["repeats"]["abl-none"][0]["losses"]
+    out = capsys.readouterr().out
+    assert "seeds 0, 1: mean, min–max" in out and "abl-none" in out
+
+
 def test_an_unknown_split_is_one_line(script, capsys):
     with pytest.raises(SystemExit) as e:
         script.main(["/tmp/unused", "--splits", "bf16,fp4"])
