@@ -488,3 +488,42 @@ def test_decode_step_rows_give_the_bytes_the_step_reads_and_its_floor(tmp_path):
     assert eager["of_floor"] == pytest.approx(eager["floor_ms"] / eager["time_ms"])
     assert f8["floor_mb"] < eager["floor_mb"]
     assert "% of floor" in (out / "results.md").read_text()
+
+
+def test_torchao_fp8_is_the_fp8_peer_row_and_says_why_it_cannot_run_here(tmp_path):
+    """torchao-fp8-compile (in --precision fp8's default set) needs torchao and FP8 tensor cores: on this machine
+    its row is skipped with the reason, the other rows unaffected."""
+    from mlpfuse.bench import model_lab
+
+    assert "torchao-fp8-compile" in model_lab.FP8_VARIANTS
+    code, data, _ = run_lab(tmp_path, "--model", "llama3-8b", "--mode", "prefill,train", "--variants",
+                            "eager,torchao-fp8-compile")
+    assert code == 0
+    rows = rows_by(data)
+    for mode in ("prefill", "train"):
+        row = rows[(mode, "torchao-fp8-compile")]
+        assert row["status"] == "skipped", row
+        assert "torchao not installed" in row["error"] or "FP8 tensor cores" in row["error"]
+        assert rows[(mode, "eager")]["status"] == "ok"
+
+
+def test_torchao_fp8_converts_the_mlp_projections_only(tmp_path):
+    """The conversion is torchao's float8 training on each nn.Linear inside an `mlp` module, the weights the same
+    tensors (shared with the other variants); a model without such a projection is one error line."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from mlpfuse.bench import model_lab
+    from mlpfuse.errors import InputError
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128))  # Conv1D, not nn.Linear
+    with pytest.raises(InputError, match="no nn.Linear projection inside an `mlp` module"):
+        model_lab.apply_torchao_fp8(gpt2, training=True)
+    pytest.importorskip("torchao")
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2)).train()
+    before = {n: m.weight for n, m in llama.named_modules() if isinstance(m, torch.nn.Linear)}
+    model_lab.apply_torchao_fp8(llama, training=True)
+    after = {n: m for n, m in llama.named_modules() if n in before}
+    converted = {n for n, m in after.items() if type(m).__name__ == "Float8Linear"}
+    assert converted == {n for n in before if ".mlp." in n} and len(converted) == 6
+    assert all(after[n].weight is before[n] for n in before)

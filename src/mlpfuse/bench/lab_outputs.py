@@ -115,8 +115,8 @@ def markdown(result: BenchResult) -> str:
         "runs), and beside it the forward returning every position's logits; train: forward, loss and backward "
         "(all gradients); decode: greedy generate, (T(N+1 tokens) − T(1)) / N per token of host wall time"
         + (", and the GPU's busy time per token from a profile of the same calls" if on_gpu else "")
-        + " — plain generate for eager, liger and mlpfuse, a static cache with transformers' CompileConfig for "
-        "compile and mlpfuse-compile; decode-step: one decode step with a static cache at a fixed position, the "
+        + " — plain generate for the eager variants, a static cache with transformers' CompileConfig for "
+        "the compile variants; decode-step: one decode step with a static cache at a fixed position, the "
         "same prompt and token for every variant, compiled with fullgraph=True for the compile variants, "
         + ("replayed from a CUDA graph (CUDA events, and triton.testing.do_bench of the same replay as a second "
            "harness). Times are GPU time (CUDA events) for prefill, decode-step and train, host wall time for "

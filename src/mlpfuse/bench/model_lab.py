@@ -35,6 +35,11 @@ Variants, each on its own copy of the model's module tree sharing one set of wei
                       (h on chip; ops.fp8_mlp.DECODE_KERNEL on; its atomic modes are not bit-reproducible);
                       decode-step only, by name only
     mlpfuse-save-fp8  mlpfuse.patch(model, save="fp8"): eager training keeps each MLP's g and u in FP8 (by name only)
+    torchao-fp8-compile
+                      the FP8 peer: torchao's float8 on the MLPs' nn.Linear projections, then as `compile` (torchao's
+                      own advice) — in train mode its float8 training with the "rowwise" recipe, for inference its
+                      dynamic float8 activations with float8 weights, per-row scales; needs torchao and a CUDA GPU
+                      with FP8 tensor cores (skipped with why otherwise); with --precision fp8 or by name
     compile-pdl, mlpfuse-compile-pdl
                       as `compile` / `mlpfuse-compile` with Inductor's own programmatic dependent launch switch on
                       (torch._inductor.config.triton.enable_pdl) while the variant is compiled; by name only
@@ -80,8 +85,10 @@ VARIANTS = (*DEFAULT_VARIANTS, "mlpfuse-recompute", "mlpfuse-recompute-compile",
             "mlpfuse-fp8-compile", "mlpfuse-noresidual", "mlpfuse-compile-noresidual", "mlpfuse-nopdl",
             "mlpfuse-compile-nopdl", "compile-pdl", "mlpfuse-compile-pdl", "mlpfuse-save-fp8", "mlpfuse-fp8-nonorm",
             "mlpfuse-fp8-onekernel", "mlpfuse-balanced", "mlpfuse-compile-balanced", "mlpfuse-fp8-pdl",
-            "mlpfuse-noattn", "mlpfuse-compile-noattn", "mlpfuse-fp8-noattn", "mlpfuse-fp8-compile-noattn")
-FP8_VARIANTS = ("eager", "compile", "mlpfuse", "mlpfuse-compile", "mlpfuse-fp8", "mlpfuse-fp8-compile")
+            "mlpfuse-noattn", "mlpfuse-compile-noattn", "mlpfuse-fp8-noattn", "mlpfuse-fp8-compile-noattn",
+            "torchao-fp8-compile")
+FP8_VARIANTS = ("eager", "compile", "mlpfuse", "mlpfuse-compile", "mlpfuse-fp8", "mlpfuse-fp8-compile",
+                "torchao-fp8-compile")
 _MODE_ALIASES = {"fwd": "prefill", "forward": "prefill", "generate": "decode", "fwd+bwd": "train",
                  "step": "decode-step"}
 
@@ -206,6 +213,38 @@ def apply_liger(model: torch.nn.Module, model_type: str) -> None:
                 setattr(module, key, value)
 
 
+def torchao_missing(device: torch.device) -> str | None:
+    """Why torchao's float8 cannot run here (None when it can)."""
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao not installed (pip install torchao)"
+    from mlpfuse.workloads import fp8_unavailable
+
+    return fp8_unavailable(str(device))
+
+
+def _mlp_projection(module: torch.nn.Module, fqn: str) -> bool:
+    """An nn.Linear inside a module named `mlp` (transformers' decoder MLPs): what torchao-fp8 converts."""
+    return isinstance(module, torch.nn.Linear) and ".mlp." in f".{fqn}."
+
+
+def apply_torchao_fp8(model: torch.nn.Module, training: bool) -> None:
+    """torchao's float8 on the model's MLP projections: float8 training with its "rowwise" recipe (e4m3 everywhere,
+    per-row scales) in train mode, else dynamic float8 activations and float8 weights with per-row scales. Raises
+    one InputError line when the model has no such projection."""
+    count = sum(1 for fqn, m in model.named_modules() if _mlp_projection(m, fqn))
+    if not count:
+        raise InputError("torchao-fp8: no nn.Linear projection inside an `mlp` module to convert")
+    if training:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                                   module_filter_fn=_mlp_projection)
+    else:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+        quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()), filter_fn=_mlp_projection)
+
+
 @dataclass
 class Prepared:
     """One variant on one case: its own module tree, the steps to time, and how to get its last logits."""
@@ -248,6 +287,8 @@ def prepare(variant: str, built: models.Built, case: LabCase, ids: torch.Tensor,
     note = None
     if variant == "liger":
         apply_liger(module, built.model_type)
+    if variant.startswith("torchao-fp8"):
+        apply_torchao_fp8(module, training=case.mode == "train")
     if variant.startswith("mlpfuse"):
         from mlpfuse.patching import patch
 
@@ -530,6 +571,8 @@ def _skip_reason(variant: str, built: models.Built, case: LabCase, device: torch
         return "activation checkpointing changes training only"
     if variant in ("mlpfuse-fp8-pdl", "mlpfuse-fp8-nonorm", "mlpfuse-fp8-onekernel") and case.mode == "train":
         return "switches an FP8 decode kernel: inference only"
+    if variant.startswith("torchao-fp8"):
+        return torchao_missing(device)
     if variant == "liger":
         missing = liger_missing(device)
         if missing:
