@@ -147,9 +147,9 @@ for spec in "$@"; do
         fp8-bench) run_step fp8-bench "$secs" python3 -m mlpfuse bench --precision fp8 --tokens 1,16,8192 --dim 4096 \
             --hidden 14336 --workload swiglu --rounds 5 --no-profile --no-plots --out "$W/bench-fp8" ;;
         fp8-decode-step) run_step fp8-decode-step "$secs" python3 -m mlpfuse bench --model llama3-8b --mode decode-step \
-            --tokens 1x128,8x128 --variants eager,mlpfuse,mlpfuse-fp8 --rounds 5 --out "$W/model-fp8-decode-step" ;;
+            --tokens 1x128,8x128 --variants eager,mlpfuse,mlpfuse-fp8,torchao-fp8-compile --rounds 5 --out "$W/model-fp8-decode-step" ;;
         fp8-prefill) run_step fp8-prefill "$secs" python3 -m mlpfuse bench --model llama3-8b --mode prefill \
-            --tokens 1x8192 --variants eager,mlpfuse,mlpfuse-fp8 --rounds 5 --out "$W/model-fp8-prefill" ;;
+            --tokens 1x8192 --variants eager,mlpfuse,mlpfuse-fp8,torchao-fp8-compile --rounds 5 --out "$W/model-fp8-prefill" ;;
         fp8-lm) run_step fp8-lm "$secs" python3 benchmarks/stdlib_lm.py "$W/stdlib-lm" ;;
         fp8-train-lm) run_step fp8-train-lm "$secs" python3 benchmarks/stdlib_train.py "$W/stdlib-train" ;;
         fp8-train-lm-split) run_step fp8-train-lm-split "$secs" python3 benchmarks/stdlib_train.py \
@@ -160,9 +160,10 @@ for spec in "$@"; do
         fp8-stream) run_step fp8-stream "$secs" python3 benchmarks/fp8_stream_probe.py ;;
         fp8-stream-unroll) run_step fp8-stream-unroll "$secs" python3 benchmarks/fp8_stream_probe.py --unroll ;;
         fp8-train) run_step fp8-train "$secs" bash -c "python3 -m pytest -q -p no:cacheprovider \
-            tests/test_fp8_train_kernels.py tests/test_fp8_train.py; python3 -m mlpfuse bench --model llama3-8b \
+            tests/test_fp8_train_kernels.py tests/test_fp8_train.py; python3 -m pytest -q -p no:cacheprovider \
+            tests/test_model_lab.py -k torchao; python3 -m mlpfuse bench --model llama3-8b \
             --layers 4 --tokens 2x2048 --mode train --variants \
-            eager,compile,mlpfuse,mlpfuse-save-fp8,mlpfuse-fp8,mlpfuse-fp8-compile --rounds 3 \
+            eager,compile,mlpfuse,mlpfuse-save-fp8,mlpfuse-fp8,mlpfuse-fp8-compile,torchao-fp8-compile --rounds 3 \
             --out '$W/model-fp8-train'" ;;
         train-share) run_step train-share "$secs" python3 benchmarks/train_share.py --json "$W/train_share.json" ;;
         graph-profile-fp8) run_step graph-profile-fp8 "$secs" python3 benchmarks/graph_profile_gpu.py "$W/graph-profile" \
