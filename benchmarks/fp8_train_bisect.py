@@ -2,7 +2,7 @@
 same windows, 600 steps of 32×512) in bf16 and with every MLP in FP8, each "split" one way of running the FP8 step.
 
     PYTHONPATH=src python3 benchmarks/fp8_train_bisect.py OUT [--splits bf16,kernels,reference,...]
-        [--compare-steps 0,1,10,50,150,300,599] [--seeds 0,1,2]
+        [--compare-steps 0,1,10,50,150,300,599] [--seeds 0,1,2] [--stop-after N]
 
 Splits:
     kernels, reference          the step on the FP8 kernels / on the recipe's reference path (PyTorch ops)
@@ -250,7 +250,7 @@ def train(model, data, a, seed: int, split, compare_steps: set[int]):
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, a.steps)))))
     losses, norms = [], []
     model.train()
-    for step in range(a.steps):
+    for step in range(a.steps if a.stop_after is None else min(a.steps, a.stop_after)):
         split.step, split.compare = step, step in compare_steps
         if isinstance(split, Ablation):
             split.stack.clear()
@@ -304,6 +304,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--seeds", default=None,
                     help="comma-separated seeds: every split trained from each (initial weights and windows), the "
                          "held-out losses over bf16's of the same seed summarised; default: --seed alone")
+    ap.add_argument("--stop-after", type=int, default=None,
+                    help="train only this many steps of the --steps schedule (its warm-up and decay unchanged)")
     ap.add_argument("--splits", default="bf16," + ",".join(SPLITS))
     ap.add_argument("--compare-steps", default="0,1,10,50,150,300,599")
     ap.add_argument("--device", default="cuda")

@@ -75,6 +75,10 @@ def test_several_seeds_repeat_every_split_from_its_own_start(script, tmp_path, c
         runs = res["repeats"][name]
         assert [r["seed"] for r in runs] == [0, 1] and runs[0]["losses"] != runs[1]["losses"]
     assert res["variants"]["abl-none"]["losses"] == res["repeats"]["abl-none"][0]["losses"]
+    # --stop-after: the first steps of the same schedule, the same numbers as the whole run's first steps
+    short = script.main([str(tmp_path / "short"), *TINY, "--compare-steps", "", "--splits", "abl-none",
+                         "--stop-after", "3"])
+    assert short["variants"]["abl-none"]["losses"] == res["repeats"]["abl-none"][0]["losses"][:3]
     out = capsys.readouterr().out
     assert "seeds 0, 1: mean, min–max" in out and "abl-none" in out
 

@@ -231,8 +231,7 @@ def apply_torchao_fp8(model: torch.nn.Module, training: bool) -> None:
     """torchao's float8 on the model's MLP projections: float8 training with its "rowwise" recipe (e4m3 everywhere,
     per-row scales) in train mode, else dynamic float8 activations and float8 weights with per-row scales. Raises
     one InputError line when the model has no such projection."""
-    count = sum(1 for fqn, m in model.named_modules() if _mlp_projection(m, fqn))
-    if not count:
+    if not any(_mlp_projection(m, fqn) for fqn, m in model.named_modules()):
         raise InputError("torchao-fp8: no nn.Linear projection inside an `mlp` module to convert")
     if training:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
