@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -241,8 +242,6 @@ ABLATIONS = {
 def train(model, data, a, seed: int, split, compare_steps: set[int]):
     """stdlib_lm.train's loop (AdamW, warm-up, cosine decay, clipping at 1), with the comparison switched on at the
     named steps."""
-    import math
-
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, a.steps // 20)
