@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import stdlib_lm  # noqa: E402
+import stdlib_train  # noqa: E402  (the run's flags)
 
 import mlpfuse  # noqa: E402
 from mlpfuse import activations, fp8  # noqa: E402
@@ -288,18 +289,7 @@ def run_split(name: str, seed: int, data, held, a, compare_steps: set[int]) -> d
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("out")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--intermediate", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--eval-windows", type=int, default=1024)
-    ap.add_argument("--limit-bytes", type=int, default=None, help="read at most this many bytes of each split")
-    ap.add_argument("--seed", type=int, default=0)
+    stdlib_train.add_run_args(ap)
     ap.add_argument("--seeds", default=None,
                     help="comma-separated seeds: every split trained from each (initial weights and windows), the "
                          "held-out losses over bf16's of the same seed summarised; default: --seed alone")
@@ -307,7 +297,6 @@ def main(argv=None) -> dict:
                     help="train only this many steps of the --steps schedule (its warm-up and decay unchanged)")
     ap.add_argument("--splits", default="bf16," + ",".join(SPLITS))
     ap.add_argument("--compare-steps", default="0,1,10,50,150,300,599")
-    ap.add_argument("--device", default="cuda")
     a = ap.parse_args(argv)
     compare_steps = {int(s) for s in a.compare_steps.split(",") if s.strip()}
     names = [n.strip() for n in a.splits.split(",") if n.strip()]

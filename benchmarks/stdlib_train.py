@@ -103,8 +103,9 @@ def plot(curves: dict[str, list[float]], path: str) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_args(ap: argparse.ArgumentParser) -> None:
+    """The model's shape, the schedule, the corpus, the seed and the device: the flags of a training run here
+    (benchmarks/fp8_train_bisect.py takes the same)."""
     ap.add_argument("out")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=768)
@@ -117,8 +118,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-windows", type=int, default=1024)
     ap.add_argument("--limit-bytes", type=int, default=None, help="read at most this many bytes of each split")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_args(ap)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     a = ap.parse_args(argv)
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     bad = [v for v in variants if v not in VARIANTS + EXTRA]
