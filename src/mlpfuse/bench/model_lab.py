@@ -75,6 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from mlpfuse.bench import decode_step, models, timing
+from mlpfuse.bench.variants import torchao_missing
 from mlpfuse.bench.sweep import BenchResult, environment
 from mlpfuse.errors import InputError
 
@@ -211,15 +212,6 @@ def apply_liger(model: torch.nn.Module, model_type: str) -> None:
         for key, value in saved.items():
             if vars(module).get(key) is not value:
                 setattr(module, key, value)
-
-
-def torchao_missing(device: torch.device) -> str | None:
-    """Why torchao's float8 cannot run here (None when it can)."""
-    if importlib.util.find_spec("torchao") is None:
-        return "torchao not installed (pip install torchao)"
-    from mlpfuse.workloads import fp8_unavailable
-
-    return fp8_unavailable(str(device))
 
 
 def _mlp_projection(module: torch.nn.Module, fqn: str) -> bool:
@@ -571,7 +563,7 @@ def _skip_reason(variant: str, built: models.Built, case: LabCase, device: torch
     if variant in ("mlpfuse-fp8-pdl", "mlpfuse-fp8-nonorm", "mlpfuse-fp8-onekernel") and case.mode == "train":
         return "switches an FP8 decode kernel: inference only"
     if variant.startswith("torchao-fp8"):
-        return torchao_missing(device)
+        return torchao_missing(str(device))
     if variant == "liger":
         missing = liger_missing(device)
         if missing:

@@ -373,10 +373,16 @@ def _build_fp8_chain_compiled(problem: Problem) -> Step:
     return as_step(torch.compile(chain, dynamic=False), problem)
 
 
-def _torchao_missing() -> str | None:
+def torchao_missing(device: str) -> str | None:
+    """Why torchao's float8 cannot run on `device` (None when it can): torchao importable, FP8 tensor cores. The
+    block bench's torchao row and the model lab's ask the same."""
     if importlib.util.find_spec("torchao") is None:
         return "torchao not installed (pip install torchao)"
-    return _fp8_missing()
+    return fp8_unavailable(device)
+
+
+def _torchao_missing() -> str | None:
+    return torchao_missing("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _build_torchao_fp8(problem: Problem) -> Step:
