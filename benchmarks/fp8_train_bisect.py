@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -65,16 +64,31 @@ def _codes(qa, sa, qb, sb) -> dict:
     return {"code_mismatch": float(diff), "scale_ratio_max": float(ratio.max()), "scale_ratio_min": float(ratio.min())}
 
 
-class Split:
-    """Routes fp8_train's forward and backward to the backends of one variant, and compares the kernels' outputs
-    with the reference path's on the same inputs while `compare` is on."""
+class _Route:
+    """While entered, ops.fp8_train's forward and backward are this object's `_routed()` pair (restored on exit);
+    `step`, `compare` and `rows` are what train() sets and run_split() reads."""
 
-    def __init__(self, forward: str, backward: str):
-        self.forward, self.backward = forward, backward
+    def __init__(self):
         self.compare, self.step, self.rows = False, -1, []
         self._orig = (fp8_train._forward, fp8_train._backward)
 
     def __enter__(self):
+        fp8_train._forward, fp8_train._backward = self._routed()
+        return self
+
+    def __exit__(self, *exc):
+        fp8_train._forward, fp8_train._backward = self._orig
+
+
+class Split(_Route):
+    """Routes fp8_train's forward and backward to the backends of one variant, and compares the kernels' outputs
+    with the reference path's on the same inputs while `compare` is on."""
+
+    def __init__(self, forward: str, backward: str):
+        super().__init__()
+        self.forward, self.backward = forward, backward
+
+    def _routed(self):
         orig_fwd, orig_bwd = self._orig
 
         def fwd(x, wg, wu, wd, bg, bu, bd, activation, backend):
@@ -100,11 +114,7 @@ class Split:
                 self.rows.append(row)
             return out
 
-        fp8_train._forward, fp8_train._backward = fwd, bwd
-        return self
-
-    def __exit__(self, *exc):
-        fp8_train._forward, fp8_train._backward = self._orig
+        return fwd, bwd
 
 
 def _round_trip(t: torch.Tensor, dim: int, group: int | None, pow2: bool) -> torch.Tensor:
@@ -135,7 +145,7 @@ def _blocks_pow2(w: torch.Tensor) -> torch.Tensor:
     return ((b / scale).to(fp8.DTYPE).float() * scale).flatten(2).flatten(0, 1)[:n, :k]
 
 
-class Ablation:
+class Ablation(_Route):
     """The recipe in PyTorch ops (the reference path's formulas) with the quantizations named in `exact` left out:
     "x" (the forward's x), "w" (the forward's weights), "h" (the down GEMM's input), "save" (g and u as the backward
     reads them), "dy" (dh's dy), "wb" (the backward's weights), "dgu" (dx's dg and du), "wgrad" (all the weight
@@ -146,10 +156,9 @@ class Ablation:
     op's signature carries."""
 
     def __init__(self, exact: set[str], rowwise: bool = False, rowwise_backward: bool = False, pow2: bool = False):
+        super().__init__()
         self.exact, self.stack = exact, []
         self.rowwise, self.rowwise_backward, self.pow2 = rowwise, rowwise_backward, pow2
-        self.compare, self.step, self.rows = False, -1, []
-        self._orig = (fp8_train._forward, fp8_train._backward)
 
     def on(self, name: str) -> bool:
         return name not in self.exact
@@ -216,12 +225,8 @@ class Ablation:
         return (dx.to(dy.dtype), dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype), dg.sum(0), du.sum(0),
                 d.sum(0))
 
-    def __enter__(self):
-        fp8_train._forward, fp8_train._backward = self.forward, self.backward
-        return self
-
-    def __exit__(self, *exc):
-        fp8_train._forward, fp8_train._backward = self._orig
+    def _routed(self):
+        return self.forward, self.backward
 
 
 _ALL = {"x", "w", "h", "save", "dy", "wb", "dgu", "wgrad"}
@@ -241,13 +246,10 @@ ABLATIONS = {
 
 
 def train(model, data, a, seed: int, split, compare_steps: set[int]):
-    """stdlib_lm.train's loop (AdamW, warm-up, cosine decay, clipping at 1), with the comparison switched on at the
+    """stdlib_lm.train's loop (its optimizer and schedule, clipping at 1), with the comparison switched on at the
     named steps."""
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warm = max(1, a.steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, a.steps)))))
+    opt, sched = stdlib_lm.optimizer(model, a.lr, a.steps)
     losses, norms = [], []
     model.train()
     for step in range(a.steps if a.stop_after is None else min(a.steps, a.stop_after)):

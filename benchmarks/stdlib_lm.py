@@ -83,16 +83,22 @@ def loss_of(model: nn.Module, w: torch.Tensor, device: str) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
 
 
+def optimizer(model: nn.Module, lr: float, steps: int):
+    """(AdamW, its schedule) of a run of `steps` steps: linear warm-up over the first twentieth, then cosine decay."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps)))))
+    return opt, sched
+
+
 def train(model: nn.Module, data: torch.Tensor, steps: int, batch: int, seq: int, lr: float, seed: int,
           device: str, grad_norms: list | None = None) -> tuple[list[float], float]:
     """AdamW with warm-up and cosine decay, fp32 master weights under bf16 autocast (on CUDA): the loss per step,
     and the tokens per second over the steps after the first tenth (warm-up and any compilation fall before).
     `grad_norms`: a list to append each step's gradient norm to (before clipping)."""
     gen = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warm = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, steps)))))
+    opt, sched = optimizer(model, lr, steps)
     losses, norms, skip, t0 = [], [], max(1, steps // 10), None
     cuda = device.startswith("cuda")
     model.train()
